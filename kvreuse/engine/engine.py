@@ -1,0 +1,162 @@
+"""The engine: admits requests, runs scheduler -> model runner -> postprocess one step at a time."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+
+import torch
+
+from kvreuse.config import Config
+from kvreuse.engine.model_runner import ModelRunner
+from kvreuse.engine.output import RequestOutput
+from kvreuse.engine.scheduler import Scheduler
+from kvreuse.engine.sequence import Sequence
+from kvreuse.kvcache.manager import KVCacheManager
+from kvreuse.model.llama import Llama
+from kvreuse.model.loader import load_weights
+from kvreuse.model.tokenizer import Tokenizer
+from kvreuse.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class RequestError(ValueError):
+    """A request the engine refuses; the message names the field and the limit."""
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("model.device = cuda, but no CUDA device is available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    # Measured on the 2-core AVX2 CI machine (no native bf16): fp32 is faster there; bf16 wins on GPUs.
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+class LLMEngine:
+    def __init__(self, config: Config):
+        self.config = config
+        self.device = resolve_device(config.model.device)
+        self.dtype = resolve_dtype(config.model.dtype, self.device)
+        weights = load_weights(config.model.path or None)
+        self.model_path = weights.path
+        self.model_args = weights.args
+        # Cache keys must change whenever the numbers in the KV would: weights and dtype.
+        self.fingerprint = f"{weights.fingerprint}:{str(self.dtype).removeprefix('torch.')}"
+        self.tokenizer = Tokenizer.load(weights.path, weights.fingerprint)
+        model = Llama.from_weights(weights, self.dtype, self.device)
+        del weights
+
+        self.block_size = config.cache.block_size
+        num_blocks = config.engine.num_kv_blocks or self._blocks_for_memory(config.engine.kv_cache_memory_mb)
+        self.runner = ModelRunner(model, num_blocks, self.block_size, self.dtype, self.device)
+        self.kv_manager = KVCacheManager(num_blocks, self.block_size)
+        self.scheduler = Scheduler(self.kv_manager, config.engine.max_num_seqs, config.engine.max_num_batched_tokens)
+        self.num_kv_blocks = num_blocks
+        self.max_model_len = min(config.server.max_tokens, self.model_args.max_position_embeddings)
+        self.sequences: dict[str, Sequence] = {}
+        self._request_counter = itertools.count()
+
+    def _blocks_for_memory(self, megabytes: int) -> int:
+        a = self.model_args
+        bytes_per_block = a.num_layers * 2 * self.block_size * a.num_kv_heads * a.head_dim * self.dtype.itemsize
+        return max(1, megabytes * 2**20 // bytes_per_block)
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.num_kv_blocks * self.block_size
+
+    def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        if not all(isinstance(t, int) and 0 <= t < self.model_args.vocab_size for t in prompt):
+            raise RequestError(f"prompt token ids must be integers in [0, {self.model_args.vocab_size})")
+        return list(prompt)
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> Sequence:
+        """Validate and queue a request; raises RequestError naming the problem, leaving the engine untouched."""
+        params = params or SamplingParams(max_tokens=self.config.server.default_max_tokens)
+        token_ids = self.tokenize_prompt(prompt)
+        if not token_ids:
+            raise RequestError("prompt is empty")
+        needed = len(token_ids) + params.max_tokens
+        if needed > self.max_model_len:
+            raise RequestError(
+                f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = {needed} tokens exceeds "
+                f"the context limit of {self.max_model_len} tokens (server.max_tokens)"
+            )
+        if needed > self.kv_capacity_tokens:
+            raise RequestError(
+                f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = {needed} tokens does not fit "
+                f"in the KV pool of {self.kv_capacity_tokens} tokens (engine.num_kv_blocks x cache.block_size)"
+            )
+        request_id = request_id or f"req-{next(self._request_counter)}"
+        if request_id in self.sequences:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        seq = Sequence(request_id, token_ids, params)
+        self.sequences[request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, request_id: str) -> None:
+        seq = self.sequences.pop(request_id, None)
+        if seq is not None and not seq.is_finished:
+            self.scheduler.finish(seq, "abort")
+            seq.finish_time = time.perf_counter()
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[Sequence]:
+        """One forward. Returns the sequences that produced a token or finished in it."""
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        token_ids = self.runner.run(batch.seqs)
+        now = time.perf_counter()
+        updated = []
+        for seq, token_id in zip(batch.seqs, token_ids, strict=True):
+            seq.num_computed_tokens += seq.num_scheduled_tokens
+            seq.num_scheduled_tokens = 0
+            if token_id is None:
+                continue
+            seq.token_ids.append(token_id)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            self._check_finished(seq, token_id, now)
+            updated.append(seq)
+        return updated
+
+    def _check_finished(self, seq: Sequence, token_id: int, now: float) -> None:
+        params = seq.params
+        reason = None
+        if not params.ignore_eos and token_id in self.tokenizer.eos_token_ids:
+            reason = "stop"
+        text = self.tokenizer.decode(seq.completion_token_ids)
+        cut = min((i for i in (text.find(s) for s in params.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            text, reason = text[:cut], "stop"
+        seq.output_text = text
+        if reason is None and (seq.num_completion_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len):
+            reason = "length"
+        if reason is not None:
+            seq.finish_time = now
+            self.scheduler.finish(seq, reason)
+            self.sequences.pop(seq.request_id, None)
+
+    def output(self, seq: Sequence) -> RequestOutput:
+        return RequestOutput.from_sequence(seq)
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()

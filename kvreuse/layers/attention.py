@@ -1,0 +1,95 @@
+"""Paged attention in pure torch: K/V live in a block pool and are addressed through slots.
+
+A slot is `block_id * block_size + offset`. Each forward writes the new tokens' K/V at their
+`slot_mapping`, then every sequence attends to the slots of its whole context, gathered through
+its block table. Sequences are padded to one [num_seqs, max_query_len] x [num_seqs, max_context_len]
+problem so one SDPA call serves the batch; padding is masked out and dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor   # [num_tokens] pool slot where each new token's K/V is written
+    query_index: torch.Tensor    # [num_seqs, max_query_len] row of each query in the flat batch (pad: repeat)
+    context_slots: torch.Tensor  # [num_seqs, max_context_len] pool slots of each sequence's keys (pad: 0)
+    attn_mask: torch.Tensor      # [num_seqs, 1, max_query_len, max_context_len] True where attending is allowed
+    output_index: torch.Tensor   # [num_tokens] rows of the padded output that are real tokens, in batch order
+
+    @classmethod
+    def build(
+        cls,
+        start_positions: list[int],
+        query_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device,
+    ) -> AttentionMetadata:
+        """Sequence b computes positions [start_positions[b], start_positions[b] + query_lens[b]) and
+        attends causally to every position before and including each query."""
+        num_seqs = len(query_lens)
+        max_query_len = max(query_lens)
+        starts = torch.tensor(start_positions, dtype=torch.long)                       # [B]
+        q_lens = torch.tensor(query_lens, dtype=torch.long)                            # [B]
+        context_lens = starts + q_lens                                                 # [B]
+        max_context_len = int(context_lens.max())
+        max_blocks = max(len(t) for t in block_tables)
+        tables = torch.zeros(num_seqs, max_blocks, dtype=torch.long)
+        for b, table in enumerate(block_tables):
+            tables[b, : len(table)] = torch.tensor(table, dtype=torch.long)
+
+        key_pos = torch.arange(max_context_len)                                        # [K]
+        key_blocks = tables[:, torch.div(key_pos, block_size, rounding_mode="floor")]  # [B, K]
+        context_slots = key_blocks * block_size + key_pos % block_size                 # [B, K]
+        context_slots = torch.where(key_pos < context_lens[:, None], context_slots, 0)
+
+        j = torch.arange(max_query_len)                                                # [Q]
+        valid_query = j < q_lens[:, None]                                              # [B, Q]
+        # Padded query rows pretend to be the first query so they keep >= 1 visible key (no NaN rows).
+        j_clamped = torch.minimum(j, q_lens[:, None] - 1)                              # [B, Q]
+        query_pos = starts[:, None] + torch.where(valid_query, j_clamped, 0)           # [B, Q]
+        attn_mask = key_pos[None, None, :] <= query_pos[:, :, None]                    # [B, Q, K]
+
+        cu_query = torch.cumsum(q_lens, 0) - q_lens                                    # [B]
+        query_index = cu_query[:, None] + j_clamped                                    # [B, Q]
+        output_index = (torch.arange(num_seqs * max_query_len).view(num_seqs, max_query_len))[valid_query]
+        slot_mapping = torch.cat(
+            [context_slots[b, start_positions[b] : start_positions[b] + query_lens[b]] for b in range(num_seqs)]
+        )
+        return cls(
+            slot_mapping=slot_mapping.to(device),
+            query_index=query_index.to(device),
+            context_slots=context_slots.to(device),
+            attn_mask=attn_mask.unsqueeze(1).to(device),
+            output_index=output_index.to(device),
+        )
+
+
+def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """k_cache/v_cache: [num_blocks, block_size, num_kv_heads, head_dim]; k/v: [T, num_kv_heads, head_dim]."""
+    num_kv_heads, head_dim = k.shape[1:]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [T, H, D] (already rotated); returns [T, H * D]. The new tokens' K/V must already be stored."""
+    num_heads, head_dim = q.shape[1:]
+    num_kv_heads = k_cache.shape[2]
+    num_seqs, max_query_len = meta.query_index.shape
+    q_pad = q[meta.query_index].transpose(1, 2)                                        # [B, H, Q, D]
+    k = k_cache.view(-1, num_kv_heads, head_dim)[meta.context_slots].transpose(1, 2)   # [B, Hkv, K, D]
+    v = v_cache.view(-1, num_kv_heads, head_dim)[meta.context_slots].transpose(1, 2)   # [B, Hkv, K, D]
+    out = F.scaled_dot_product_attention(
+        q_pad, k, v, attn_mask=meta.attn_mask, scale=scale, enable_gqa=num_heads != num_kv_heads
+    )                                                                                  # [B, H, Q, D]
+    out = out.transpose(1, 2).reshape(num_seqs * max_query_len, num_heads * head_dim)
+    return out[meta.output_index]

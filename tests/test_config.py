@@ -1,0 +1,337 @@
+import configparser
+
+import pytest
+
+from kvreuse.config import (
+    CacheConfig,
+    Config,
+    ConfigError,
+    EngineConfig,
+    ModelConfig,
+    ServerConfig,
+    SuffixConfig,
+    config_to_ini,
+    load_config,
+    parse_value,
+    validate_config,
+)
+
+SEED = """\
+[server]
+max_tokens = 2048
+
+[cache]
+enabled = true
+block_size = 16
+max_blocks = 4096
+policy = lru
+suffix.enabled = true
+normalize_input = true
+min_match_blocks = 1
+"""
+
+SEED_ONE_LINE = (
+    "[server] max_tokens = 2048 [cache] enabled = true block_size = 16 max_blocks = 4096 policy = lru "
+    "suffix.enabled = true normalize_input = true min_match_blocks = 1"
+)
+
+# A value different from the default for every key, so a key that is dropped or ignored shows up.
+ALL_CHANGED = Config(
+    server=ServerConfig(
+        max_tokens=4096,
+        host="0.0.0.0",
+        port=9001,
+        max_queue=3,
+        truncate="oldest",
+        api_keys_file="/etc/kvreuse/keys 100%.txt",
+        default_max_tokens=17,
+    ),
+    cache=CacheConfig(
+        enabled=False,
+        block_size=32,
+        max_blocks=0,
+        policy="lfu",
+        suffix=SuffixConfig(
+            enabled=False, mode="shift", recompute_ratio=0.1, head_tokens=0, guard_margin=1.0
+        ),
+        normalize_input=True,
+        min_match_blocks=0,
+    ),
+    model=ModelConfig(path="C:\\models\\a=b.gguf", dtype="bf16", device="cpu"),
+    engine=EngineConfig(
+        num_kv_blocks=1000, kv_cache_memory_mb=1, max_num_seqs=2, max_num_batched_tokens=16, seed=-7
+    ),
+)
+
+
+def write(tmp_path, text, name="kvreuse.ini"):
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def error_of(*args, **kwargs) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(*args, **kwargs)
+    return str(info.value)
+
+
+def test_seed_ini_loads_exactly(tmp_path):
+    config = load_config(write(tmp_path, SEED))
+    assert config.server.max_tokens == 2048
+    assert config.cache.enabled is True
+    assert config.cache.block_size == 16
+    assert config.cache.max_blocks == 4096
+    assert config.cache.policy == "lru"
+    assert config.cache.suffix.enabled is True
+    assert config.cache.normalize_input is True  # default is False, so this proves the file was read
+    assert config.cache.min_match_blocks == 1
+    expected = Config(cache=CacheConfig(normalize_input=True))
+    assert config == expected
+
+
+def test_seed_one_line_form_matches_multi_line(tmp_path):
+    multi = load_config(write(tmp_path, SEED, "multi.ini"))
+    one = load_config(write(tmp_path, SEED_ONE_LINE + "\n", "one.ini"))
+    assert one == multi
+    assert one.cache.normalize_input is True
+
+
+def test_one_line_form_reads_every_pair(tmp_path):
+    text = (
+        "# comment\n"
+        "[server] max_tokens=4096 port = 9000 [cache] block_size = 32 suffix.mode = shift  # tail\n"
+    )
+    config = load_config(write(tmp_path, text))
+    assert config.server.max_tokens == 4096
+    assert config.server.port == 9000
+    assert config.cache.block_size == 32
+    assert config.cache.suffix.mode == "shift"
+
+
+def test_one_line_form_mixed_with_normal_lines_keeps_line_numbers(tmp_path):
+    text = "[server] max_tokens = 4096 port = 9000\nhost = ::1\n[cache]\npolicy = lfu\n"
+    config = load_config(write(tmp_path, text))
+    assert (config.server.max_tokens, config.server.port, config.server.host) == (4096, 9000, "::1")
+    assert config.cache.policy == "lfu"
+    path = write(tmp_path, "[server] max_tokens = 4096 port = 9000\n[cache]\nblock_size\n")
+    assert error_of(path).startswith(f"malformed config file {path}, line 3: ")
+
+
+def test_one_line_form_rejects_unsplittable_text(tmp_path):
+    path = write(tmp_path, "[cache] block_size = 16 junk\n")
+    assert error_of(path) == f"malformed config file {path}, line 1: expected key = value, got 'junk'"
+
+
+def test_defaults_without_file():
+    config = load_config()
+    assert config == Config()
+    assert config.server.max_tokens == 2048
+    assert config.cache.suffix.recompute_ratio == 0.15
+    assert config.engine.num_kv_blocks == 0
+
+
+@pytest.mark.parametrize("config", [Config(), ALL_CHANGED], ids=["defaults", "all-changed"])
+def test_config_to_ini_round_trips(tmp_path, config):
+    text = config_to_ini(config)
+    assert load_config(write(tmp_path, text)) == config
+
+
+def test_all_changed_differs_from_defaults_everywhere():
+    changed, default = ALL_CHANGED.as_dict(), Config().as_dict()
+    for section, values in default.items():
+        for key, value in values.items():
+            if key == "suffix":
+                for sub, sub_value in value.items():
+                    assert changed[section][key][sub] != sub_value, f"{section}.suffix.{sub}"
+            else:
+                assert changed[section][key] != value, f"{section}.{key}"
+
+
+def test_config_to_ini_writes_every_key():
+    parser = configparser.ConfigParser(interpolation=None)
+    parser.read_string(config_to_ini(Config()))
+    assert parser.sections() == ["server", "cache", "model", "engine"]
+    assert set(parser["cache"]) == {
+        "enabled", "block_size", "max_blocks", "policy", "normalize_input", "min_match_blocks",
+        "suffix.enabled", "suffix.mode", "suffix.recompute_ratio", "suffix.head_tokens",
+        "suffix.guard_margin",
+    }
+    assert len(parser["server"]) == 7 and len(parser["model"]) == 3 and len(parser["engine"]) == 5
+
+
+def test_seed_round_trips_after_overrides(tmp_path):
+    overrides = ["cache.block_size=32", "cache.suffix.enabled=false", "server.max_tokens=4096",
+                 "cache.suffix.recompute_ratio=0.3", "model.path=/tmp/m.gguf"]
+    config = load_config(write(tmp_path, SEED, "seed.ini"), overrides)
+    again = load_config(write(tmp_path, config_to_ini(config), "again.ini"))
+    assert again == config
+    assert (again.cache.block_size, again.cache.suffix.enabled, again.server.max_tokens) == (32, False, 4096)
+    assert again.cache.suffix.recompute_ratio == 0.3
+    assert again.model.path == "/tmp/m.gguf"
+    assert again.cache.normalize_input is True
+
+
+def test_precedence_cli_over_file_over_defaults(tmp_path):
+    path = write(tmp_path, "[cache]\nblock_size = 32\npolicy = lfu\n[engine]\nseed = 5\n")
+    config = load_config(path, ["cache.block_size=64", "engine.max_num_seqs=4"])
+    assert config.cache.block_size == 64  # CLI over file
+    assert config.cache.policy == "lfu"  # file over default
+    assert config.engine.seed == 5
+    assert config.engine.max_num_seqs == 4  # CLI over default
+    assert config.cache.max_blocks == 4096  # default
+    assert load_config(path).cache.block_size == 32
+
+
+def test_later_override_wins_and_validation_is_at_the_end(tmp_path):
+    assert load_config(None, ["cache.block_size=8", "cache.block_size=128"]).cache.block_size == 128
+    # An out-of-range file value is fine when an override replaces it before validation.
+    path = write(tmp_path, "[cache]\nblock_size = 0\n")
+    assert load_config(path, ["cache.block_size=4"]).cache.block_size == 4
+
+
+def test_keys_are_case_insensitive_and_comments_and_bom_are_accepted(tmp_path):
+    path = tmp_path / "bom.ini"
+    path.write_text("\ufeff; a comment\n[cache]\n# another\nBlock_Size = 64\n\n", encoding="utf-8")
+    assert load_config(path).cache.block_size == 64
+    assert load_config(None, ["cache.Block_Size=8"]).cache.block_size == 8
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("true", True), ("TRUE", True), ("yes", True), ("On", True), ("1", True),
+    ("false", False), ("No", False), ("off", False), ("0", False), (" FALSE ", False),
+])
+def test_bool_spellings(text, expected):
+    assert parse_value("cache.enabled", text, bool) is expected
+    assert load_config(None, [f"cache.suffix.enabled={text}"]).cache.suffix.enabled is expected
+
+
+def test_parse_value_conversions():
+    assert parse_value("x.y", "16", int) == 16
+    assert parse_value("x.y", "-3", int) == -3
+    assert parse_value("x.y", "0.5", float) == 0.5
+    assert parse_value("x.y", "1", float) == 1.0
+    assert parse_value("x.y", "some text", str) == "some text"
+    with pytest.raises(ConfigError, match="must be an integer, got '16.5'"):
+        parse_value("x.y", "16.5", int)
+
+
+@pytest.mark.parametrize("override,message", [
+    ("cache.block_size=sixteen", "config key 'cache.block_size' must be an integer, got 'sixteen'"),
+    ("cache.block_size=16.5", "config key 'cache.block_size' must be an integer, got '16.5'"),
+    ("server.port=", "config key 'server.port' must be an integer, got ''"),
+    ("cache.enabled=maybe", "config key 'cache.enabled' must be a boolean (true/false), got 'maybe'"),
+    ("cache.suffix.enabled=2", "config key 'cache.suffix.enabled' must be a boolean (true/false), got '2'"),
+    ("cache.suffix.recompute_ratio=lots",
+     "config key 'cache.suffix.recompute_ratio' must be a number, got 'lots'"),
+    ("cache.suffix.guard_margin=nan", "config key 'cache.suffix.guard_margin' must be a number, got 'nan'"),
+    ("cache.block_size=0", "config key 'cache.block_size' must be between 1 and 256, got 0"),
+    ("cache.block_size=257", "config key 'cache.block_size' must be between 1 and 256, got 257"),
+    ("server.port=65536", "config key 'server.port' must be between 1 and 65535, got 65536"),
+    ("server.max_tokens=4", "config key 'server.max_tokens' must be >= 16, got 4"),
+    ("server.max_tokens=1000001", "config key 'server.max_tokens' must be <= 1000000, got 1000001"),
+    ("cache.max_blocks=-1", "config key 'cache.max_blocks' must be >= 0, got -1"),
+    ("cache.suffix.recompute_ratio=1.5",
+     "config key 'cache.suffix.recompute_ratio' must be between 0.0 and 1.0, got 1.5"),
+    ("cache.suffix.guard_margin=-0.1",
+     "config key 'cache.suffix.guard_margin' must be between 0.0 and 1.0, got -0.1"),
+    ("engine.max_num_batched_tokens=8", "config key 'engine.max_num_batched_tokens' must be >= 16, got 8"),
+    ("cache.policy=fifo", "config key 'cache.policy' must be one of lru, lfu, got 'fifo'"),
+    ("model.dtype=fp16", "config key 'model.dtype' must be one of auto, fp32, bf16, got 'fp16'"),
+    ("server.truncate=newest", "config key 'server.truncate' must be one of error, oldest, got 'newest'"),
+    ("cache.blok_size=32", "unknown config key 'cache.blok_size'; did you mean 'cache.block_size'?"),
+    ("cache.suffix.enabeld=true",
+     "unknown config key 'cache.suffix.enabeld'; did you mean 'cache.suffix.enabled'?"),
+    ("model.zzz=1", "unknown config key 'model.zzz'; valid keys: device, dtype, path"),
+    ("cachee.block_size=16",
+     "unknown config section [cachee] in --set 'cachee.block_size=16'; did you mean [cache]? "
+     "valid sections: cache, engine, model, server"),
+])
+def test_bad_override_values(override, message):
+    assert error_of(None, [override]) == message
+
+
+def test_bound_values_are_accepted():
+    config = load_config(None, [
+        "cache.block_size=1", "server.port=65535", "server.max_tokens=16", "server.max_tokens=1000000",
+        "cache.suffix.recompute_ratio=0", "cache.max_blocks=0",
+    ])
+    assert (config.cache.block_size, config.server.port, config.server.max_tokens) == (1, 65535, 1_000_000)
+    assert config.cache.suffix.recompute_ratio == 0.0
+
+
+@pytest.mark.parametrize(
+    "override", ["cache.block_size", "block_size=16", "=16", ".block_size=1", "cache.=1", ""]
+)
+def test_bad_override_syntax(override):
+    assert error_of(None, [override]) == f"bad --set {override!r}: expected section.key=value"
+
+
+def test_bad_override_syntax_message_text():
+    assert error_of(None, ["cache.block_size"]) == "bad --set 'cache.block_size': expected section.key=value"
+
+
+def test_unknown_section_in_file(tmp_path):
+    path = write(tmp_path, "[cachee]\nblock_size = 16\n")
+    valid = "valid sections: cache, engine, model, server"
+    assert error_of(path) == f"unknown config section [cachee] in {path}; did you mean [cache]? {valid}"
+    path = write(tmp_path, "[zzz]\n")
+    assert error_of(path) == f"unknown config section [zzz] in {path}; {valid}"
+
+
+def test_default_section_is_not_special(tmp_path):
+    path = write(tmp_path, "[DEFAULT]\nblock_size = 16\n[cache]\n")
+    assert error_of(path).startswith(f"unknown config section [DEFAULT] in {path}")
+
+
+def test_unknown_key_and_bad_value_in_file(tmp_path):
+    assert error_of(write(tmp_path, "[cache]\nblok_size = 16\n")) == (
+        "unknown config key 'cache.blok_size'; did you mean 'cache.block_size'?"
+    )
+    assert error_of(write(tmp_path, "[cache]\nblock_size = sixteen\n")) == (
+        "config key 'cache.block_size' must be an integer, got 'sixteen'"
+    )
+    assert error_of(write(tmp_path, "[server]\nmax_tokens = 4\n")) == (
+        "config key 'server.max_tokens' must be >= 16, got 4"
+    )
+
+
+def test_missing_file(tmp_path):
+    path = tmp_path / "nope.ini"
+    assert error_of(path) == f"config file not found: {path}"
+    assert error_of(str(path)) == f"config file not found: {path}"
+
+
+@pytest.mark.parametrize("text,line,detail", [
+    ("[cache]\nblock_size\n", 2, "expected key = value or [section], got 'block_size'"),
+    ("[cache]\n[server\nport = 1\n", 2, "expected key = value or [section], got '[server'"),
+    ("[cache\nblock_size = 16\n", 1, "expected a [section] header, got '[cache'"),
+    ("block_size = 16\n[cache]\n", 1, "expected a [section] header, got 'block_size = 16'"),
+    ("[cache]\nblock_size = 16\n\nblock_size = 32\n", 4, "key 'cache.block_size' is set twice"),
+    ("[cache]\n[server]\n[cache]\n", 3, "section [cache] appears twice"),
+])
+def test_malformed_ini(tmp_path, text, line, detail):
+    path = write(tmp_path, text)
+    assert error_of(path) == f"malformed config file {path}, line {line}: {detail}"
+
+
+def test_config_error_is_value_error():
+    assert issubclass(ConfigError, ValueError)
+
+
+def test_validate_config_checks_code_built_configs():
+    validate_config(ALL_CHANGED)
+    with pytest.raises(ConfigError, match=r"^config key 'cache.block_size' must be an integer, got '16'$"):
+        validate_config(Config(cache=CacheConfig(block_size="16")))
+    with pytest.raises(ConfigError, match=r"^config key 'server.port' must be an integer, got True$"):
+        validate_config(Config(server=ServerConfig(port=True)))
+    with pytest.raises(ConfigError, match=r"must be between 0.0 and 1.0, got 2$"):
+        validate_config(Config(cache=CacheConfig(suffix=SuffixConfig(recompute_ratio=2))))
+
+
+def test_as_dict():
+    data = load_config(None, ["cache.suffix.mode=shift"]).as_dict()
+    assert data["cache"]["suffix"] == {"enabled": True, "mode": "shift", "recompute_ratio": 0.15,
+                                       "head_tokens": 8, "guard_margin": 0.05}
+    assert data["server"]["max_tokens"] == 2048
+    assert set(data) == {"server", "cache", "model", "engine"}
