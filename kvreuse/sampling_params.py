@@ -31,4 +31,5 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        # Below 1e-5, dividing logits by the temperature overflows; the result is the argmax anyway.
+        return self.temperature < 1e-5 or self.top_k == 1

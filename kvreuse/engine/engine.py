@@ -154,6 +154,10 @@ class LLMEngine:
             seq.finish_time = now
             self.scheduler.finish(seq, reason)
             self.sequences.pop(seq.request_id, None)
+            logger.info("request %s finished (%s): prompt=%d cached=%d computed=%d completion=%d ttft_ms=%.1f",
+                        seq.request_id, reason, seq.num_prompt_tokens, seq.num_cached_tokens,
+                        seq.num_prompt_tokens - seq.num_cached_tokens, seq.num_completion_tokens,
+                        seq.ttft_s * 1000)
 
     def output(self, seq: Sequence) -> RequestOutput:
         return RequestOutput.from_sequence(seq)

@@ -51,7 +51,8 @@ class AttentionMetadata:
 
         j = torch.arange(max_query_len)                                                # [Q]
         valid_query = j < q_lens[:, None]                                              # [B, Q]
-        # Padded query rows pretend to be the first query so they keep >= 1 visible key (no NaN rows).
+        # Padded query rows repeat the last real query and sit at the first position, so each keeps
+        # >= 1 visible key (no NaN rows); their output is dropped.
         j_clamped = torch.minimum(j, q_lens[:, None] - 1)                              # [B, Q]
         query_pos = starts[:, None] + torch.where(valid_query, j_clamped, 0)           # [B, Q]
         attn_mask = key_pos[None, None, :] <= query_pos[:, :, None]                    # [B, Q, K]

@@ -8,11 +8,12 @@ import torch
 class RotaryEmbedding(torch.nn.Module):
     def __init__(self, head_dim: int, max_position: int, theta: float):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))  # [D/2]
-        angles = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)  # [P, D/2]
+        # Angles in float64 so that rotating by p then by q - p matches rotating by q at large positions.
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))  # [D/2]
+        angles = torch.outer(torch.arange(max_position, dtype=torch.float64), inv_freq)  # [P, D/2]
         angles = torch.cat([angles, angles], dim=-1)  # [P, D]
-        self.register_buffer("cos_table", angles.cos(), persistent=False)
-        self.register_buffer("sin_table", angles.sin(), persistent=False)
+        self.register_buffer("cos_table", angles.cos().float(), persistent=False)
+        self.register_buffer("sin_table", angles.sin().float(), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape [T, 1, D] for integer positions [T]; computed once per forward, used by every layer."""

@@ -178,7 +178,7 @@ def _load_hf_dir(path: Path) -> LoadedWeights:
     from safetensors.torch import load_file
 
     config = json.loads((path / "config.json").read_text())
-    if config.get("model_type") not in ("llama", "mistral", "qwen2") and "Llama" not in str(config.get("architectures")):
+    if config.get("model_type") != "llama":
         raise ModelLoadError(f"{path}: model_type {config.get('model_type')!r} is not a Llama-family model")
     files = sorted(path.glob("*.safetensors"))
     if not files:

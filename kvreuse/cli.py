@@ -1,0 +1,160 @@
+"""Command line: `kvreuse generate` (and, as they land, serve / bench / analyze)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from kvreuse.config import Config, ConfigError, load_config
+from kvreuse.model.loader import ModelLoadError
+
+EXIT_USAGE = 2
+
+
+class InputError(ValueError):
+    pass
+
+
+def _common_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="INI config file (the seed's [server]/[cache] keys and more)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override one config key; repeatable; wins over the file")
+    parser.add_argument("--model", help="a Llama-family .gguf file or Hugging Face directory (default: embedded)")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], help="shorthand for --set model.device=")
+    parser.add_argument("--dtype", choices=["auto", "fp32", "bf16"], help="shorthand for --set model.dtype=")
+    parser.add_argument("--block-size", type=int, help="shorthand for --set cache.block_size=")
+    parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO (per-request cache-hit log), WARNING")
+
+
+def build_config(args: argparse.Namespace) -> Config:
+    """CLI flags > --set > config file > defaults."""
+    shorthands = {"model.path": args.model, "model.device": args.device, "model.dtype": args.dtype,
+                  "cache.block_size": args.block_size}
+    overrides = list(args.overrides) + [f"{k}={v}" for k, v in shorthands.items() if v is not None]
+    return load_config(args.config, overrides)
+
+
+def read_requests(path: str) -> list[dict]:
+    """JSONL lines of {"prompt": str} or {"messages": [...]}, with optional max_tokens and temperature."""
+    requests = []
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise InputError(f"cannot read --input {path}: {exc.strerror}") from exc
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise InputError(f"{path}, line {number}: not valid JSON ({exc.msg})") from exc
+        if not isinstance(record, dict) or ("prompt" in record) == ("messages" in record):
+            raise InputError(f'{path}, line {number}: expected an object with exactly one of "prompt" or "messages"')
+        if "prompt" in record and not (isinstance(record["prompt"], str) and record["prompt"]):
+            raise InputError(f'{path}, line {number}: "prompt" must be a non-empty string')
+        if "messages" in record and not _valid_messages(record["messages"]):
+            raise InputError(f'{path}, line {number}: "messages" must be a non-empty list of '
+                             '{"role": str, "content": str} objects')
+        unknown = set(record) - {"prompt", "messages", "max_tokens", "temperature"}
+        if unknown:
+            raise InputError(f"{path}, line {number}: unknown field(s) {', '.join(sorted(unknown))}; "
+                             "allowed: prompt, messages, max_tokens, temperature")
+        record["line"] = number
+        requests.append(record)
+    return requests
+
+
+def _valid_messages(messages) -> bool:
+    return (isinstance(messages, list) and bool(messages)
+            and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                    for m in messages))
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from kvreuse.engine.engine import RequestError
+    from kvreuse.llm import LLM
+    from kvreuse.sampling_params import SamplingParams
+
+    config = build_config(args)
+    if args.input:
+        requests = read_requests(args.input)
+    else:
+        key = "messages" if args.chat else "prompt"
+        requests = [{key: [{"role": "user", "content": p}] if args.chat else p, "line": i}
+                    for i, p in enumerate(args.prompts, start=1)]
+    if not requests:
+        raise InputError("nothing to generate: give prompts as arguments or --input FILE.jsonl")
+
+    llm = LLM(config)
+    default_max = args.max_tokens or config.server.default_max_tokens
+    prompts, params = [], []
+    for r in requests:
+        where = f"{args.input}, line {r['line']}" if args.input else f"prompt {r['line']}"
+        try:
+            p = SamplingParams(max_tokens=r.get("max_tokens", default_max),
+                               temperature=r.get("temperature", args.temperature), seed=args.seed)
+            prompt = llm.tokenizer.apply_chat_template(r["messages"]) if "messages" in r else r["prompt"]
+        except ValueError as exc:
+            raise InputError(f"{where}: {exc}") from exc
+        prompts.append(prompt)
+        params.append(p)
+
+    def emit(out) -> None:
+        if args.json:
+            print(json.dumps(out.to_json(), ensure_ascii=False), flush=True)
+        else:
+            print(out.text, flush=True)
+            u = out.usage
+            print(f"[{out.request_id}] prompt={u.prompt_tokens} cached={u.cached_tokens} "
+                  f"completion={u.completion_tokens} finish={out.finish_reason} ttft={out.ttft_s * 1000:.0f}ms "
+                  f"total={out.total_s:.2f}s", file=sys.stderr, flush=True)
+
+    try:
+        if args.batch:
+            for out in llm.generate(prompts, params):
+                emit(out)
+        else:
+            # In input order, each after the previous one, so later requests can reuse earlier KV.
+            for prompt, p in zip(prompts, params, strict=True):
+                emit(llm.generate(prompt, p)[0])
+    except RequestError as exc:
+        raise InputError(str(exc)) from exc
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvreuse", description="LLM inference built around KV-cache reuse")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate completions offline")
+    _common_flags(gen)
+    gen.add_argument("prompts", nargs="*", help="prompts (plain text; with --chat, user messages)")
+    gen.add_argument("--input", help='JSONL file: {"prompt": ...} or {"messages": [...]} per line')
+    gen.add_argument("--chat", action="store_true", help="wrap argument prompts in the model's chat template")
+    gen.add_argument("--max-tokens", type=int, help="completion tokens per request (default server.default_max_tokens)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--seed", type=int, help="sampling seed")
+    gen.add_argument("--json", action="store_true", help="one JSON object per request per line")
+    gen.add_argument("--batch", action="store_true", help="submit all requests at once (continuous batching)")
+    gen.set_defaults(func=cmd_generate)
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except ConfigError as exc:
+        print(f"kvreuse: config error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except InputError as exc:
+        print(f"kvreuse: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except ModelLoadError as exc:
+        print(f"kvreuse: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

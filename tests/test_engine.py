@@ -1,0 +1,135 @@
+"""Engine behaviour: batching, chunked prefill, preemption under a small KV pool, limits, stops, aborts."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvreuse.engine.engine import RequestError
+from kvreuse.llm import LLM
+from kvreuse.sampling_params import SamplingParams
+
+from .conftest import make_config
+
+PROMPTS = [
+    "Hi",
+    "The history of the printing press begins",
+    "In a small village by the sea there lived an old fisherman who",
+    "List the planets of the solar system:",
+    "def add(a, b):\n    return",
+    "Paged attention stores keys and values in fixed-size blocks so that " * 3,
+    "1, 1, 2, 3, 5, 8, 13, 21, 34, 55,",
+    "Translate to French: The cat sleeps on the warm windowsill while the rain falls outside.",
+]
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, ignore_eos=True)
+
+
+@pytest.mark.slow
+def test_batch_of_8_equals_one_at_a_time_on_the_real_model(real_llm):
+    assert len({len(real_llm.tokenizer.encode(p)) for p in PROMPTS}) == len(PROMPTS)
+    batched = real_llm.generate(PROMPTS, greedy(24))
+    for prompt, out in zip(PROMPTS, batched, strict=True):
+        assert out.token_ids == real_llm.generate(prompt, greedy(24))[0].token_ids, prompt
+    real_llm.engine.check_integrity()
+    assert real_llm.engine.kv_manager.num_free_blocks == real_llm.engine.num_kv_blocks
+
+
+def test_batch_equals_sequential_on_the_tiny_model(tiny_llm):
+    batched = tiny_llm.generate(PROMPTS, greedy(20))
+    assert [o.token_ids for o in batched] == [tiny_llm.generate(p, greedy(20))[0].token_ids for p in PROMPTS]
+
+
+def test_small_kv_pool_preempts_and_still_completes_every_request(tiny_model_dir, tiny_llm):
+    expected = [o.token_ids for o in tiny_llm.generate(PROMPTS, greedy(40))]
+    # 12 blocks of 8 tokens: room for one or two requests at a time, so the scheduler must preempt.
+    small = LLM(make_config(model__path=tiny_model_dir, model__dtype="fp32", engine__num_kv_blocks=12,
+                            cache__block_size=8))
+    outputs = small.generate(PROMPTS, greedy(40))
+    assert [o.token_ids for o in outputs] == expected
+    assert all(o.finish_reason == "length" for o in outputs)
+    assert small.engine.scheduler.num_preemptions > 0
+    small.engine.check_integrity()
+    assert small.engine.kv_manager.num_free_blocks == 12
+
+
+@pytest.mark.parametrize("budget", [16, 37])
+def test_chunked_prefill_gives_the_same_tokens(tiny_model_dir, tiny_llm, budget):
+    long_prompts = [p * 4 for p in PROMPTS[:4]]
+    expected = [o.token_ids for o in tiny_llm.generate(long_prompts, greedy(12))]
+    chunked = LLM(make_config(model__path=tiny_model_dir, model__dtype="fp32", engine__num_kv_blocks=256,
+                              engine__max_num_batched_tokens=budget))
+    assert [o.token_ids for o in chunked.generate(long_prompts, greedy(12))] == expected
+
+
+def test_max_num_seqs_bounds_the_batch(tiny_model_dir):
+    llm = LLM(make_config(model__path=tiny_model_dir, engine__num_kv_blocks=256, engine__max_num_seqs=2))
+    for p in PROMPTS:
+        llm.engine.add_request(p, greedy(5))
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+        assert len(llm.engine.scheduler.running) <= 2
+
+
+def test_outputs_report_usage_and_timings(tiny_llm):
+    out = tiny_llm.generate("Hello world", greedy(7))[0]
+    n = len(tiny_llm.tokenizer.encode("Hello world"))
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (n, 7)
+    assert out.usage.cached_tokens + out.usage.computed_prompt_tokens == n
+    assert 0 < out.ttft_s <= out.total_s
+    assert out.text == tiny_llm.tokenizer.decode(out.token_ids)
+
+
+def test_context_limit_is_refused_with_both_numbers_and_the_engine_keeps_serving(tiny_model_dir):
+    llm = LLM(make_config(model__path=tiny_model_dir, engine__num_kv_blocks=256, server__max_tokens=64))
+    prompt = "word " * 60
+    with pytest.raises(RequestError, match=r"prompt \(\d+ tokens\) \+ max_tokens \(10\) = \d+ tokens exceeds "
+                                           r"the context limit of 64 tokens \(server.max_tokens\)"):
+        llm.generate(prompt, greedy(10))
+    with pytest.raises(RequestError, match="prompt is empty"):
+        llm.generate("", greedy(10))
+    with pytest.raises(RequestError, match="token ids must be integers"):
+        llm.generate([1, 2, 10**9], greedy(3))
+    assert llm.generate("Still serving", greedy(3))[0].usage.completion_tokens == 3
+    llm.engine.check_integrity()
+
+
+def test_request_larger_than_the_kv_pool_is_refused(tiny_model_dir):
+    llm = LLM(make_config(model__path=tiny_model_dir, engine__num_kv_blocks=2, cache__block_size=8))
+    with pytest.raises(RequestError, match="does not fit in the KV pool of 16 tokens"):
+        llm.generate("a b c d e f g h i j k", greedy(8))
+
+
+def test_stop_strings_cut_the_text(real_llm):
+    free = real_llm.generate("1, 2, 3, 4, 5,", greedy(16))[0]
+    assert " 7" in free.text
+    stopped = real_llm.generate("1, 2, 3, 4, 5,", SamplingParams(max_tokens=16, stop=[" 7"]))[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == free.text[: free.text.index(" 7")]
+
+
+def test_eos_finishes_a_chat_answer(real_llm):
+    out = real_llm.chat([{"role": "user", "content": "Say just the word yes."}], SamplingParams(max_tokens=40))[0]
+    assert out.finish_reason == "stop" and out.token_ids[-1] in real_llm.tokenizer.eos_token_ids
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_llm):
+    p = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, seed=7, ignore_eos=True)
+    alone = tiny_llm.generate("Once upon a time", p)[0].token_ids
+    batched = tiny_llm.generate(["Other prompt", "Once upon a time"], [greedy(10), p])[1].token_ids
+    assert alone == batched
+    other = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, seed=8, ignore_eos=True)
+    assert tiny_llm.generate("Once upon a time", other)[0].token_ids != alone
+
+
+def test_abort_frees_blocks(tiny_llm):
+    engine = tiny_llm.engine
+    seq = engine.add_request("A request that will be aborted", greedy(50))
+    engine.step()
+    engine.step()
+    assert seq.block_table
+    engine.abort(seq.request_id)
+    assert seq.finish_reason == "abort" and not engine.has_unfinished()
+    engine.check_integrity()
+    assert engine.kv_manager.num_free_blocks == engine.num_kv_blocks
