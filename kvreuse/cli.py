@@ -96,7 +96,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         try:
             p = SamplingParams(max_tokens=r.get("max_tokens", default_max),
                                temperature=r.get("temperature", args.temperature), seed=args.seed)
-            prompt = llm.tokenizer.apply_chat_template(r["messages"]) if "messages" in r else r["prompt"]
+            prompt = llm.engine.render_chat(r["messages"]) if "messages" in r else r["prompt"]
         except ValueError as exc:
             raise InputError(f"{where}: {exc}") from exc
         prompts.append(prompt)

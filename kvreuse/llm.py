@@ -16,20 +16,22 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts: str | list[int] | Seq[str | list[int]],
-                 params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+                 params: SamplingParams | Seq[SamplingParams] | None = None, *,
+                 cache_salt: str | None = None, use_cache: bool = True) -> list[RequestOutput]:
         """Run all prompts as one continuously batched workload; outputs come back in input order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if params is None or isinstance(params, SamplingParams):
             params = [params] * len(prompts)
-        seqs = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        seqs = [self.engine.add_request(p, sp, cache_salt=cache_salt, use_cache=use_cache)
+                for p, sp in zip(prompts, params, strict=True)]
         while self.engine.has_unfinished():
             self.engine.step()
         return [self.engine.output(s) for s in seqs]
 
     def chat(self, conversations: list[dict] | Seq[list[dict]],
-             params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+             params: SamplingParams | Seq[SamplingParams] | None = None, **cache_options) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"}) or several, rendered with the model's chat template."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        return self.generate([self.tokenizer.apply_chat_template(m) for m in conversations], params)
+        return self.generate([self.engine.render_chat(m) for m in conversations], params, **cache_options)

@@ -13,7 +13,9 @@ from kvreuse.engine.model_runner import ModelRunner
 from kvreuse.engine.output import RequestOutput
 from kvreuse.engine.scheduler import Scheduler
 from kvreuse.engine.sequence import Sequence
+from kvreuse.engine.stats import EngineStats
 from kvreuse.kvcache.manager import KVCacheManager
+from kvreuse.kvcache.normalize import normalize_text
 from kvreuse.model.llama import Llama
 from kvreuse.model.loader import load_weights
 from kvreuse.model.tokenizer import Tokenizer
@@ -60,7 +62,12 @@ class LLMEngine:
         self.block_size = config.cache.block_size
         num_blocks = config.engine.num_kv_blocks or self._blocks_for_memory(config.engine.kv_cache_memory_mb)
         self.runner = ModelRunner(model, num_blocks, self.block_size, self.dtype, self.device)
-        self.kv_manager = KVCacheManager(num_blocks, self.block_size)
+        cache = config.cache
+        self.kv_manager = KVCacheManager(
+            num_blocks, self.block_size, enable_caching=cache.enabled, max_cached_blocks=cache.max_blocks,
+            policy=cache.policy, min_match_blocks=cache.min_match_blocks, fingerprint=self.fingerprint,
+        )
+        self.stats = EngineStats()
         self.scheduler = Scheduler(self.kv_manager, config.engine.max_num_seqs, config.engine.max_num_batched_tokens)
         self.num_kv_blocks = num_blocks
         self.max_model_len = min(config.server.max_tokens, self.model_args.max_position_embeddings)
@@ -76,16 +83,29 @@ class LLMEngine:
     def kv_capacity_tokens(self) -> int:
         return self.num_kv_blocks * self.block_size
 
+    def normalize(self, text: str) -> str:
+        return normalize_text(text) if self.config.cache.normalize_input else text
+
+    def render_chat(self, messages: list[dict]) -> str:
+        """The prompt text for a conversation; with normalize_input, each message is normalized first."""
+        messages = [{**m, "content": self.normalize(m["content"])} if isinstance(m.get("content"), str) else m
+                    for m in messages]
+        return self.tokenizer.apply_chat_template(messages)
+
     def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
+            return self.tokenizer.encode(self.normalize(prompt))
         if not all(isinstance(t, int) and 0 <= t < self.model_args.vocab_size for t in prompt):
             raise RequestError(f"prompt token ids must be integers in [0, {self.model_args.vocab_size})")
         return list(prompt)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> Sequence:
-        """Validate and queue a request; raises RequestError naming the problem, leaving the engine untouched."""
+                    request_id: str | None = None, *, cache_salt: str | None = None,
+                    use_cache: bool = True) -> Sequence:
+        """Validate and queue a request; raises RequestError naming the problem, leaving the engine untouched.
+        Requests with different `cache_salt` never share KV; `use_cache=False` opts out of reuse."""
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise RequestError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
         params = params or SamplingParams(max_tokens=self.config.server.default_max_tokens)
         token_ids = self.tokenize_prompt(prompt)
         if not token_ids:
@@ -104,7 +124,7 @@ class LLMEngine:
         request_id = request_id or f"req-{next(self._request_counter)}"
         if request_id in self.sequences:
             raise RequestError(f"request id {request_id!r} is already in use")
-        seq = Sequence(request_id, token_ids, params)
+        seq = Sequence(request_id, token_ids, params, cache_salt=cache_salt, use_cache=use_cache)
         self.sequences[request_id] = seq
         self.scheduler.add(seq)
         return seq
@@ -125,10 +145,12 @@ class LLMEngine:
             return []
         token_ids = self.runner.run(batch.seqs)
         now = time.perf_counter()
+        self.stats.record_step(self.kv_manager, batch.num_tokens if batch.is_prefill else 0)
         updated = []
         for seq, token_id in zip(batch.seqs, token_ids, strict=True):
             seq.num_computed_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
+            self.kv_manager.cache_computed_blocks(seq)
             if token_id is None:
                 continue
             seq.token_ids.append(token_id)
@@ -154,13 +176,17 @@ class LLMEngine:
             seq.finish_time = now
             self.scheduler.finish(seq, reason)
             self.sequences.pop(seq.request_id, None)
-            logger.info("request %s finished (%s): prompt=%d cached=%d computed=%d completion=%d ttft_ms=%.1f",
-                        seq.request_id, reason, seq.num_prompt_tokens, seq.num_cached_tokens,
-                        seq.num_prompt_tokens - seq.num_cached_tokens, seq.num_completion_tokens,
-                        seq.ttft_s * 1000)
+            self.stats.record_finished(seq)
+            logger.info("cache-hit request=%s prompt=%d cached=%d computed=%d completion=%d ttft_ms=%.1f "
+                        "finish=%s hit_rate_total=%.3f", seq.request_id, seq.num_prompt_tokens,
+                        seq.num_cached_tokens, seq.num_prompt_tokens - seq.num_cached_tokens,
+                        seq.num_completion_tokens, seq.ttft_s * 1000, reason, self.stats.hit_rate)
 
     def output(self, seq: Sequence) -> RequestOutput:
         return RequestOutput.from_sequence(seq)
+
+    def stats_snapshot(self) -> dict:
+        return self.stats.snapshot(self.kv_manager, self.runner.bytes_per_block)
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

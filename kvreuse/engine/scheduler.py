@@ -59,11 +59,14 @@ class Scheduler:
                     budget -= num_tokens
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            num_tokens = min(seq.num_uncomputed_tokens, budget)
-            if not self.kv_manager.can_allocate(seq, num_tokens):
+            hits = self.kv_manager.match_prefix(seq)
+            num_tokens = min(seq.num_tokens - len(hits) * self.kv_manager.block_size, budget)
+            if not self.kv_manager.can_allocate(seq, num_tokens, hits):
                 break  # strict arrival order: nobody overtakes the head of the queue
             self.waiting.popleft()
-            self.kv_manager.allocate(seq, num_tokens)
+            self.kv_manager.allocate(seq, num_tokens, hits)
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = seq.num_computed_tokens
             seq.num_scheduled_tokens = num_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

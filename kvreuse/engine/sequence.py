@@ -35,6 +35,11 @@ class Sequence:
     first_token_time: float | None = None
     finish_time: float | None = None
     generator: torch.Generator | None = None
+    cache_salt: str | None = None     # requests with different salts never share KV blocks
+    use_cache: bool = True            # per-request opt-out of KV reuse
+    extra_key: bytes = b""            # model fingerprint + block size + salt, part of every block key
+    block_keys: list[bytes] = field(default_factory=list)  # chain keys of the full blocks, in order
+    block_uids: list[int] = field(default_factory=list)    # uid each full block's contents got in the pool
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)

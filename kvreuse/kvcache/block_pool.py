@@ -1,56 +1,144 @@
-"""The KV block pool: which physical blocks are free and how many holders each block has."""
+"""The KV block pool: free blocks, blocks in use, and cached blocks kept for reuse.
+
+Every block is in exactly one state:
+- in use:  ref_cnt > 0 (it may also hold a key: a cached block that requests share);
+- cached:  ref_cnt == 0 with a key, evictable, tracked by the eviction policy;
+- free:    ref_cnt == 0 without a key, in `free_block_ids`.
+Requests always win over the cache: `allocate` takes free blocks first, then evicts cached ones.
+`max_cached_blocks` bounds the cached (unreferenced) blocks retained; the pool size bounds the rest.
+"""
 
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass
+import itertools
+from collections import Counter, deque
+from collections.abc import Sequence
 
-
-@dataclass
-class KVCacheBlock:
-    block_id: int
-    ref_cnt: int = 0
+from kvreuse.kvcache.block import KVCacheBlock
+from kvreuse.kvcache.eviction import POLICIES
 
 
 class BlockPool:
-    """Owns `num_blocks` physical KV blocks. Invariant: a block is free iff its ref_cnt is 0,
-    and every free block is in `free_block_ids` exactly once."""
-
-    def __init__(self, num_blocks: int):
+    def __init__(self, num_blocks: int, max_cached_blocks: int | None = None, policy: str = "lru"):
         self.num_blocks = num_blocks
+        self.max_cached_blocks = num_blocks if max_cached_blocks is None else max_cached_blocks
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_ids: deque[int] = deque(range(num_blocks))
+        self.evictable = POLICIES[policy]()
+        self.key_to_block: dict[bytes, KVCacheBlock] = {}
+        self.num_evictions = 0
+        self._tick = itertools.count(1)
+        self._uids = itertools.count(1)
 
+    # --- sizes ---------------------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_block_ids)
+        """Blocks a request can get now: free ones plus cached ones that can be evicted."""
+        return len(self.free_block_ids) + len(self.evictable)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.evictable)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self.free_block_ids)
+        return self.num_blocks - self.num_free_blocks
 
+    # --- allocation ----------------------------------------------------------------------------------
     def can_allocate(self, num_blocks: int) -> bool:
-        return num_blocks <= len(self.free_block_ids)
+        return num_blocks <= self.num_free_blocks
 
     def allocate(self, num_blocks: int) -> list[int]:
-        assert self.can_allocate(num_blocks), f"asked for {num_blocks} blocks, {self.num_free_blocks} free"
-        block_ids = [self.free_block_ids.popleft() for _ in range(num_blocks)]
-        for block_id in block_ids:
-            self.blocks[block_id].ref_cnt = 1
+        assert self.can_allocate(num_blocks), f"asked for {num_blocks} blocks, {self.num_free_blocks} available"
+        block_ids = []
+        for _ in range(num_blocks):
+            block = self.blocks[self.free_block_ids.popleft()] if self.free_block_ids else self._evict()
+            block.ref_cnt = 1
+            block.last_access = next(self._tick)
+            block_ids.append(block.block_id)
         return block_ids
 
-    def free(self, block_ids: list[int]) -> None:
-        # Freed in reverse so a sequence's tail blocks are reused first and its head stays longest.
+    def touch(self, block_ids: Sequence[int]) -> None:
+        """A request reuses these cached blocks: hold them, so they cannot be evicted."""
+        tick = next(self._tick)
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.ref_cnt == 0:
+                self.evictable.remove(block)
+            block.ref_cnt += 1
+            block.num_hits += 1
+            block.last_access = tick
+
+    def free(self, block_ids: Sequence[int]) -> None:
+        # Released tail first, so under LRU a sequence's last blocks are evicted before its first ones
+        # (a prefix is only usable up to its first missing block).
         for block_id in reversed(block_ids):
             block = self.blocks[block_id]
             assert block.ref_cnt > 0, f"double free of block {block_id}"
             block.ref_cnt -= 1
-            if block.ref_cnt == 0:
+            if block.ref_cnt > 0:
+                continue
+            block.last_access = next(self._tick)
+            if block.block_key is None:
                 self.free_block_ids.append(block_id)
+            else:
+                self.evictable.add(block)
+        while len(self.evictable) > self.max_cached_blocks:
+            self.free_block_ids.append(self._evict().block_id)
+
+    def _evict(self, count: bool = True) -> KVCacheBlock:
+        block = self.evictable.pop()
+        del self.key_to_block[block.block_key]
+        block.reset()
+        self.num_evictions += count
+        return block
+
+    # --- the cache index -----------------------------------------------------------------------------
+    def lookup(self, key: bytes, token_ids: Sequence[int], parent_uid: int) -> KVCacheBlock | None:
+        """The cached block for `key`, confirmed by its tokens and its predecessor, else None."""
+        block = self.key_to_block.get(key)
+        if block is None or block.parent_uid != parent_uid or block.token_ids != tuple(token_ids):
+            return None
+        return block
+
+    def register(self, block_id: int, key: bytes, token_ids: Sequence[int], parent_uid: int) -> int:
+        """Publish a fully computed block under `key`. Returns its uid, or 0 if the key is already
+        taken (the same block computed twice concurrently, or a hash collision): it stays private."""
+        block = self.blocks[block_id]
+        assert block.ref_cnt > 0 and block.block_key is None, f"block {block_id} cannot be registered"
+        if key in self.key_to_block:
+            return 0
+        block.block_key, block.token_ids, block.parent_uid = key, tuple(token_ids), parent_uid
+        block.uid = next(self._uids)
+        block.num_hits = 1
+        self.key_to_block[key] = block
+        return block.uid
+
+    def reset_cache(self) -> int:
+        """Drop every cached block nobody holds; returns how many."""
+        dropped = len(self.evictable)
+        while len(self.evictable):
+            self.free_block_ids.append(self._evict(count=False).block_id)
+        return dropped
 
     def check_integrity(self) -> None:
-        free = set(self.free_block_ids)
-        assert len(free) == len(self.free_block_ids), "a block is in the free list twice"
+        free = Counter(self.free_block_ids)
+        assert all(c == 1 for c in free.values()), "a block is in the free list twice"
+        in_use = cached = 0
         for block in self.blocks:
             assert block.ref_cnt >= 0, f"block {block.block_id} has ref_cnt {block.ref_cnt}"
-            assert (block.ref_cnt == 0) == (block.block_id in free), f"block {block.block_id} free-list mismatch"
+            is_free, is_cached = block.block_id in free, block in self.evictable
+            assert not (is_free and is_cached), f"block {block.block_id} is both free and cached"
+            if block.ref_cnt > 0:
+                assert not is_free and not is_cached, f"block {block.block_id} is in use and evictable"
+                in_use += 1
+            elif block.block_key is None:
+                assert is_free, f"unreferenced block {block.block_id} without a key is not free"
+            else:
+                assert is_cached, f"unreferenced block {block.block_id} with a key is not evictable"
+                cached += 1
+            if block.block_key is not None:
+                assert self.key_to_block.get(block.block_key) is block, f"block {block.block_id} key not indexed"
+        assert in_use + cached + len(free) == self.num_blocks, "free + cached + in use != total"
+        assert len(self.key_to_block) == sum(b.block_key is not None for b in self.blocks), "stale keys in index"
+        assert len(self.evictable) <= self.max_cached_blocks, "more cached blocks than max_cached_blocks"

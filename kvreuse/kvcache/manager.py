@@ -1,34 +1,105 @@
-"""Maps sequences to KV blocks: grows each sequence's block table as it computes tokens, frees it at the end."""
+"""Maps sequences to KV blocks: exact prefix matching at admission, growing block tables, publishing
+fully computed blocks to the cache, and freeing."""
 
 from __future__ import annotations
 
 from kvreuse.engine.sequence import Sequence
 from kvreuse.kvcache.block_pool import BlockPool
+from kvreuse.kvcache.hashing import BlockHashFn, extra_keys, sha256_block_key
 
 
 class KVCacheManager:
-    """Invariant: a running sequence's `block_table` covers at least its `num_computed_tokens`, and
-    every block in it holds one reference from that sequence."""
+    """Invariants: a running sequence's `block_table` covers its `num_computed_tokens`, and each block
+    in it holds one reference from that sequence. Only exactly computed blocks (their whole prefix
+    computed in this sequence, or itself an exact hit) are ever registered under chain keys."""
 
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, *, enable_caching: bool = True,
+                 max_cached_blocks: int | None = None, policy: str = "lru", min_match_blocks: int = 1,
+                 fingerprint: str = "", hash_fn: BlockHashFn = sha256_block_key):
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks)
+        self.enable_caching = enable_caching
+        self.min_match_blocks = min_match_blocks
+        self.fingerprint = fingerprint
+        self.hash_fn = hash_fn  # a test can swap in a constant to prove hits are confirmed, not trusted
+        self.pool = BlockPool(num_blocks, max_cached_blocks if enable_caching else 0, policy)
 
-    def num_new_blocks(self, seq: Sequence, num_new_tokens: int) -> int:
-        num_tokens = seq.num_computed_tokens + num_new_tokens
-        return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
+    def caches(self, seq: Sequence) -> bool:
+        return self.enable_caching and seq.use_cache
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        return self.pool.can_allocate(self.num_new_blocks(seq, num_new_tokens))
+    # --- prefix matching -----------------------------------------------------------------------------
+    def _key(self, seq: Sequence, index: int) -> bytes:
+        """Chain key of the seq's full block `index`, computing (and keeping) the keys before it."""
+        if not seq.extra_key:
+            seq.extra_key = extra_keys(self.fingerprint, self.block_size, seq.cache_salt)
+        bs = self.block_size
+        while len(seq.block_keys) <= index:
+            i = len(seq.block_keys)
+            parent = seq.block_keys[-1] if seq.block_keys else b""
+            seq.block_keys.append(self.hash_fn(parent, seq.token_ids[i * bs:(i + 1) * bs], seq.extra_key))
+        return seq.block_keys[index]
 
-    def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
-        """Make room for `num_new_tokens` more KV entries of `seq`."""
+    def match_prefix(self, seq: Sequence) -> list[int]:
+        """Block ids of the longest cached exact prefix of `seq` (confirmed token by token), capped so the
+        last token is always computed; empty if shorter than `min_match_blocks` or caching is off."""
+        if not self.caches(seq):
+            return []
+        hits: list[int] = []
+        parent_uid = 0
+        bs = self.block_size
+        for i in range((seq.num_tokens - 1) // bs):
+            block = self.pool.lookup(self._key(seq, i), seq.token_ids[i * bs:(i + 1) * bs], parent_uid)
+            if block is None:
+                break
+            hits.append(block.block_id)
+            parent_uid = block.uid
+        return hits if len(hits) >= max(1, self.min_match_blocks) else []
+
+    # --- allocation ----------------------------------------------------------------------------------
+    def num_new_blocks(self, seq: Sequence, num_new_tokens: int, num_hit_blocks: int = 0) -> int:
+        num_tokens = max(seq.num_computed_tokens, num_hit_blocks * self.block_size) + num_new_tokens
+        return max(0, -(-num_tokens // self.block_size) - max(len(seq.block_table), num_hit_blocks))
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, hits: list[int] = ()) -> bool:
+        # Hits that sit unreferenced in the cache stop being available once this sequence holds them.
+        num_held_hits = sum(self.pool.blocks[b].ref_cnt == 0 for b in hits)
+        return self.pool.can_allocate(self.num_new_blocks(seq, num_new_tokens, len(hits)) + num_held_hits)
+
+    def allocate(self, seq: Sequence, num_new_tokens: int, hits: list[int] = ()) -> None:
+        """Make room for `num_new_tokens` more KV entries of `seq`; a waiting sequence first takes its
+        prefix hits, which count as computed."""
+        if hits:
+            assert not seq.block_table and seq.num_computed_tokens == 0, "hits only apply at admission"
+            self.pool.touch(hits)
+            seq.block_table = list(hits)
+            seq.block_uids = [self.pool.blocks[b].uid for b in hits]
+            seq.num_computed_tokens = len(hits) * self.block_size
         seq.block_table.extend(self.pool.allocate(self.num_new_blocks(seq, num_new_tokens)))
+
+    def cache_computed_blocks(self, seq: Sequence) -> None:
+        """Register the blocks that the last step completed, so later requests can reuse them."""
+        if not self.caches(seq):
+            return
+        bs = self.block_size
+        for i in range(len(seq.block_uids), seq.num_computed_tokens // bs):
+            parent_uid = seq.block_uids[-1] if seq.block_uids else 0
+            if i > 0 and parent_uid == 0:
+                seq.block_uids.append(0)  # the chain is broken before this block: it stays private
+                continue
+            block_id, key, token_ids = seq.block_table[i], self._key(seq, i), seq.token_ids[i * bs:(i + 1) * bs]
+            uid = self.pool.blocks[block_id].uid
+            if not uid:
+                # Computed here while an identical block got cached (a concurrent twin): same contents,
+                # same identity, so the chain continues through it.
+                twin = self.pool.lookup(key, token_ids, parent_uid)
+                uid = twin.uid if twin else self.pool.register(block_id, key, token_ids, parent_uid)
+            seq.block_uids.append(uid)
 
     def free(self, seq: Sequence) -> None:
         self.pool.free(seq.block_table)
         seq.block_table = []
+        seq.block_uids = []
 
+    # --- reporting -----------------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
@@ -45,4 +116,4 @@ class KVCacheManager:
             for block_id in seq.block_table:
                 held[block_id] = held.get(block_id, 0) + 1
         for block_id, count in held.items():
-            assert self.pool.blocks[block_id].ref_cnt >= count, f"block {block_id} held {count}x, ref_cnt lower"
+            assert self.pool.blocks[block_id].ref_cnt == count, f"block {block_id} held {count}x, ref_cnt differs"

@@ -1,0 +1,21 @@
+"""One physical KV block and what the cache knows about its contents."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(eq=False)
+class KVCacheBlock:
+    block_id: int
+    ref_cnt: int = 0                          # requests holding this block
+    block_key: bytes | None = None            # prefix-chain key, set once the block is fully computed
+    token_ids: tuple[int, ...] | None = None  # its tokens, to confirm a key hit
+    uid: int = 0                              # identity of the cached contents, never reused
+    parent_uid: int = 0                       # uid of the block before it in its sequence (0: first block)
+    num_hits: int = 0                         # times reused (LFU)
+    last_access: int = 0                      # pool tick of the last allocate / hit / free (LRU among equals)
+
+    def reset(self) -> None:
+        self.block_key = self.token_ids = None
+        self.uid = self.parent_uid = self.num_hits = 0

@@ -1,0 +1,87 @@
+"""Which unreferenced cached block goes first when memory is needed: LRU or LFU.
+
+Both keep only evictable blocks (ref_cnt 0, holding a key); `add` when a block becomes evictable,
+`remove` when a request takes it again, `pop` to evict.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from typing import Protocol
+
+from kvreuse.kvcache.block import KVCacheBlock
+
+
+class EvictionPolicy(Protocol):
+    name: str
+
+    def add(self, block: KVCacheBlock) -> None: ...
+    def remove(self, block: KVCacheBlock) -> None: ...
+    def pop(self) -> KVCacheBlock: ...
+    def __len__(self) -> int: ...
+    def __contains__(self, block: KVCacheBlock) -> bool: ...
+
+
+class LRUPolicy:
+    """Least recently used first; O(1) for every operation."""
+
+    name = "lru"
+
+    def __init__(self):
+        self._blocks: OrderedDict[int, KVCacheBlock] = OrderedDict()
+
+    def add(self, block: KVCacheBlock) -> None:
+        self._blocks[block.block_id] = block
+
+    def remove(self, block: KVCacheBlock) -> None:
+        del self._blocks[block.block_id]
+
+    def pop(self) -> KVCacheBlock:
+        return self._blocks.popitem(last=False)[1]
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __contains__(self, block: KVCacheBlock) -> bool:
+        return block.block_id in self._blocks
+
+
+class LFUPolicy:
+    """Fewest hits first, least recently used among equals. A heap with lazy deletion: an entry is
+    live only while its block is still evictable with the same (num_hits, last_access)."""
+
+    name = "lfu"
+
+    def __init__(self):
+        self._heap: list[tuple[int, int, int]] = []
+        self._blocks: dict[int, KVCacheBlock] = {}
+
+    def add(self, block: KVCacheBlock) -> None:
+        self._blocks[block.block_id] = block
+        heapq.heappush(self._heap, (block.num_hits, block.last_access, block.block_id))
+
+    def remove(self, block: KVCacheBlock) -> None:
+        del self._blocks[block.block_id]
+        if len(self._heap) > 4 * len(self._blocks) + 64:  # keep stale entries bounded
+            self._heap = [e for e in self._heap if self._live(e)]
+            heapq.heapify(self._heap)
+
+    def _live(self, entry: tuple[int, int, int]) -> bool:
+        block = self._blocks.get(entry[2])
+        return block is not None and (block.num_hits, block.last_access) == entry[:2]
+
+    def pop(self) -> KVCacheBlock:
+        while True:
+            entry = heapq.heappop(self._heap)
+            if self._live(entry):
+                return self._blocks.pop(entry[2])
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __contains__(self, block: KVCacheBlock) -> bool:
+        return block.block_id in self._blocks
+
+
+POLICIES = {"lru": LRUPolicy, "lfu": LFUPolicy}

@@ -1,0 +1,39 @@
+"""Block keys: sha256 over (parent key, token ids, extra keys), stable across processes and machines.
+
+Extra keys hold what else decides the numbers in a block's K/V or who may see them: the model
+fingerprint (weights hash, dtype), the block size and the tenant salt. A key only finds candidates;
+a hit is confirmed by comparing the stored token ids, so even a collision never serves wrong KV.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Callable, Sequence
+
+BlockHashFn = Callable[[bytes, Sequence[int], bytes], bytes]
+
+ROOT_KEY = b""
+
+
+def extra_keys(fingerprint: str, block_size: int, salt: str | None) -> bytes:
+    """The per-request part of every key. Length-prefixed, so ("ab", "c") and ("a", "bc") differ."""
+    parts = [fingerprint.encode(), str(block_size).encode(), (salt or "").encode()]
+    return b"".join(struct.pack("<I", len(p)) + p for p in parts)
+
+
+def sha256_block_key(parent_key: bytes, token_ids: Sequence[int], extra: bytes) -> bytes:
+    digest = hashlib.sha256(parent_key)
+    digest.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    digest.update(extra)
+    return digest.digest()
+
+
+def chain_keys(token_ids: Sequence[int], block_size: int, extra: bytes, num_blocks: int,
+               hash_fn: BlockHashFn = sha256_block_key, parent_key: bytes = ROOT_KEY) -> list[bytes]:
+    """Keys of the first `num_blocks` full blocks of `token_ids`, each chained to the one before."""
+    keys = []
+    for i in range(num_blocks):
+        parent_key = hash_fn(parent_key, token_ids[i * block_size:(i + 1) * block_size], extra)
+        keys.append(parent_key)
+    return keys
