@@ -77,7 +77,7 @@ class EngineConfig:
     num_kv_blocks: int = _opt(0, min=0)
     kv_cache_memory_mb: int = _opt(512, min=1)
     max_num_seqs: int = _opt(16, min=1)
-    max_num_batched_tokens: int = _opt(1024, min=1)
+    max_num_batched_tokens: int = _opt(2048, min=1)
     seed: int = 0
 
 

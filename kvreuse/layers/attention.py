@@ -21,6 +21,7 @@ class AttentionMetadata:
     context_slots: torch.Tensor  # [num_seqs, max_context_len] pool slots of each sequence's keys (pad: 0)
     attn_mask: torch.Tensor      # [num_seqs, 1, max_query_len, max_context_len] True where attending is allowed
     output_index: torch.Tensor   # [num_tokens] rows of the padded output that are real tokens, in batch order
+    causal: bool = False         # one sequence from position 0: plain causal attention, the mask is not needed
 
     @classmethod
     def build(
@@ -69,6 +70,8 @@ class AttentionMetadata:
             context_slots=context_slots.to(device),
             attn_mask=attn_mask.unsqueeze(1).to(device),
             output_index=output_index.to(device),
+            # SDPA's own causal path skips the masked upper triangle: about 2x faster on long prefills.
+            causal=num_seqs == 1 and start_positions[0] == 0,
         )
 
 
@@ -89,8 +92,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     q_pad = q[meta.query_index].transpose(1, 2)                                        # [B, H, Q, D]
     k = k_cache.view(-1, num_kv_heads, head_dim)[meta.context_slots].transpose(1, 2)   # [B, Hkv, K, D]
     v = v_cache.view(-1, num_kv_heads, head_dim)[meta.context_slots].transpose(1, 2)   # [B, Hkv, K, D]
+    mask = None if meta.causal else meta.attn_mask
     out = F.scaled_dot_product_attention(
-        q_pad, k, v, attn_mask=meta.attn_mask, scale=scale, enable_gqa=num_heads != num_kv_heads
+        q_pad, k, v, attn_mask=mask, is_causal=meta.causal, scale=scale, enable_gqa=num_heads != num_kv_heads
     )                                                                                  # [B, H, Q, D]
     out = out.transpose(1, 2).reshape(num_seqs * max_query_len, num_heads * head_dim)
     return out[meta.output_index]
