@@ -125,6 +125,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    import importlib
+
+    suite = importlib.import_module(f"kvreuse.bench.{args.suite}_bench")
+    progress = lambda line: print(line, file=sys.stderr, flush=True)
+    kwargs = {"include_bf16": not args.no_bf16} if args.suite == "engine" else {}
+    report = suite.run(repeats=args.repeats, progress=progress, **kwargs)
+    table = suite.markdown(report)
+    print(table)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{args.suite}.json").write_text(json.dumps(report, indent=2) + "\n")
+        (out / f"{args.suite}.md").write_text(table + "\n")
+        print(f"wrote {out / args.suite}.json and .md", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvreuse", description="LLM inference built around KV-cache reuse")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -140,6 +158,16 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--json", action="store_true", help="one JSON object per request per line")
     gen.add_argument("--batch", action="store_true", help="submit all requests at once (continuous batching)")
     gen.set_defaults(func=cmd_generate)
+
+    bench = sub.add_parser("bench", help="benchmarks (medians of interleaved runs)")
+    bench.add_argument("--suite", choices=["engine", "prefix"], default="prefix",
+                       help="engine: cold prefill and decode vs HF transformers / llama.cpp; "
+                            "prefix: cold vs warm TTFT of a 2048-token prompt")
+    bench.add_argument("--repeats", type=int, default=3, help="measured rounds (after one warm-up round)")
+    bench.add_argument("--no-bf16", action="store_true", help="engine suite: skip HF bf16 (slow without AVX512-BF16)")
+    bench.add_argument("--out", help="directory for <suite>.json and <suite>.md")
+    bench.add_argument("--log-level", default="WARNING")
+    bench.set_defaults(func=cmd_bench)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

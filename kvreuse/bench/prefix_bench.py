@@ -1,0 +1,45 @@
+"""`kvreuse bench --suite prefix`: TTFT of a cold 2048-token prompt against a second request that shares
+its first 1984 tokens, interleaved cold, warm, cold, warm ... in one engine."""
+
+from __future__ import annotations
+
+import statistics
+
+from kvreuse.bench.engine_bench import synthetic_prompt
+from kvreuse.config import load_config
+from kvreuse.llm import LLM
+from kvreuse.sampling_params import SamplingParams
+
+PROMPT_LEN = 2048
+SHARED_LEN = 1984
+
+
+def run(repeats: int = 5, progress=print) -> dict:
+    llm = LLM(load_config(None, ["model.dtype=fp32", "server.max_tokens=4096", "engine.max_num_batched_tokens=2048",
+                                 "engine.kv_cache_memory_mb=1024"]))
+    params = SamplingParams(max_tokens=1)
+    cold, warm, cached = [], [], []
+    for round_index in range(repeats + 1):  # round 0 warms up and is discarded
+        prompt = synthetic_prompt(llm.tokenizer, PROMPT_LEN, variant=1000 + round_index)
+        other_tail = synthetic_prompt(llm.tokenizer, PROMPT_LEN - SHARED_LEN, variant=5000 + round_index)
+        first = llm.generate(prompt, params)[0]
+        second = llm.generate(prompt[:SHARED_LEN] + other_tail, params)[0]
+        assert first.usage.cached_tokens == 0, "the cold request must not hit"
+        if round_index:
+            cold.append(first.ttft_s)
+            warm.append(second.ttft_s)
+            cached.append(second.usage.cached_tokens)
+        progress(f"round {round_index}/{repeats}: cold {first.ttft_s * 1000:.0f} ms, "
+                 f"warm {second.ttft_s * 1000:.0f} ms ({second.usage.cached_tokens} cached tokens)")
+    cold_ms, warm_ms = statistics.median(cold) * 1000, statistics.median(warm) * 1000
+    return {"suite": "prefix", "repeats": repeats, "prompt_tokens": PROMPT_LEN, "shared_tokens": SHARED_LEN,
+            "cached_tokens": statistics.median(cached), "median_ttft_ms_cold": cold_ms,
+            "median_ttft_ms_warm": warm_ms, "warm_over_cold": warm_ms / cold_ms,
+            "samples_ms": {"cold": [x * 1000 for x in cold], "warm": [x * 1000 for x in warm]}}
+
+
+def markdown(report: dict) -> str:
+    return (f"| prompt | shared | cached | cold TTFT (ms) | warm TTFT (ms) | warm/cold |\n|---|---|---|---|---|---|\n"
+            f"| {report['prompt_tokens']} | {report['shared_tokens']} | {report['cached_tokens']:.0f} | "
+            f"{report['median_ttft_ms_cold']:.0f} | {report['median_ttft_ms_warm']:.0f} | "
+            f"{report['warm_over_cold']:.3f} |")
