@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import sys
 from pathlib import Path
 
@@ -125,6 +126,53 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import signal
+
+    import uvicorn
+
+    from kvreuse.engine.engine import LLMEngine
+    from kvreuse.sampling_params import SamplingParams
+    from kvreuse.server.api_keys import load_api_keys
+    from kvreuse.server.app import create_app
+
+    for flag, key in ((args.host, "server.host"), (args.port, "server.port"), (args.api_keys, "server.api_keys_file")):
+        if flag is not None:
+            args.overrides.append(f"{key}={flag}")
+    config = build_config(args)
+    api_keys = load_api_keys(config.server.api_keys_file) if config.server.api_keys_file else None
+    engine = LLMEngine(config)
+    engine.add_request("warm up", SamplingParams(max_tokens=2), use_cache=False)
+    while engine.has_unfinished():
+        engine.step()
+    # "SmolLM2-135M-Instruct.Q4_1.gguf" is served as "SmolLM2-135M-Instruct".
+    model_name = args.served_model_name or re.sub(r"(\.(Q\d\w*|F16|F32|BF16))?\.gguf$", "", engine.model_path.name)
+    app = create_app(engine, model_name, api_keys)
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if self.started:
+                host, port = self.servers[0].sockets[0].getsockname()[:2]
+                print(f"kvreuse ready: http://{host}:{port}/v1 model={model_name} max_model_len={engine.max_model_len} "
+                      f"kv_capacity={engine.kv_capacity_tokens} tokens ({engine.num_kv_blocks} blocks x "
+                      f"{engine.block_size}) prefix_caching={'on' if config.cache.enabled else 'off'} "
+                      f"auth={'api-keys' if api_keys else 'off'}", flush=True)
+
+        def handle_exit(self, sig, frame):
+            app.state.kvreuse.draining = True  # new requests get 503 while in-flight ones finish
+            super().handle_exit(sig, frame)
+
+    server = Server(uvicorn.Config(app, host=config.server.host, port=config.server.port,
+                                   log_level=args.log_level.lower(),
+                                   timeout_graceful_shutdown=config.server.drain_timeout_s))
+    # uvicorn re-raises the signal that stopped it once it has drained; a drained server exits 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    server.run()
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     import importlib
 
@@ -158,6 +206,14 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--json", action="store_true", help="one JSON object per request per line")
     gen.add_argument("--batch", action="store_true", help="submit all requests at once (continuous batching)")
     gen.set_defaults(func=cmd_generate)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    _common_flags(serve)
+    serve.add_argument("--host", help="shorthand for --set server.host= (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="shorthand for --set server.port= (default 8000; 0 = any free port)")
+    serve.add_argument("--api-keys", help="file of API keys -> tenants (shorthand for --set server.api_keys_file=)")
+    serve.add_argument("--served-model-name", help="model id clients use (default: the weights file name)")
+    serve.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser("bench", help="benchmarks (medians of interleaved runs)")
     bench.add_argument("--suite", choices=["engine", "prefix"], default="prefix",

@@ -30,11 +30,12 @@ class ServerConfig:
     # `cap` is a sanity bound against typos, apart from `max` so the documented range still reads ">= 16".
     max_tokens: int = _opt(2048, min=16, cap=1_000_000)
     host: str = "127.0.0.1"
-    port: int = _opt(8000, min=1, max=65535)
+    port: int = _opt(8000, min=0, max=65535)
     max_queue: int = _opt(256, min=1)
     truncate: str = _opt("error", choices=("error", "oldest"))
     api_keys_file: str = ""
     default_max_tokens: int = _opt(256, min=1)
+    drain_timeout_s: int = _opt(30, min=0)
 
 
 @dataclass

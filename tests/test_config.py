@@ -227,7 +227,7 @@ def test_parse_value_conversions():
     ("cache.suffix.guard_margin=nan", "config key 'cache.suffix.guard_margin' must be a number, got 'nan'"),
     ("cache.block_size=0", "config key 'cache.block_size' must be between 1 and 256, got 0"),
     ("cache.block_size=257", "config key 'cache.block_size' must be between 1 and 256, got 257"),
-    ("server.port=65536", "config key 'server.port' must be between 1 and 65535, got 65536"),
+    ("server.port=65536", "config key 'server.port' must be between 0 and 65535, got 65536"),
     ("server.max_tokens=4", "config key 'server.max_tokens' must be >= 16, got 4"),
     ("server.max_tokens=1000001", "config key 'server.max_tokens' must be <= 1000000, got 1000001"),
     ("cache.max_blocks=-1", "config key 'cache.max_blocks' must be >= 0, got -1"),

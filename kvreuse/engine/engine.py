@@ -99,35 +99,47 @@ class LLMEngine:
             raise RequestError(f"prompt token ids must be integers in [0, {self.model_args.vocab_size})")
         return list(prompt)
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, *, cache_salt: str | None = None,
-                    use_cache: bool = True) -> Sequence:
-        """Validate and queue a request; raises RequestError naming the problem, leaving the engine untouched.
-        Requests with different `cache_salt` never share KV; `use_cache=False` opts out of reuse."""
+    def make_sequence(self, prompt: str | list[int], params: SamplingParams | None = None,
+                      request_id: str | None = None, *, cache_salt: str | None = None,
+                      use_cache: bool = True) -> Sequence:
+        """Tokenize and validate a request without touching engine state (safe from any thread); raises
+        RequestError naming the problem. Requests with different `cache_salt` never share KV;
+        `use_cache=False` opts out of reuse."""
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise RequestError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
         params = params or SamplingParams(max_tokens=self.config.server.default_max_tokens)
         token_ids = self.tokenize_prompt(prompt)
         if not token_ids:
             raise RequestError("prompt is empty")
-        needed = len(token_ids) + params.max_tokens
+        self.check_fits(len(token_ids), params.max_tokens)
+        request_id = request_id or f"req-{next(self._request_counter)}"
+        return Sequence(request_id, token_ids, params, cache_salt=cache_salt, use_cache=use_cache)
+
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        needed = num_prompt_tokens + max_tokens
         if needed > self.max_model_len:
             raise RequestError(
-                f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = {needed} tokens exceeds "
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {needed} tokens exceeds "
                 f"the context limit of {self.max_model_len} tokens (server.max_tokens)"
             )
         if needed > self.kv_capacity_tokens:
             raise RequestError(
-                f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = {needed} tokens does not fit "
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {needed} tokens does not fit "
                 f"in the KV pool of {self.kv_capacity_tokens} tokens (engine.num_kv_blocks x cache.block_size)"
             )
-        request_id = request_id or f"req-{next(self._request_counter)}"
-        if request_id in self.sequences:
-            raise RequestError(f"request id {request_id!r} is already in use")
-        seq = Sequence(request_id, token_ids, params, cache_salt=cache_salt, use_cache=use_cache)
-        self.sequences[request_id] = seq
+
+    def add_sequence(self, seq: Sequence) -> Sequence:
+        """Queue a sequence made by `make_sequence` (engine thread only)."""
+        if seq.request_id in self.sequences:
+            raise RequestError(f"request id {seq.request_id!r} is already in use")
+        self.sequences[seq.request_id] = seq
         self.scheduler.add(seq)
         return seq
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, **cache_options) -> Sequence:
+        """`make_sequence` + `add_sequence`."""
+        return self.add_sequence(self.make_sequence(prompt, params, request_id, **cache_options))
 
     def abort(self, request_id: str) -> None:
         seq = self.sequences.pop(request_id, None)

@@ -17,6 +17,9 @@ def _cache_dir(fingerprint: str) -> Path:
 class Tokenizer:
     def __init__(self, hf_tokenizer):
         self.hf = hf_tokenizer
+        # Encode/decode go straight to the Rust tokenizer: transformers' wrapper reconfigures it per call,
+        # which is not safe when the server's event loop and the engine thread use it at once.
+        self._backend = hf_tokenizer.backend_tokenizer
         # Text generation stops at the model's EOS and at its end-of-text token when it has one.
         ids = {hf_tokenizer.eos_token_id} | {hf_tokenizer.convert_tokens_to_ids(t) for t in ("<|endoftext|>",)}
         self.eos_token_ids = frozenset(i for i in ids if i is not None and i != hf_tokenizer.unk_token_id)
@@ -49,10 +52,10 @@ class Tokenizer:
         return len(self.hf)
 
     def encode(self, text: str) -> list[int]:
-        return self.hf.encode(text, add_special_tokens=True)
+        return self._backend.encode(text, add_special_tokens=True).ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        return self._backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Renders with the model's own template (transformers runs it in a sandboxed jinja2)."""

@@ -1,0 +1,189 @@
+"""The engine on a background thread, for the asyncio server.
+
+One thread owns the LLMEngine and calls `step()` in a loop. The event loop never touches engine state:
+it validates and tokenizes a request itself (`LLMEngine.make_sequence` is pure), hands the sequence over
+through a command queue, and receives text deltas on a per-request asyncio.Queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvreuse.engine.engine import LLMEngine
+from kvreuse.engine.output import RequestOutput
+from kvreuse.engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.5
+
+
+@dataclass
+class Delta:
+    """New text of one request since the last delta; `output` is set on the last one."""
+    text: str
+    num_tokens: int
+    output: RequestOutput | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.output is not None
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    sent_chars: int = 0
+    sent_tokens: int = 0
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, on_step: Callable[[LLMEngine], None] | None = None,
+                 on_finish: Callable[[RequestOutput], None] | None = None):
+        self.engine = engine
+        # Called on the engine thread: after every step (gauges) and for every finished or aborted request.
+        self.on_step, self.on_finish = on_step, on_finish
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._thread = threading.Thread(target=self._run, name="kvreuse-engine", daemon=True)
+        self._stopping = False
+        self.error: BaseException | None = None
+        # Each counter has one writer (event loop / engine thread), so no lock is needed.
+        self._num_submitted = 0
+        self._num_finished = 0
+
+    # --- event-loop side -----------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def num_in_flight(self) -> int:
+        """Submitted and not yet finished (for backpressure)."""
+        return self._num_submitted - self._num_finished
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def submit(self, seq: Sequence) -> asyncio.Queue:
+        """Queue a sequence made by `engine.make_sequence`; its deltas arrive on the returned queue."""
+        if not self.is_alive:
+            raise EngineDeadError(f"the engine loop is not running: {self.error!r}")
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._num_submitted += 1
+        self._commands.put(("add", seq, stream))
+        return stream.queue
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request (client gone); its blocks are freed on the engine thread."""
+        self._commands.put(("abort", request_id, None))
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        self._commands.put(("stop", None, None))
+        self._thread.join(timeout)
+
+    def call(self, fn: Callable[[LLMEngine], object], timeout: float = 30.0):
+        """Run `fn(engine)` on the engine thread between steps and return its result (blocking)."""
+        done = threading.Event()
+        box: dict = {}
+
+        def job(engine):
+            try:
+                box["result"] = fn(engine)
+            except BaseException as exc:  # handed back to the caller
+                box["error"] = exc
+            done.set()
+        self._commands.put(("call", job, None))
+        if not done.wait(timeout):
+            raise TimeoutError("the engine thread did not answer")
+        if "error" in box:
+            raise box["error"]
+        return box.get("result")
+
+    # --- engine thread -------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._drain_commands(block=not self.engine.has_unfinished())
+                if self.engine.has_unfinished():
+                    self._deliver(self.engine.step())
+                    if self.on_step:
+                        self.on_step(self.engine)
+        except BaseException as exc:
+            self.error = exc
+            logger.exception("engine loop died")
+            for request_id in list(self._streams):
+                self._finish_stream(request_id, None)
+
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=IDLE_WAIT_S) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind, arg, stream = command
+            if kind == "add":
+                self._streams[arg.request_id] = stream
+                self.engine.add_sequence(arg)
+            elif kind == "abort":
+                seq = self.engine.sequences.get(arg)
+                if seq is not None:
+                    self.engine.abort(arg)
+                    self._finish_stream(arg, self.engine.output(seq))
+            elif kind == "call":
+                arg(self.engine)
+            elif kind == "stop":
+                self._stopping = True
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _deliver(self, updated: list[Sequence]) -> None:
+        for seq in updated:
+            stream = self._streams.get(seq.request_id)
+            if stream is None:
+                continue
+            if seq.is_finished:
+                text, num_tokens = seq.output_text, seq.num_completion_tokens
+            else:
+                text, num_tokens = _stable_prefix(seq.output_text, seq.params.stop), seq.num_completion_tokens
+            if len(text) > stream.sent_chars or seq.is_finished:
+                delta = Delta(text[stream.sent_chars:], num_tokens - stream.sent_tokens)
+                stream.sent_chars, stream.sent_tokens = max(stream.sent_chars, len(text)), num_tokens
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, delta)
+            if seq.is_finished:
+                self._finish_stream(seq.request_id, self.engine.output(seq))
+
+    def _finish_stream(self, request_id: str, output: RequestOutput | None) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is None:
+            return
+        self._num_finished += 1
+        if output is not None and self.on_finish:
+            self.on_finish(output)
+        final = Delta("", 0, output) if output else None  # None tells the consumer the engine died
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, final)
+
+
+def _stable_prefix(text: str, stops: list[str]) -> str:
+    """The part of an unfinished text that can no longer change: drop a trailing partial UTF-8
+    character and anything that could still grow into a stop string."""
+    text = text.rstrip("\ufffd")
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), 0, -1):
+            if text.endswith(stop[:k]):
+                text = text[:-k]
+                break
+    return text
