@@ -1,7 +1,6 @@
-# Two entry points, both safe on a fresh clone: `make run` (the main job) and `make test`.
+# Two entry points, both safe on a fresh clone: `make run` (the server) and `make test`.
 VENV ?= .venv
 BIN := $(VENV)/bin
-PROMPT ?= Explain in two sentences why reusing a KV cache speeds up a chatbot.
 
 .PHONY: run test install
 
@@ -16,7 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 run: install
-	$(BIN)/kvreuse generate --chat "$(PROMPT)" --max-tokens 96 --log-level INFO
+	$(BIN)/kvreuse serve --log-level info
 
 test: install
 	$(BIN)/ruff check kvreuse tests

@@ -27,13 +27,17 @@ def _common_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], help="shorthand for --set model.device=")
     parser.add_argument("--dtype", choices=["auto", "fp32", "bf16"], help="shorthand for --set model.dtype=")
     parser.add_argument("--block-size", type=int, help="shorthand for --set cache.block_size=")
+    parser.add_argument("--max-model-len", type=int, help="shorthand for --set server.max_tokens= (context limit)")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                        help="shorthand for --set cache.enabled=")
     parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO (per-request cache-hit log), WARNING")
 
 
 def build_config(args: argparse.Namespace) -> Config:
     """CLI flags > --set > config file > defaults."""
     shorthands = {"model.path": args.model, "model.device": args.device, "model.dtype": args.dtype,
-                  "cache.block_size": args.block_size}
+                  "cache.block_size": args.block_size, "server.max_tokens": args.max_model_len,
+                  "cache.enabled": args.enable_prefix_caching}
     overrides = list(args.overrides) + [f"{k}={v}" for k, v in shorthands.items() if v is not None]
     return load_config(args.config, overrides)
 
@@ -123,6 +127,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 emit(llm.generate(prompt, p)[0])
     except RequestError as exc:
         raise InputError(str(exc)) from exc
+    s = llm.engine.stats_snapshot()
+    print(f"[summary] requests={s['num_requests']} hit_rate={s['hit_rate']:.3f} prompt={s['prompt_tokens']} "
+          f"cached={s['cached_tokens']} computed={s['computed_prompt_tokens']} evictions={s['evictions']} "
+          f"({s['eviction_policy']}) peak_kv_in_use={s['peak_kv_bytes_in_use'] / 2**20:.1f}MiB "
+          f"peak_rss={s['peak_rss_bytes'] / 2**20:.0f}MiB", file=sys.stderr)
     return 0
 
 
