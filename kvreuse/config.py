@@ -40,9 +40,10 @@ class ServerConfig:
 
 @dataclass
 class SuffixConfig:
-    """``suffix.*`` keys of ``[cache]``: reuse of cached segments that are not a prefix."""
+    """``suffix.*`` keys of ``[cache]``: reuse of cached segments that are not a prefix. Off by default:
+    unlike prefix reuse it is approximate (see README, "Segment reuse")."""
 
-    enabled: bool = True
+    enabled: bool = False
     mode: str = _opt("blend", choices=("blend", "shift"))
     recompute_ratio: float = _opt(0.15, min=0.0, max=1.0)
     head_tokens: int = _opt(8, min=0)

@@ -14,6 +14,7 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    keep_first_logits: bool = False  # keep the first token's logits on the output (fidelity measurements)
 
     def __post_init__(self):
         if isinstance(self.stop, str):

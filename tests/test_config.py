@@ -45,6 +45,7 @@ ALL_CHANGED = Config(
         truncate="oldest",
         api_keys_file="/etc/kvreuse/keys 100%.txt",
         default_max_tokens=17,
+        drain_timeout_s=5,
     ),
     cache=CacheConfig(
         enabled=False,
@@ -52,7 +53,7 @@ ALL_CHANGED = Config(
         max_blocks=0,
         policy="lfu",
         suffix=SuffixConfig(
-            enabled=False, mode="shift", recompute_ratio=0.1, head_tokens=0, guard_margin=1.0
+            enabled=True, mode="shift", recompute_ratio=0.1, head_tokens=0, guard_margin=1.0
         ),
         normalize_input=True,
         min_match_blocks=0,
@@ -86,7 +87,7 @@ def test_seed_ini_loads_exactly(tmp_path):
     assert config.cache.suffix.enabled is True
     assert config.cache.normalize_input is True  # default is False, so this proves the file was read
     assert config.cache.min_match_blocks == 1
-    expected = Config(cache=CacheConfig(normalize_input=True))
+    expected = Config(cache=CacheConfig(normalize_input=True, suffix=SuffixConfig(enabled=True)))
     assert config == expected
 
 
@@ -157,7 +158,7 @@ def test_config_to_ini_writes_every_key():
         "suffix.enabled", "suffix.mode", "suffix.recompute_ratio", "suffix.head_tokens",
         "suffix.guard_margin",
     }
-    assert len(parser["server"]) == 7 and len(parser["model"]) == 3 and len(parser["engine"]) == 5
+    assert len(parser["server"]) == 8 and len(parser["model"]) == 3 and len(parser["engine"]) == 5
 
 
 def test_seed_round_trips_after_overrides(tmp_path):

@@ -66,6 +66,7 @@ class LLMEngine:
         self.kv_manager = KVCacheManager(
             num_blocks, self.block_size, enable_caching=cache.enabled, max_cached_blocks=cache.max_blocks,
             policy=cache.policy, min_match_blocks=cache.min_match_blocks, fingerprint=self.fingerprint,
+            enable_segments=cache.suffix.enabled,
         )
         self.stats = EngineStats()
         self.scheduler = Scheduler(self.kv_manager, config.engine.max_num_seqs, config.engine.max_num_batched_tokens)
@@ -155,7 +156,12 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
-        token_ids = self.runner.run(batch.seqs)
+        if batch.is_prefill and batch.seqs[0].segment_plan is not None:
+            seq = batch.seqs[0]
+            token_ids = [self.runner.run_segments(seq, self.config.cache.suffix)]
+            self.kv_manager.release_sources(seq)
+        else:
+            token_ids = self.runner.run(batch.seqs)
         now = time.perf_counter()
         self.stats.record_step(self.kv_manager, batch.num_tokens if batch.is_prefill else 0)
         updated = []
@@ -189,10 +195,12 @@ class LLMEngine:
             self.scheduler.finish(seq, reason)
             self.sequences.pop(seq.request_id, None)
             self.stats.record_finished(seq)
-            logger.info("cache-hit request=%s prompt=%d cached=%d computed=%d completion=%d ttft_ms=%.1f "
-                        "finish=%s hit_rate_total=%.3f", seq.request_id, seq.num_prompt_tokens,
-                        seq.num_cached_tokens, seq.num_prompt_tokens - seq.num_cached_tokens,
-                        seq.num_completion_tokens, seq.ttft_s * 1000, reason, self.stats.hit_rate)
+            logger.info("cache-hit request=%s prompt=%d cached=%d reused=%d (shifted=%d) recomputed=%d computed=%d "
+                        "guarded=%s completion=%d ttft_ms=%.1f finish=%s hit_rate_total=%.3f", seq.request_id,
+                        seq.num_prompt_tokens, seq.num_cached_tokens, seq.num_reused_tokens, seq.num_shifted_tokens,
+                        seq.num_recomputed_tokens,
+                        seq.num_prompt_tokens - seq.num_cached_tokens - seq.num_reused_tokens,
+                        seq.guarded, seq.num_completion_tokens, seq.ttft_s * 1000, reason, self.stats.hit_rate)
 
     def output(self, seq: Sequence) -> RequestOutput:
         return RequestOutput.from_sequence(seq)

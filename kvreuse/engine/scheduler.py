@@ -60,18 +60,27 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             hits = self.kv_manager.match_prefix(seq)
-            num_tokens = min(seq.num_tokens - len(hits) * self.kv_manager.block_size, budget)
-            if not self.kv_manager.can_allocate(seq, num_tokens, hits):
+            plan = self.kv_manager.match_segments(seq, len(hits))
+            num_tokens = seq.num_tokens - len(hits) * self.kv_manager.block_size
+            if plan is None:
+                num_tokens = min(num_tokens, budget)
+            elif scheduled:
+                break  # reused segments are repaired in one forward over the whole prompt, alone
+            if not self.kv_manager.can_allocate(seq, num_tokens, hits, plan):
                 break  # strict arrival order: nobody overtakes the head of the queue
             self.waiting.popleft()
-            self.kv_manager.allocate(seq, num_tokens, hits)
+            self.kv_manager.allocate(seq, num_tokens, hits, plan)
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = seq.num_computed_tokens
+                seq.num_reused_tokens = plan.num_tokens if plan else 0
+                seq.num_shifted_tokens = plan.num_shifted_tokens if plan else 0
             seq.num_scheduled_tokens = num_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             scheduled.append(seq)
             budget -= num_tokens
+            if plan is not None:
+                break
         return scheduled
 
     def _schedule_decode(self) -> list[Sequence]:

@@ -8,6 +8,7 @@ from enum import Enum
 
 import torch
 
+from kvreuse.kvcache.segment import SegmentPlan
 from kvreuse.sampling_params import SamplingParams
 
 
@@ -40,6 +41,15 @@ class Sequence:
     extra_key: bytes = b""            # model fingerprint + block size + salt, part of every block key
     block_keys: list[bytes] = field(default_factory=list)  # chain keys of the full blocks, in order
     block_uids: list[int] = field(default_factory=list)    # uid each full block's contents got in the pool
+    # Segment reuse: the plan is applied by the next prefill; K/V at or after `num_exact_tokens` are
+    # approximate (they attended to reused K/V) and are never published to the cache.
+    segment_plan: SegmentPlan | None = None
+    num_exact_tokens: int = 1 << 62
+    num_reused_tokens: int = 0        # prompt tokens whose K/V came from cached segments (approximate)
+    num_shifted_tokens: int = 0       # of those, reused at another position (K re-rotated)
+    num_recomputed_tokens: int = 0    # reused tokens computed again by the repair (never counted as hits)
+    guarded: bool = False             # the fidelity guard recomputed the reused part exactly
+    first_logits: torch.Tensor | None = None  # [vocab] fp32, kept when params.keep_first_logits
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)

@@ -21,7 +21,11 @@ class EngineStats:
     num_requests: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0            # exact prefix hits
-    computed_prompt_tokens: int = 0   # prompt tokens that had to be computed
+    reused_tokens: int = 0            # approximate segment hits
+    shifted_tokens: int = 0           # of those, moved to another position
+    recomputed_tokens: int = 0        # reused tokens recomputed by the repair
+    guarded_requests: int = 0         # requests the fidelity guard recomputed exactly
+    computed_prompt_tokens: int = 0   # prompt tokens computed fresh
     completion_tokens: int = 0
     prefill_tokens_run: int = 0       # tokens run through prefill steps, recomputation after preemption included
     num_preemptions: int = 0
@@ -39,14 +43,23 @@ class EngineStats:
         self.num_requests += 1
         self.prompt_tokens += seq.num_prompt_tokens
         self.cached_tokens += seq.num_cached_tokens
-        self.computed_prompt_tokens += seq.num_prompt_tokens - seq.num_cached_tokens
+        self.reused_tokens += seq.num_reused_tokens
+        self.shifted_tokens += seq.num_shifted_tokens
+        self.recomputed_tokens += seq.num_recomputed_tokens
+        self.guarded_requests += seq.guarded
+        self.computed_prompt_tokens += seq.num_prompt_tokens - seq.num_cached_tokens - seq.num_reused_tokens
         self.completion_tokens += seq.num_completion_tokens
         self.num_preemptions += seq.num_preemptions
 
     @property
     def hit_rate(self) -> float:
-        """Hit tokens / prompt tokens."""
+        """Exact hit tokens / prompt tokens."""
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def approximate_hit_rate(self) -> float:
+        """Reused tokens not recomputed / prompt tokens."""
+        return (self.reused_tokens - self.recomputed_tokens) / self.prompt_tokens if self.prompt_tokens else 0.0
 
     def snapshot(self, kv: KVCacheManager, bytes_per_block: int) -> dict:
         """Everything as one flat dict (for logs, `--json` summaries and metrics)."""
@@ -56,6 +69,8 @@ class EngineStats:
         return {
             **asdict(self),
             "hit_rate": round(self.hit_rate, 4),
+            "approximate_hit_rate": round(self.approximate_hit_rate, 4),
+            "prefill_work_tokens": self.computed_prompt_tokens + self.recomputed_tokens,
             "blocks_total": pool.num_blocks,
             "blocks_in_use": in_use,
             "blocks_cached": cached,

@@ -15,7 +15,10 @@ class KVCacheBlock:
     parent_uid: int = 0                       # uid of the block before it in its sequence (0: first block)
     num_hits: int = 0                         # times reused (LFU)
     last_access: int = 0                      # pool tick of the last allocate / hit / free (LRU among equals)
+    position: int = 0                         # absolute position of its first token when it was computed
+    extra_key: bytes = b""                    # fingerprint, block size, salt of the request that computed it
 
     def reset(self) -> None:
         self.block_key = self.token_ids = None
-        self.uid = self.parent_uid = self.num_hits = 0
+        self.uid = self.parent_uid = self.num_hits = self.position = 0
+        self.extra_key = b""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvreuse.kvcache.block import KVCacheBlock
 from kvreuse.kvcache.eviction import POLICIES
@@ -29,6 +29,9 @@ class BlockPool:
         self.num_evictions = 0
         self._tick = itertools.count(1)
         self._uids = itertools.count(1)
+        # Told about every block published / evicted: the segment index (and, later, KV event publishers).
+        self.on_register: list[Callable[[KVCacheBlock], None]] = []
+        self.on_evict: list[Callable[[KVCacheBlock], None]] = []
 
     # --- sizes ---------------------------------------------------------------------------------------
     @property
@@ -89,6 +92,8 @@ class BlockPool:
     def _evict(self, count: bool = True) -> KVCacheBlock:
         block = self.evictable.pop()
         del self.key_to_block[block.block_key]
+        for listener in self.on_evict:
+            listener(block)
         block.reset()
         self.num_evictions += count
         return block
@@ -101,17 +106,21 @@ class BlockPool:
             return None
         return block
 
-    def register(self, block_id: int, key: bytes, token_ids: Sequence[int], parent_uid: int) -> int:
-        """Publish a fully computed block under `key`. Returns its uid, or 0 if the key is already
+    def register(self, block_id: int, key: bytes, token_ids: Sequence[int], parent_uid: int,
+                 position: int = 0, extra_key: bytes = b"") -> int:
+        """Publish an exactly computed block under `key`. Returns its uid, or 0 if the key is already
         taken (the same block computed twice concurrently, or a hash collision): it stays private."""
         block = self.blocks[block_id]
         assert block.ref_cnt > 0 and block.block_key is None, f"block {block_id} cannot be registered"
         if key in self.key_to_block:
             return 0
         block.block_key, block.token_ids, block.parent_uid = key, tuple(token_ids), parent_uid
+        block.position, block.extra_key = position, extra_key
         block.uid = next(self._uids)
         block.num_hits = 1
         self.key_to_block[key] = block
+        for listener in self.on_register:
+            listener(block)
         return block.uid
 
     def reset_cache(self) -> int:

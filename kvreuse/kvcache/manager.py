@@ -6,6 +6,7 @@ from __future__ import annotations
 from kvreuse.engine.sequence import Sequence
 from kvreuse.kvcache.block_pool import BlockPool
 from kvreuse.kvcache.hashing import BlockHashFn, extra_keys, sha256_block_key
+from kvreuse.kvcache.segment import SegmentIndex, SegmentPlan
 
 
 class KVCacheManager:
@@ -15,13 +16,18 @@ class KVCacheManager:
 
     def __init__(self, num_blocks: int, block_size: int, *, enable_caching: bool = True,
                  max_cached_blocks: int | None = None, policy: str = "lru", min_match_blocks: int = 1,
-                 fingerprint: str = "", hash_fn: BlockHashFn = sha256_block_key):
+                 fingerprint: str = "", hash_fn: BlockHashFn = sha256_block_key, enable_segments: bool = False):
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.enable_segments = enable_caching and enable_segments
         self.min_match_blocks = min_match_blocks
         self.fingerprint = fingerprint
         self.hash_fn = hash_fn  # a test can swap in a constant to prove hits are confirmed, not trusted
         self.pool = BlockPool(num_blocks, max_cached_blocks if enable_caching else 0, policy)
+        self.segments = SegmentIndex(block_size)
+        if self.enable_segments:
+            self.pool.on_register.append(self.segments.add)
+            self.pool.on_evict.append(self.segments.remove)
 
     def caches(self, seq: Sequence) -> bool:
         return self.enable_caching and seq.use_cache
@@ -54,33 +60,56 @@ class KVCacheManager:
             parent_uid = block.uid
         return hits if len(hits) >= max(1, self.min_match_blocks) else []
 
+    def match_segments(self, seq: Sequence, num_prefix_blocks: int) -> SegmentPlan | None:
+        """Cached runs inside the part of `seq` that its exact prefix does not cover, leaving the last
+        token to be computed; None if there are none or segment reuse is off."""
+        if not (self.enable_segments and seq.use_cache):
+            return None
+        self._key(seq, 0)  # sets seq.extra_key
+        runs = self.segments.find_runs(seq.token_ids, num_prefix_blocks * self.block_size, seq.num_tokens - 1,
+                                       seq.extra_key, self.min_match_blocks)
+        return SegmentPlan(runs) if runs else None
+
     # --- allocation ----------------------------------------------------------------------------------
     def num_new_blocks(self, seq: Sequence, num_new_tokens: int, num_hit_blocks: int = 0) -> int:
         num_tokens = max(seq.num_computed_tokens, num_hit_blocks * self.block_size) + num_new_tokens
         return max(0, -(-num_tokens // self.block_size) - max(len(seq.block_table), num_hit_blocks))
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int, hits: list[int] = ()) -> bool:
-        # Hits that sit unreferenced in the cache stop being available once this sequence holds them.
-        num_held_hits = sum(self.pool.blocks[b].ref_cnt == 0 for b in hits)
-        return self.pool.can_allocate(self.num_new_blocks(seq, num_new_tokens, len(hits)) + num_held_hits)
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, hits: list[int] = (),
+                     plan: SegmentPlan | None = None) -> bool:
+        # Hits and segment sources that sit unreferenced in the cache stop being available once held.
+        held = set(hits) | set(plan.source_block_ids if plan else ())
+        num_held = sum(self.pool.blocks[b].ref_cnt == 0 for b in held)
+        return self.pool.can_allocate(self.num_new_blocks(seq, num_new_tokens, len(hits)) + num_held)
 
-    def allocate(self, seq: Sequence, num_new_tokens: int, hits: list[int] = ()) -> None:
+    def allocate(self, seq: Sequence, num_new_tokens: int, hits: list[int] = (),
+                 plan: SegmentPlan | None = None) -> None:
         """Make room for `num_new_tokens` more KV entries of `seq`; a waiting sequence first takes its
-        prefix hits, which count as computed."""
+        prefix hits, which count as computed, and holds its segment sources until they are copied."""
         if hits:
             assert not seq.block_table and seq.num_computed_tokens == 0, "hits only apply at admission"
             self.pool.touch(hits)
             seq.block_table = list(hits)
             seq.block_uids = [self.pool.blocks[b].uid for b in hits]
             seq.num_computed_tokens = len(hits) * self.block_size
+        if plan is not None:
+            self.pool.touch(plan.source_block_ids)
+            seq.segment_plan = plan
+            seq.num_exact_tokens = plan.runs[0].start
         seq.block_table.extend(self.pool.allocate(self.num_new_blocks(seq, num_new_tokens)))
+
+    def release_sources(self, seq: Sequence) -> None:
+        """The plan's K/V have been copied into the sequence's own blocks: let the sources go."""
+        if seq.segment_plan is not None:
+            self.pool.free(seq.segment_plan.source_block_ids)
+            seq.segment_plan = None
 
     def cache_computed_blocks(self, seq: Sequence) -> None:
         """Register the blocks that the last step completed, so later requests can reuse them."""
         if not self.caches(seq):
             return
         bs = self.block_size
-        for i in range(len(seq.block_uids), seq.num_computed_tokens // bs):
+        for i in range(len(seq.block_uids), min(seq.num_computed_tokens, seq.num_exact_tokens) // bs):
             parent_uid = seq.block_uids[-1] if seq.block_uids else 0
             if i > 0 and parent_uid == 0:
                 seq.block_uids.append(0)  # the chain is broken before this block: it stays private
@@ -91,13 +120,16 @@ class KVCacheManager:
                 # Computed here while an identical block got cached (a concurrent twin): same contents,
                 # same identity, so the chain continues through it.
                 twin = self.pool.lookup(key, token_ids, parent_uid)
-                uid = twin.uid if twin else self.pool.register(block_id, key, token_ids, parent_uid)
+                uid = twin.uid if twin else self.pool.register(block_id, key, token_ids, parent_uid, i * bs,
+                                                               seq.extra_key)
             seq.block_uids.append(uid)
 
     def free(self, seq: Sequence) -> None:
+        self.release_sources(seq)
         self.pool.free(seq.block_table)
         seq.block_table = []
         seq.block_uids = []
+        seq.num_exact_tokens = 1 << 62
 
     # --- reporting -----------------------------------------------------------------------------------
     @property
@@ -113,7 +145,10 @@ class KVCacheManager:
         held: dict[int, int] = {}
         for seq in running:
             assert len(seq.block_table) * self.block_size >= seq.num_computed_tokens, f"{seq.request_id} short table"
-            for block_id in seq.block_table:
+            sources = seq.segment_plan.source_block_ids if seq.segment_plan else []
+            for block_id in seq.block_table + sources:
                 held[block_id] = held.get(block_id, 0) + 1
         for block_id, count in held.items():
             assert self.pool.blocks[block_id].ref_cnt == count, f"block {block_id} held {count}x, ref_cnt differs"
+        if self.enable_segments:
+            self.segments.check_integrity(self.pool.blocks)

@@ -75,6 +75,24 @@ class AttentionMetadata:
         )
 
 
+def metadata_for_positions(positions: list[int], block_table: list[int], block_size: int,
+                           device: torch.device) -> AttentionMetadata:
+    """One sequence computing an arbitrary ascending set of positions (the rows selective recomputation
+    keeps); each attends to every pool slot at or before its position."""
+    table = torch.tensor(block_table, dtype=torch.long)
+    query_pos = torch.tensor(positions, dtype=torch.long)                              # [Q]
+    key_pos = torch.arange(int(query_pos[-1]) + 1)                                     # [K]
+    context_slots = table[torch.div(key_pos, block_size, rounding_mode="floor")] * block_size + key_pos % block_size
+    num_queries = len(positions)
+    return AttentionMetadata(
+        slot_mapping=context_slots[query_pos].to(device),
+        query_index=torch.arange(num_queries).unsqueeze(0).to(device),
+        context_slots=context_slots.unsqueeze(0).to(device),
+        attn_mask=(key_pos[None, :] <= query_pos[:, None]).view(1, 1, num_queries, -1).to(device),
+        output_index=torch.arange(num_queries).to(device),
+    )
+
+
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """k_cache/v_cache: [num_blocks, block_size, num_kv_heads, head_dim]; k/v: [T, num_kv_heads, head_dim]."""

@@ -19,6 +19,14 @@ class RotaryEmbedding(torch.nn.Module):
         """cos, sin of shape [T, 1, D] for integer positions [T]; computed once per forward, used by every layer."""
         return self.cos_table[positions].unsqueeze(1).to(dtype), self.sin_table[positions].unsqueeze(1).to(dtype)
 
+    def rotate_by(self, k: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
+        """Move already-rotated keys k [..., T, Hkv, D] by `deltas` [T] positions (negative allowed):
+        R(p + d) = R(d) R(p), so a cached key is re-positioned without knowing its pre-RoPE value."""
+        magnitude = deltas.abs()
+        cos = self.cos_table[magnitude].unsqueeze(1).to(k.dtype)                      # [T, 1, D]
+        sin = self.sin_table[magnitude].unsqueeze(1).to(k.dtype) * deltas.sign().unsqueeze(-1).unsqueeze(-1)
+        return apply_rotary(k, cos, sin)
+
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)

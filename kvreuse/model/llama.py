@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -50,6 +52,11 @@ class DecoderLayer(nn.Module):
                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv(x, cos, sin)
         store_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        return self.attend_and_mlp(x, q, k_cache, v_cache, meta)
+
+    def attend_and_mlp(self, x: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       meta: AttentionMetadata) -> torch.Tensor:
+        """The rest of the layer once this forward's K/V are stored; x: [T, hidden], q: [T, H, D]."""
         x = x + self.o_proj(paged_attention(q, k_cache, v_cache, meta, self.scale))
         gate, up = self.gate_up_proj(self.post_attention_norm(x)).chunk(2, dim=-1)
         return x + self.down_proj(F.silu(gate) * up)
@@ -89,6 +96,32 @@ class Llama(nn.Module):
         model.rotary = RotaryEmbedding(weights.args.head_dim, weights.args.max_position_embeddings,
                                        weights.args.rope_theta)
         return model.to(device).eval()
+
+    def forward_selective(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                          kv_cache: torch.Tensor, select_layer: int,
+                          select: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                          meta_for: Callable[[torch.Tensor], AttentionMetadata]) -> torch.Tensor:
+        """Selective recomputation (CacheBlend) for one sequence whose pool already holds reused K/V.
+
+        Layers below `select_layer` run every row. At `select_layer`, K/V are computed for every row, then
+        `select(fresh_k [T, Hkv, D], slot_mapping [T])` (called before the pool is overwritten, so it can
+        compare against the reused K) returns the rows to keep; from there on only those rows are computed,
+        and the other rows' K/V stay as reused. Returns fp32 logits [vocab] of the last kept row."""
+        x = self.embed_tokens(input_ids)                                  # [T, hidden]
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)                # [T, 1, D] each
+        for i, (layer, layer_cache) in enumerate(zip(self.layers, kv_cache, strict=True)):
+            if i < select_layer:
+                x = layer(x, cos, sin, layer_cache[0], layer_cache[1], meta)
+            elif i == select_layer:
+                q, k, v = layer.qkv(x, cos, sin)
+                rows = select(k, meta.slot_mapping)                       # [T'] kept rows, ascending
+                store_kv(layer_cache[0], layer_cache[1], k, v, meta.slot_mapping)
+                meta = meta_for(rows)
+                x, q, cos, sin = x[rows], q[rows], cos[rows], sin[rows]
+                x = layer.attend_and_mlp(x, q, layer_cache[0], layer_cache[1], meta)
+            else:
+                x = layer(x, cos, sin, layer_cache[0], layer_cache[1], meta)
+        return self.lm_head(self.norm(x[-1:])).float()[0]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: torch.Tensor, logits_index: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,710 @@
+"""The OpenAI-compatible HTTP server, end to end: `kvreuse serve` runs as a real subprocess on 127.0.0.1 and is
+driven with the `openai` client (happy paths) and httpx (raw, bad and interrupted requests).
+
+Servers: the real SmolLM2-135M in fp32 (slow tests, compared with the offline engine), and the tiny random-weight
+model of conftest in several configurations (default, API keys, max_queue=2, truncate=oldest/error, and a fresh one
+for SIGTERM). Each configuration starts once; every wait below is bounded in time and in count.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+from kvreuse.sampling_params import SamplingParams
+
+from .server_process import Metrics, Server, http_client, read_stream, sse_events, start_server, stop
+
+BLOCK_SIZE = 16  # cache.block_size default: prefix-cache hits come in whole blocks
+SYSTEM = ("You are a concise assistant for the city library of Port Elling. You answer questions about opening "
+          "hours, borrowing rules and events. Keep answers short, friendly and factual, and never invent details.")
+
+
+# --- servers and clients ---------------------------------------------------------------------------------
+def serve(tmp_path_factory, name: str, *args: str):
+    log = tmp_path_factory.mktemp("server-logs") / f"{name}.log"
+    return start_server(*args, log_path=log)
+
+
+def tiny_args(tiny_model_dir: str, *sets: str) -> list[str]:
+    args = ["--model", tiny_model_dir, "--dtype", "fp32"]
+    for item in sets:
+        args += ["--set", item]
+    return args
+
+
+@pytest.fixture(scope="module")
+def real_server(tmp_path_factory):
+    # fp32 and the same pool size as the offline `real_llm` fixture, so greedy outputs match it exactly.
+    with serve(tmp_path_factory, "real", "--dtype", "fp32", "--set", "engine.num_kv_blocks=512") as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tmp_path_factory, tiny_model_dir):
+    with serve(tmp_path_factory, "tiny", *tiny_args(tiny_model_dir)) as server:
+        yield server
+
+
+def client_for(server: Server, api_key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url, api_key=api_key, max_retries=0, timeout=120.0,
+                         http_client=openai.DefaultHttpxClient(trust_env=False))
+
+
+@pytest.fixture(scope="module")
+def http():
+    with http_client(120.0) as client:
+        yield client
+
+
+def post(client: httpx.Client, server: Server, path: str, body: dict, **kwargs) -> httpx.Response:
+    """POST /chat/completions and /completions under /v1; /tokenize and /detokenize at the root."""
+    base = server.base_url if path in ("/chat/completions", "/completions") else server.root
+    return client.post(f"{base}{path}", json=body, **kwargs)
+
+
+def assert_error(response: httpx.Response, status: int, *needles: str, param: str | None = "any") -> dict:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"}, body
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert isinstance(error["message"], str) and error["message"], error
+    for needle in needles:
+        assert needle in error["message"], f"{needle!r} not in {error['message']!r}"
+    if param != "any":
+        assert error["param"] == param, error
+    return error
+
+
+def assert_serving(client: httpx.Client, server: Server) -> None:
+    """A small good request still succeeds."""
+    r = post(client, server, "/completions", {"model": server.model, "prompt": "Hello", "max_tokens": 2,
+                                              "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 2
+
+
+def wait_idle(server: Server, timeout: float = 10.0) -> Metrics:
+    """Poll until nothing runs or waits and no KV block is held by a request; assert it got there."""
+    m = server.model
+
+    def idle(scrape: Metrics) -> bool:
+        return (scrape.get("vllm:num_requests_running", model_name=m) == 0
+                and scrape.get("vllm:num_requests_waiting", model_name=m) == 0
+                and scrape.get("vllm:kv_cache_usage_perc", model_name=m) == 0)
+
+    scrape = server.wait_for(idle, timeout)
+    assert scrape.get("vllm:num_requests_running", model_name=m) == 0, "requests still counted as running"
+    assert scrape.get("vllm:num_requests_waiting", model_name=m) == 0, "requests still counted as waiting"
+    assert scrape.get("vllm:kv_cache_usage_perc", model_name=m) == 0, "KV blocks still held by requests"
+    return scrape
+
+
+def wait_running(server: Server, count: int, timeout: float = 20.0) -> None:
+    scrape = server.wait_for(lambda s: s.get("vllm:num_requests_running", model_name=server.model) >= count,
+                             timeout, interval=0.05)
+    assert scrape.get("vllm:num_requests_running", model_name=server.model) >= count, "request never started"
+
+
+def aborts(scrape: Metrics, server: Server) -> float:
+    return scrape.get_or_zero("vllm:request_success_total", model_name=server.model, finished_reason="abort")
+
+
+# --- 1. the real model: the server's greedy output is the offline engine's --------------------------------
+@pytest.mark.slow
+class TestRealModel:
+    MAX_TOKENS = 24
+
+    def test_chat_plain_and_streamed_equal_offline_greedy(self, real_server, real_llm):
+        messages = [{"role": "system", "content": SYSTEM},
+                    {"role": "user", "content": "What can I borrow from a library?"}]
+        expected = real_llm.chat(messages, SamplingParams(max_tokens=self.MAX_TOKENS))[0]
+        assert expected.text
+        client = client_for(real_server)
+
+        reply = client.chat.completions.create(model=real_server.model, messages=messages,
+                                               max_tokens=self.MAX_TOKENS, temperature=0)
+        assert reply.object == "chat.completion" and reply.model == real_server.model
+        assert reply.choices[0].message.role == "assistant"
+        assert reply.choices[0].message.content == expected.text
+        assert reply.choices[0].finish_reason == expected.finish_reason
+        assert reply.usage.prompt_tokens == expected.usage.prompt_tokens
+        assert reply.usage.completion_tokens == expected.usage.completion_tokens
+        assert reply.usage.total_tokens == expected.usage.prompt_tokens + expected.usage.completion_tokens
+
+        pieces, finish, usage, ids = [], None, None, set()
+        stream = client.chat.completions.create(model=real_server.model, messages=messages,
+                                                max_tokens=self.MAX_TOKENS, temperature=0, stream=True,
+                                                stream_options={"include_usage": True})
+        for chunk in stream:
+            ids.add(chunk.id)
+            if chunk.usage is not None:
+                assert chunk.choices == []
+                usage = chunk.usage
+            for choice in chunk.choices:
+                pieces.append(choice.delta.content or "")
+                finish = choice.finish_reason or finish
+        assert len(ids) == 1
+        assert "".join(pieces) == expected.text
+        assert finish == expected.finish_reason
+        assert usage is not None and usage.completion_tokens == expected.usage.completion_tokens
+        assert usage.prompt_tokens == expected.usage.prompt_tokens
+
+    def test_completion_plain_and_streamed_equal_offline_greedy(self, real_server, real_llm):
+        prompt = "The three primary colors are"
+        expected = real_llm.generate(prompt, SamplingParams(max_tokens=self.MAX_TOKENS))[0]
+        client = client_for(real_server)
+
+        reply = client.completions.create(model=real_server.model, prompt=prompt, max_tokens=self.MAX_TOKENS,
+                                          temperature=0)
+        assert reply.object == "text_completion"
+        assert reply.choices[0].text == expected.text
+        assert reply.choices[0].finish_reason == expected.finish_reason
+        assert reply.usage.prompt_tokens == expected.usage.prompt_tokens
+
+        pieces, finish = [], None
+        for chunk in client.completions.create(model=real_server.model, prompt=prompt, max_tokens=self.MAX_TOKENS,
+                                               temperature=0, stream=True):
+            assert chunk.usage is None  # no include_usage: no usage chunk
+            for choice in chunk.choices:
+                pieces.append(choice.text)
+                finish = choice.finish_reason or finish
+        assert "".join(pieces) == expected.text
+        assert finish == expected.finish_reason
+
+    def test_repeated_request_is_served_from_the_prefix_cache(self, real_server):
+        client = client_for(real_server)
+        # A nonce first, so nothing earlier in this server's life shares even the first block.
+        messages = [{"role": "system", "content": f"[{uuid.uuid4().hex}] {SYSTEM}"},
+                    {"role": "user", "content": "When are you open on Sundays?"}]
+        replies = [client.chat.completions.create(model=real_server.model, messages=messages, max_tokens=8,
+                                                  temperature=0) for _ in range(2)]
+        first, second = (r.usage for r in replies)
+        assert first.prompt_tokens_details.cached_tokens == 0
+        assert second.prompt_tokens == first.prompt_tokens > 2 * BLOCK_SIZE
+        # Every full block of the prompt except the one holding the last token (which is always computed).
+        assert second.prompt_tokens_details.cached_tokens == (second.prompt_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE
+        assert second.model_extra["computed_prompt_tokens"] == (second.prompt_tokens
+                                                                - second.prompt_tokens_details.cached_tokens)
+        assert replies[1].choices[0].message.content == replies[0].choices[0].message.content
+
+    def test_raw_stream_framing_with_usage_and_done(self, real_server, http):
+        body = {"model": real_server.model, "messages": [{"role": "user", "content": "Say hello."}],
+                "max_tokens": 8, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+        with http.stream("POST", f"{real_server.base_url}/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            assert r.headers["content-type"].startswith("text/event-stream")
+            events = list(sse_events(r))
+        assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        assert len({c["id"] for c in chunks}) == 1
+        assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+        usage_chunk, finish_chunk = chunks[-1], chunks[-2]
+        assert usage_chunk["choices"] == []
+        assert finish_chunk["choices"][0]["finish_reason"] in ("stop", "length")
+        assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-2])
+        usage = usage_chunk["usage"]
+        text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[:-1])
+        plain = post(http, real_server, "/chat/completions", {**body, "stream": False}).json()
+        assert text == plain["choices"][0]["message"]["content"]
+        assert usage["completion_tokens"] == plain["usage"]["completion_tokens"]
+        assert usage["prompt_tokens"] == plain["usage"]["prompt_tokens"]
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+        assert "cached_tokens" in usage["prompt_tokens_details"]
+
+
+# --- 2, 3, 4, 7, 10: the tiny model with the default configuration ----------------------------------------
+class TestMetrics:
+    COUNTERS = {  # metric -> the usage number each finished request adds to it
+        "vllm:prompt_tokens_total": "prompt_tokens",
+        "vllm:generation_tokens_total": "completion_tokens",
+        "vllm:prefix_cache_queries_total": "prompt_tokens",
+        "vllm:prefix_cache_hits_total": "cached_tokens",
+        "kvreuse:computed_prompt_tokens_total": "computed_prompt_tokens",
+    }
+
+    def usage_numbers(self, usage: dict) -> dict:
+        return {**usage, "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]}
+
+    def test_counters_move_by_each_requests_usage(self, tiny_server, http):
+        m = tiny_server.model
+        messages = [{"role": "system", "content": f"[{uuid.uuid4().hex}] {SYSTEM}"},
+                    {"role": "user", "content": "Tell me about events."}]
+        seen_hits = False
+        for stream in (False, False, True):  # cold, then warm (cache hits), then warm and streamed
+            before = tiny_server.metrics()
+            body = {"model": m, "messages": messages, "max_tokens": 5, "temperature": 0, "ignore_eos": True,
+                    "stream": stream, "stream_options": {"include_usage": True}}
+            if stream:
+                with http.stream("POST", f"{tiny_server.base_url}/chat/completions", json=body) as r:
+                    assert r.status_code == 200
+                    usage = read_stream(r)["usage"]
+            else:
+                r = post(http, tiny_server, "/chat/completions", body)
+                assert r.status_code == 200, r.text
+                usage = r.json()["usage"]
+            numbers = self.usage_numbers(usage)
+            assert numbers["computed_prompt_tokens"] == numbers["prompt_tokens"] - numbers["cached_tokens"]
+            seen_hits |= numbers["cached_tokens"] > 0
+            after = tiny_server.metrics()
+            for metric, field in self.COUNTERS.items():
+                delta = after.get(metric, model_name=m) - before.get(metric, model_name=m)
+                assert delta == numbers[field], f"{metric} moved by {delta}, the request's {field} is {numbers[field]}"
+            for histogram in ("vllm:time_to_first_token_seconds_count", "vllm:e2e_request_latency_seconds_count"):
+                assert after.get(histogram, model_name=m) - before.get_or_zero(histogram, model_name=m) == 1
+            success = "vllm:request_success_total"
+            assert (after.get(success, model_name=m, finished_reason="length")
+                    - before.get_or_zero(success, model_name=m, finished_reason="length")) == 1
+        assert seen_hits, "the repeated request never hit the prefix cache"
+
+    def test_gauges_and_format(self, tiny_server, http):
+        r = http.get(f"{tiny_server.root}/metrics")
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+        scrape = Metrics.parse(r.text)
+        for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
+            assert 0 <= scrape.get(gauge, model_name=tiny_server.model) <= 1e9
+        assert 0 <= scrape.get("vllm:kv_cache_usage_perc", model_name=tiny_server.model) <= 1
+        assert scrape.get("kvreuse:peak_rss_bytes", model_name=tiny_server.model) > 0
+        assert re.search(r"^# TYPE vllm:prompt_tokens(_total)? counter$", r.text, re.M)
+
+    def test_health(self, tiny_server, http):
+        r = http.get(f"{tiny_server.root}/health")
+        assert r.status_code == 200 and r.json() == {"status": "ok"}
+
+
+M = "<served model>"  # replaced by the server's model name in the bad-input table
+BAD_INPUTS = [
+    # id, path, body (bytes: sent raw), status, words the message must contain, param
+    ("malformed-json", "/completions", b'{"model": "m", "prompt": "hi",', 400, ["malformed JSON"], None),
+    ("not-an-object", "/completions", b"[1, 2]", 400, ["dictionary"], None),
+    ("max_tokens-string", "/completions", {"model": M, "prompt": "hi", "max_tokens": "ten"}, 400,
+     ["max_tokens", "integer"], "max_tokens"),
+    ("max_tokens-zero", "/completions", {"model": M, "prompt": "hi", "max_tokens": 0}, 400,
+     ["max_tokens", "greater than or equal to 1"], "max_tokens"),
+    ("max_tokens-negative", "/chat/completions",
+     {"model": M, "messages": [{"role": "user", "content": "hi"}], "max_tokens": -5}, 400,
+     ["max_tokens", "greater than or equal to 1"], "max_tokens"),
+    ("max_completion_tokens-zero", "/chat/completions",
+     {"model": M, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, 400,
+     ["max_completion_tokens"], "max_completion_tokens"),
+    ("temperature-negative", "/completions", {"model": M, "prompt": "hi", "temperature": -0.5}, 400,
+     ["temperature", "greater than or equal to 0"], "temperature"),
+    ("top_p-zero", "/completions", {"model": M, "prompt": "hi", "top_p": 0}, 400, ["top_p"], "top_p"),
+    ("empty-messages", "/chat/completions", {"model": M, "messages": []}, 400, ["messages", "at least 1"],
+     "messages"),
+    ("bad-role", "/chat/completions", {"model": M, "messages": [{"role": "wizard", "content": "hi"}]}, 400,
+     ["messages.0.role"], "messages.0.role"),
+    ("image-part", "/chat/completions",
+     {"model": M, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     400, ["only text content parts"], "messages"),
+    ("empty-prompt", "/completions", {"model": M, "prompt": ""}, 400, ["prompt must not be empty"], None),
+    ("two-prompts", "/completions", {"model": M, "prompt": ["a", "b"]}, 400, ["one prompt per request"], None),
+    ("token-out-of-vocab", "/completions", {"model": M, "prompt": [1, 10_000_000]}, 400,
+     ["prompt token ids", "integers in [0, "], "prompt"),
+    ("unknown-model", "/completions", {"model": "no-such-model", "prompt": "hi"}, 404,
+     ["'no-such-model' does not exist"], "model"),
+    ("unknown-model-chat", "/chat/completions",
+     {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}, 404, ["'gpt-4o' does not exist"], "model"),
+    ("missing-model", "/completions", {"prompt": "hi"}, 400, ["model", "Field required"], "model"),
+    ("salt-empty", "/completions", {"model": M, "prompt": "hi", "cache_salt": ""}, 400,
+     ["cache_salt", "at least 1 character"], "cache_salt"),
+    ("salt-too-long", "/completions", {"model": M, "prompt": "hi", "cache_salt": "s" * 300}, 400,
+     ["cache_salt", "at most 256"], "cache_salt"),
+    ("salt-number", "/chat/completions",
+     {"model": M, "messages": [{"role": "user", "content": "hi"}], "cache_salt": 42}, 400,
+     ["cache_salt", "string"], "cache_salt"),
+    ("use_cache-not-bool", "/completions", {"model": M, "prompt": "hi", "use_cache": "perhaps"}, 400,
+     ["use_cache"], "use_cache"),
+    ("n-2", "/completions", {"model": M, "prompt": "hi", "n": 2}, 400, ["n > 1 is not supported"], None),
+    ("logprobs", "/chat/completions",
+     {"model": M, "messages": [{"role": "user", "content": "hi"}], "logprobs": True}, 400,
+     ["logprobs are not supported"], None),
+    ("tools", "/chat/completions",
+     {"model": M, "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400,
+     ["tools are not supported"], None),
+    ("empty-stop", "/completions", {"model": M, "prompt": "hi", "stop": ["x", ""]}, 400, ["stop strings"], None),
+]
+
+
+class TestBadInputs:
+    @pytest.mark.parametrize("path, body, status, needles, param", [case[1:] for case in BAD_INPUTS],
+                             ids=[case[0] for case in BAD_INPUTS])
+    def test_bad_request_gets_4xx_naming_the_problem_and_the_server_keeps_serving(
+            self, tiny_server, http, path, body, status, needles, param):
+        url = f"{tiny_server.base_url}{path}"
+        if isinstance(body, bytes):
+            r = http.post(url, content=body, headers={"content-type": "application/json"})
+        else:
+            body = {k: (tiny_server.model if v == M else v) for k, v in body.items()}
+            r = http.post(url, json=body)
+        assert_error(r, status, *needles, param=param)
+        assert_serving(http, tiny_server)
+
+    @pytest.mark.parametrize("path", ["/completions", "/chat/completions"])
+    def test_prompt_over_the_context_limit_names_prompt_tokens_max_tokens_and_limit(self, tiny_server, http, path):
+        text = " ".join(f"w{i}" for i in range(800))  # ~2300 tokens, over the 2048-token limit alone
+        if path == "/completions":
+            body, field = {"model": tiny_server.model, "prompt": text}, "prompt"
+            count = post(http, tiny_server, "/tokenize", {"prompt": text}).json()["count"]
+        else:
+            messages = [{"role": "user", "content": text}]
+            body, field = {"model": tiny_server.model, "messages": messages}, "messages"
+            count = post(http, tiny_server, "/tokenize", {"messages": messages}).json()["count"]
+        assert count > 2048
+        r = post(http, tiny_server, path, {**body, "max_tokens": 64})
+        error = assert_error(r, 400, f"prompt ({count} tokens)", "max_tokens (64)", f"= {count + 64} tokens",
+                             "context limit of 2048 tokens", param=field)
+        assert error["code"] == "context_length_exceeded"
+        # Without max_tokens the server picks what fits, and there is no room at all.
+        assert_error(post(http, tiny_server, path, body), 400, f"prompt ({count} tokens)", "2048", param=field)
+        assert_serving(http, tiny_server)
+
+    def test_max_tokens_alone_can_push_a_fitting_prompt_over_the_limit(self, tiny_server, http):
+        count = post(http, tiny_server, "/tokenize", {"prompt": "Hello there"}).json()["count"]
+        r = post(http, tiny_server, "/completions", {"model": tiny_server.model, "prompt": "Hello there",
+                                                     "max_tokens": 2048})
+        assert_error(r, 400, f"prompt ({count} tokens)", "max_tokens (2048)", "2048 tokens (server.max_tokens)")
+        r = post(http, tiny_server, "/completions", {"model": tiny_server.model, "prompt": "Hello there",
+                                                     "max_tokens": 2048 - count, "temperature": 0})
+        assert r.status_code == 200, r.text  # exactly at the limit is fine; it may stop early at EOS
+
+    def test_openai_client_sees_typed_errors(self, tiny_server):
+        client = client_for(tiny_server)
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="no-such-model", prompt="hi", max_tokens=2)
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=tiny_server.model, prompt="hi", max_tokens=0)
+        assert "max_tokens" in str(info.value)
+
+
+class TestConcurrentStreams:
+    NUM_STREAMS = 16
+    DISCONNECT = {1, 4, 9, 14}  # these close their stream after a few chunks
+    MAX_TOKENS = 96
+
+    def body(self, model: str, i: int, stream: bool) -> tuple[str, dict]:
+        common = {"model": model, "max_tokens": self.MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+                  "stream": stream, "stream_options": {"include_usage": True}}
+        if i % 2:
+            return "/chat/completions", {**common, "messages": [
+                {"role": "user", "content": f"Question {i}: what is {i} times {i + 3}?"}]}
+        return "/completions", {**common, "prompt": f"Story {i}: once upon a time, in a land of {i} rivers,"}
+
+    def test_16_streams_with_4_disconnects_complete_and_free_everything(self, tiny_server):
+        server = tiny_server
+        before = server.metrics()
+        barrier = threading.Barrier(self.NUM_STREAMS, timeout=30)
+
+        def run(i: int) -> dict:
+            path, body = self.body(server.model, i, stream=True)
+            with http_client(120.0) as client:
+                barrier.wait()
+                with client.stream("POST", f"{server.base_url}{path}", json=body) as r:
+                    assert r.status_code == 200, r.read()
+                    return read_stream(r, stop_after_text_chunks=3 if i in self.DISCONNECT else None)
+
+        with ThreadPoolExecutor(self.NUM_STREAMS) as pool:
+            results = list(pool.map(run, range(self.NUM_STREAMS), timeout=120))
+
+        for i, result in enumerate(results):
+            if i in self.DISCONNECT:
+                assert not result["done"] and result["finish_reason"] is None
+                continue
+            assert result["done"], f"stream {i} did not end with [DONE]"
+            assert result["finish_reason"] == "length", i
+            assert result["usage"]["completion_tokens"] == self.MAX_TOKENS, i
+
+        # The clients that went away are aborted; their blocks come back; nothing is left running.
+        scrape = wait_idle(server)
+        assert aborts(scrape, server) - aborts(before, server) == len(self.DISCONNECT)
+        assert scrape.get("kvreuse:cached_blocks", model_name=server.model) > 0
+
+        def plain(i: int) -> str:
+            path, body = self.body(server.model, i, stream=False)
+            with http_client(120.0) as client:
+                r = client.post(f"{server.base_url}{path}", json=body)
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            assert choice["finish_reason"] == "length"
+            return choice["message"]["content"] if "message" in choice else choice["text"]
+
+        completed = [i for i in range(self.NUM_STREAMS) if i not in self.DISCONNECT]
+        with ThreadPoolExecutor(4) as pool:
+            expected = dict(zip(completed, pool.map(plain, completed, timeout=120), strict=True))
+        for i in completed:
+            assert results[i]["text"] == expected[i], f"stream {i} differs from its non-streamed greedy run"
+        wait_idle(server)
+
+
+class TestNonStreamingDisconnect:
+    def test_client_timeout_aborts_the_request_and_the_server_keeps_serving(self, tiny_server, http):
+        server = tiny_server
+        before = server.metrics()
+        body = {"model": server.model, "prompt": "A very long story:", "max_tokens": 1800, "temperature": 0,
+                "ignore_eos": True}
+        with http_client(httpx.Timeout(30.0, read=1.0)) as impatient, pytest.raises(httpx.ReadTimeout):
+            impatient.post(f"{server.base_url}/completions", json=body)
+        scrape = wait_idle(server)  # 1800 tokens take seconds: only the abort can have ended it this soon
+        assert aborts(scrape, server) - aborts(before, server) == 1
+        assert_serving(http, server)
+
+
+class TestTokenizeAndModels:
+    def test_tokenize_detokenize_round_trip(self, tiny_server, http):
+        text = "Paged attention keeps keys and values in blocks. Ünïcødé too: 東京 🚀"
+        r = post(http, tiny_server, "/tokenize", {"prompt": text})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["count"] == len(body["tokens"]) > 0 and body["max_model_len"] == 2048
+        assert all(isinstance(t, int) for t in body["tokens"])
+        r = post(http, tiny_server, "/detokenize", {"tokens": body["tokens"]})
+        assert r.status_code == 200, r.text
+        assert r.json() == {"prompt": text}
+        # With the model name too; and the token count is what a completion reports as its prompt.
+        assert post(http, tiny_server, "/tokenize", {"prompt": text, "model": tiny_server.model}).json() == body
+        r = post(http, tiny_server, "/completions", {"model": tiny_server.model, "prompt": text, "max_tokens": 1})
+        assert r.json()["usage"]["prompt_tokens"] == body["count"]
+
+    def test_tokenize_messages_counts_the_chat_prompt(self, tiny_server, http):
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi!"}]
+        count = post(http, tiny_server, "/tokenize", {"messages": messages}).json()["count"]
+        r = post(http, tiny_server, "/chat/completions", {"model": tiny_server.model, "messages": messages,
+                                                          "max_tokens": 1})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == count
+
+    def test_tokenize_and_detokenize_errors(self, tiny_server, http):
+        assert_error(post(http, tiny_server, "/tokenize", {"prompt": "a", "messages": [{"role": "user"}]}), 400,
+                     "exactly one of")
+        assert_error(post(http, tiny_server, "/tokenize", {}), 400, "exactly one of")
+        assert_error(post(http, tiny_server, "/tokenize", {"prompt": "a", "model": "nope"}), 404, "'nope'")
+        assert_error(post(http, tiny_server, "/detokenize", {"tokens": [1, 10_000_000]}), 400, "tokens must be",
+                     param="tokens")
+        assert_error(post(http, tiny_server, "/detokenize", {"tokens": [-1]}), 400, "tokens")
+        assert_error(post(http, tiny_server, "/detokenize", {"tokens": "abc"}), 400, "tokens")
+
+    def test_models_lists_the_served_model(self, tiny_server):
+        models = client_for(tiny_server).models.list()
+        assert [m.id for m in models.data] == [tiny_server.model]
+        assert models.data[0].owned_by == "kvreuse"
+        assert models.data[0].model_extra["max_model_len"] == 2048
+
+
+# --- 5. tenants: API keys isolate the prefix cache ------------------------------------------------------
+@pytest.fixture(scope="class")
+def keyed_server(tmp_path_factory, tiny_model_dir):
+    keys = tmp_path_factory.mktemp("keys") / "api_keys.txt"
+    keys.write_text("# key tenant\nkey-alpha-123 alpha\nkey-beta-456 beta\n")
+    with serve(tmp_path_factory, "keyed", *tiny_args(tiny_model_dir), "--api-keys", str(keys)) as server:
+        yield server
+
+
+class TestTenants:
+    def cached(self, server: Server, key: str, messages: list[dict], **extra) -> int:
+        reply = client_for(server, key).chat.completions.create(
+            model=server.model, messages=messages, max_tokens=3, temperature=0, extra_body=extra or None)
+        return reply.usage.prompt_tokens_details.cached_tokens
+
+    def test_same_tenant_hits_the_other_tenant_does_not(self, keyed_server):
+        messages = [{"role": "system", "content": f"[{uuid.uuid4().hex}] {SYSTEM}"},
+                    {"role": "user", "content": "Can I renew a book online?"}]
+        assert self.cached(keyed_server, "key-alpha-123", messages) == 0
+        assert self.cached(keyed_server, "key-alpha-123", messages) > 0
+        assert self.cached(keyed_server, "key-beta-456", messages) == 0  # alpha's blocks are not beta's
+        assert self.cached(keyed_server, "key-beta-456", messages) > 0   # beta's own are
+        # A request's cache_salt only narrows sharing inside its tenant: alpha + salt is a fresh partition...
+        assert self.cached(keyed_server, "key-alpha-123", messages, cache_salt="team-x") == 0
+        assert self.cached(keyed_server, "key-alpha-123", messages, cache_salt="team-x") > 0
+        # ...and the same salt from another tenant does not reach into it.
+        assert self.cached(keyed_server, "key-beta-456", messages, cache_salt="team-x") == 0
+
+    def test_missing_or_wrong_key_gets_401(self, keyed_server, http):
+        chat = {"model": keyed_server.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        url = f"{keyed_server.base_url}/chat/completions"
+        for headers in ({}, {"Authorization": "Bearer wrong-key"}, {"Authorization": "key-alpha-123"},
+                        {"Authorization": "Bearer key-alpha-12"}, {"Authorization": "Bearer "}):
+            error = assert_error(http.post(url, json=chat, headers=headers), 401, "API key")
+            assert error["type"] == "authentication_error"
+        for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/tokenize"),
+                             ("POST", "/detokenize")):
+            r = http.request(method, f"{keyed_server.root}{path}", json={"prompt": "hi", "tokens": [1]})
+            assert_error(r, 401, "API key")
+        with pytest.raises(openai.AuthenticationError):
+            client_for(keyed_server, "wrong-key").chat.completions.create(
+                model=keyed_server.model, messages=chat["messages"], max_tokens=2)
+        # The right key works, for the raw client too.
+        r = http.post(url, json=chat, headers={"Authorization": "Bearer key-beta-456"})
+        assert r.status_code == 200, r.text
+        r = http.post(f"{keyed_server.root}/tokenize", json={"prompt": "hi"},
+                      headers={"Authorization": "Bearer key-alpha-123"})
+        assert r.status_code == 200, r.text
+
+    def test_health_and_metrics_need_no_key(self, keyed_server, http):
+        assert http.get(f"{keyed_server.root}/health").status_code == 200
+        assert http.get(f"{keyed_server.root}/metrics").status_code == 200
+
+
+# --- 6. backpressure -------------------------------------------------------------------------------------
+@pytest.fixture(scope="class")
+def queue2_server(tmp_path_factory, tiny_model_dir):
+    with serve(tmp_path_factory, "queue2", *tiny_args(tiny_model_dir, "server.max_queue=2")) as server:
+        yield server
+
+
+class TestBackpressure:
+    def test_beyond_max_queue_gets_429_with_retry_after(self, queue2_server, http):
+        server = queue2_server
+        num, max_tokens = 6, 400
+        barrier = threading.Barrier(num, timeout=30)
+
+        def fire(i: int) -> httpx.Response:
+            body = {"model": server.model, "prompt": f"Long request {i}:", "max_tokens": max_tokens,
+                    "temperature": 0, "ignore_eos": True}
+            with http_client(120.0) as client:
+                barrier.wait()
+                return client.post(f"{server.base_url}/completions", json=body)
+
+        with ThreadPoolExecutor(num) as pool:
+            responses = list(pool.map(fire, range(num), timeout=120))
+        statuses = sorted(r.status_code for r in responses)
+        assert set(statuses) <= {200, 429}, statuses
+        assert 1 <= statuses.count(200) <= 2 and statuses.count(429) >= 1, statuses
+        for r in responses:
+            if r.status_code == 429:
+                error = assert_error(r, 429, "server.max_queue = 2")
+                assert error["type"] == "rate_limit_error"
+                assert r.headers.get("retry-after") == "1"
+            else:
+                assert r.json()["usage"]["completion_tokens"] == max_tokens
+        wait_idle(server)
+        assert_serving(http, server)
+
+
+# --- 8. server.truncate ----------------------------------------------------------------------------------
+LIMIT = 256
+
+
+def long_conversation() -> list[dict]:
+    messages = [{"role": "system", "content": "You are a patient tutor."}]
+    for turn in range(8):
+        messages.append({"role": "user", "content": f"Question {turn}: " + " ".join(f"q{turn}x{i}" for i in range(9))})
+        messages.append({"role": "assistant", "content": f"Answer {turn}: "
+                         + " ".join(f"a{turn}y{i}" for i in range(9))})
+    messages.append({"role": "user", "content": "And the last question: what did we cover?"})
+    return messages
+
+
+@pytest.fixture(scope="class")
+def truncating_server(tmp_path_factory, tiny_model_dir):
+    args = tiny_args(tiny_model_dir, f"server.max_tokens={LIMIT}", "server.truncate=oldest")
+    with serve(tmp_path_factory, "truncate-oldest", *args) as server:
+        yield server
+
+
+@pytest.fixture(scope="class")
+def strict_server(tmp_path_factory, tiny_model_dir):
+    with serve(tmp_path_factory, "truncate-error", *tiny_args(tiny_model_dir, f"server.max_tokens={LIMIT}")) as server:
+        yield server
+
+
+class TestTruncation:
+    MAX_TOKENS = 16
+
+    def count(self, http, server: Server, messages: list[dict]) -> int:
+        r = post(http, server, "/tokenize", {"messages": messages})
+        assert r.status_code == 200, r.text
+        return r.json()["count"]
+
+    def test_oldest_drops_whole_turns_until_it_fits(self, truncating_server, http):
+        server, messages = truncating_server, long_conversation()
+        assert self.count(http, server, messages) + self.MAX_TOKENS > LIMIT
+        body = {"model": server.model, "messages": messages, "max_tokens": self.MAX_TOKENS, "temperature": 0}
+        r = post(http, server, "/chat/completions", body)
+        assert r.status_code == 200, r.text
+        reply = r.json()
+        dropped = reply["truncated_turns"]
+        assert dropped >= 1
+        kept = messages[:1] + messages[1 + 2 * dropped:]  # the system message and the newest turns
+        assert reply["usage"]["prompt_tokens"] == self.count(http, server, kept)
+        assert reply["usage"]["prompt_tokens"] + self.MAX_TOKENS <= LIMIT
+        one_less = messages[:1] + messages[1 + 2 * (dropped - 1):]
+        assert self.count(http, server, one_less) + self.MAX_TOKENS > LIMIT, "dropped more turns than needed"
+
+        with http.stream("POST", f"{server.base_url}/chat/completions", json={**body, "stream": True}) as s:
+            assert s.status_code == 200
+            result = read_stream(s)
+        assert result["done"] and all(c["truncated_turns"] == dropped for c in result["chunks"])
+        assert result["text"] == reply["choices"][0]["message"]["content"]
+
+    def test_oldest_leaves_fitting_conversations_alone(self, truncating_server, http):
+        body = {"model": truncating_server.model, "messages": long_conversation()[-3:], "max_tokens": 4}
+        r = post(http, truncating_server, "/chat/completions", body)
+        assert r.status_code == 200, r.text
+        assert r.json().get("truncated_turns", 0) == 0
+
+    def test_oldest_still_refuses_a_last_message_that_cannot_fit(self, truncating_server, http):
+        huge = [{"role": "user", "content": " ".join(f"w{i}" for i in range(200))}]
+        r = post(http, truncating_server, "/chat/completions", {"model": truncating_server.model,
+                                                                "messages": huge, "max_tokens": 8})
+        assert_error(r, 400, f"context limit of {LIMIT} tokens", param="messages")
+        assert_serving(http, truncating_server)
+
+    def test_error_mode_refuses_the_same_conversation(self, strict_server, http):
+        messages = long_conversation()
+        count = self.count(http, strict_server, messages)
+        r = post(http, strict_server, "/chat/completions", {"model": strict_server.model, "messages": messages,
+                                                            "max_tokens": self.MAX_TOKENS})
+        error = assert_error(r, 400, f"prompt ({count} tokens)", f"max_tokens ({self.MAX_TOKENS})",
+                             f"context limit of {LIMIT} tokens", param="messages")
+        assert error["code"] == "context_length_exceeded"
+        assert_serving(http, strict_server)
+
+
+# --- 9. SIGTERM drains -----------------------------------------------------------------------------------
+def test_sigterm_refuses_new_requests_finishes_in_flight_ones_and_exits_0(tmp_path_factory, tiny_model_dir):
+    max_tokens = 1200  # several seconds on the tiny model
+    with serve(tmp_path_factory, "sigterm", *tiny_args(tiny_model_dir)) as server:
+        result: dict = {}
+
+        def in_flight() -> None:
+            body = {"model": server.model, "prompt": "Keep going:", "max_tokens": max_tokens, "temperature": 0,
+                    "ignore_eos": True}
+            try:
+                with http_client(120.0) as client:
+                    result["response"] = client.post(f"{server.base_url}/completions", json=body)
+            except Exception as exc:  # reported by the main thread
+                result["error"] = exc
+
+        worker = threading.Thread(target=in_flight, daemon=True)
+        worker.start()
+        wait_running(server, 1)
+        server.process.send_signal(signal.SIGTERM)
+        time.sleep(0.3)  # let the signal land
+
+        late = {"model": server.model, "prompt": "Too late", "max_tokens": 2}
+        try:
+            with http_client(10.0) as client:
+                r = client.post(f"{server.base_url}/completions", json=late)
+            assert_error(r, 503, "shutting down")
+        except httpx.TransportError:
+            pass  # refused outright: the listening socket is closed
+
+        worker.join(90)
+        assert not worker.is_alive(), "the in-flight request never finished"
+        assert "error" not in result, f"in-flight request failed: {result.get('error')!r}\n{server.log_tail()}"
+        response = result["response"]
+        assert response.status_code == 200, response.text
+        choice, usage = response.json()["choices"][0], response.json()["usage"]
+        assert choice["finish_reason"] == "length" and usage["completion_tokens"] == max_tokens
+        assert stop(server.process, timeout=30) == 0, server.log_tail()
