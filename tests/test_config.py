@@ -332,7 +332,7 @@ def test_validate_config_checks_code_built_configs():
 
 def test_as_dict():
     data = load_config(None, ["cache.suffix.mode=shift"]).as_dict()
-    assert data["cache"]["suffix"] == {"enabled": True, "mode": "shift", "recompute_ratio": 0.15,
+    assert data["cache"]["suffix"] == {"enabled": False, "mode": "shift", "recompute_ratio": 0.15,
                                        "head_tokens": 8, "guard_margin": 0.05}
     assert data["server"]["max_tokens"] == 2048
     assert set(data) == {"server", "cache", "model", "engine"}
