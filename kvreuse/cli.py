@@ -200,6 +200,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_fidelity(args: argparse.Namespace) -> int:
+    from kvreuse.bench import fidelity
+
+    overrides = list(args.overrides) + ([f"cache.block_size={args.block_size}"] if args.block_size else [])
+    report = fidelity.fidelity_report(num_requests=args.requests, seed=args.seed, modes=args.modes,
+                                      overrides=overrides, progress=lambda line: print(line, file=sys.stderr))
+    print(json.dumps(report, indent=2) if args.json else fidelity.markdown(report))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvreuse", description="LLM inference built around KV-cache reuse")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -233,6 +243,17 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--out", help="directory for <suite>.json and <suite>.md")
     bench.add_argument("--log-level", default="WARNING")
     bench.set_defaults(func=cmd_bench)
+
+    fid = sub.add_parser("fidelity", help="segment reuse against exact recompute on a built-in RAG workload")
+    fid.add_argument("--requests", type=int, default=24, help="RAG requests (default 24)")
+    fid.add_argument("--seed", type=int, default=0, help="workload seed")
+    fid.add_argument("--modes", nargs="+", choices=["shift", "blend", "blend-1.0"], help="default: all")
+    fid.add_argument("--block-size", type=int, help="shorthand for --set cache.block_size=")
+    fid.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                     help="e.g. cache.suffix.recompute_ratio=0.3, cache.suffix.guard_margin=0")
+    fid.add_argument("--json", action="store_true", help="the whole report as JSON")
+    fid.add_argument("--log-level", default="WARNING")
+    fid.set_defaults(func=cmd_fidelity)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
