@@ -106,8 +106,9 @@ class Server:
 
 
 def _pump(stream, lines: queue.Queue) -> None:
-    for line in stream:
-        lines.put(line)
+    with stream:
+        for line in stream:
+            lines.put(line)
     lines.put(None)
 
 

@@ -2,8 +2,8 @@
 driven with the `openai` client (happy paths) and httpx (raw, bad and interrupted requests).
 
 Servers: the real SmolLM2-135M in fp32 (slow tests, compared with the offline engine), and the tiny random-weight
-model of conftest in several configurations (default, API keys, max_queue=2, truncate=oldest/error, and a fresh one
-for SIGTERM). Each configuration starts once; every wait below is bounded in time and in count.
+model of conftest in several configurations (default, API keys, max_queue=2, truncate=oldest, and a fresh one for
+SIGTERM). Each configuration starts once; every wait below is bounded in time and in count.
 """
 
 from __future__ import annotations
@@ -55,9 +55,21 @@ def tiny_server(tmp_path_factory, tiny_model_dir):
         yield server
 
 
-def client_for(server: Server, api_key: str = "unused") -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url, api_key=api_key, max_retries=0, timeout=120.0,
-                         http_client=openai.DefaultHttpxClient(trust_env=False))
+@pytest.fixture(scope="module")
+def client_for():
+    """client_for(server, api_key) -> an `openai.OpenAI` for that server (no retries, no proxy), closed at the end."""
+    clients: dict[tuple[str, str], openai.OpenAI] = {}
+
+    def get(server: Server, api_key: str = "unused") -> openai.OpenAI:
+        key = (server.base_url, api_key)
+        if key not in clients:
+            clients[key] = openai.OpenAI(base_url=server.base_url, api_key=api_key, max_retries=0, timeout=120.0,
+                                         http_client=openai.DefaultHttpxClient(trust_env=False))
+        return clients[key]
+
+    yield get
+    for client in clients.values():
+        client.close()
 
 
 @pytest.fixture(scope="module")
@@ -123,9 +135,9 @@ def aborts(scrape: Metrics, server: Server) -> float:
 # --- 1. the real model: the server's greedy output is the offline engine's --------------------------------
 @pytest.mark.slow
 class TestRealModel:
-    MAX_TOKENS = 24
+    MAX_TOKENS = 16
 
-    def test_chat_plain_and_streamed_equal_offline_greedy(self, real_server, real_llm):
+    def test_chat_plain_and_streamed_equal_offline_greedy(self, real_server, real_llm, client_for):
         messages = [{"role": "system", "content": SYSTEM},
                     {"role": "user", "content": "What can I borrow from a library?"}]
         expected = real_llm.chat(messages, SamplingParams(max_tokens=self.MAX_TOKENS))[0]
@@ -160,7 +172,7 @@ class TestRealModel:
         assert usage is not None and usage.completion_tokens == expected.usage.completion_tokens
         assert usage.prompt_tokens == expected.usage.prompt_tokens
 
-    def test_completion_plain_and_streamed_equal_offline_greedy(self, real_server, real_llm):
+    def test_completion_plain_and_streamed_equal_offline_greedy(self, real_server, real_llm, client_for):
         prompt = "The three primary colors are"
         expected = real_llm.generate(prompt, SamplingParams(max_tokens=self.MAX_TOKENS))[0]
         client = client_for(real_server)
@@ -182,7 +194,7 @@ class TestRealModel:
         assert "".join(pieces) == expected.text
         assert finish == expected.finish_reason
 
-    def test_repeated_request_is_served_from_the_prefix_cache(self, real_server):
+    def test_repeated_request_is_served_from_the_prefix_cache(self, real_server, client_for):
         client = client_for(real_server)
         # A nonce first, so nothing earlier in this server's life shares even the first block.
         messages = [{"role": "system", "content": f"[{uuid.uuid4().hex}] {SYSTEM}"},
@@ -273,7 +285,7 @@ class TestMetrics:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
         scrape = Metrics.parse(r.text)
         for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
-            assert 0 <= scrape.get(gauge, model_name=tiny_server.model) <= 1e9
+            assert scrape.get(gauge, model_name=tiny_server.model) >= 0
         assert 0 <= scrape.get("vllm:kv_cache_usage_perc", model_name=tiny_server.model) <= 1
         assert scrape.get("kvreuse:peak_rss_bytes", model_name=tiny_server.model) > 0
         assert re.search(r"^# TYPE vllm:prompt_tokens(_total)? counter$", r.text, re.M)
@@ -371,21 +383,111 @@ class TestBadInputs:
         assert_serving(http, tiny_server)
 
     def test_max_tokens_alone_can_push_a_fitting_prompt_over_the_limit(self, tiny_server, http):
-        count = post(http, tiny_server, "/tokenize", {"prompt": "Hello there"}).json()["count"]
-        r = post(http, tiny_server, "/completions", {"model": tiny_server.model, "prompt": "Hello there",
-                                                     "max_tokens": 2048})
-        assert_error(r, 400, f"prompt ({count} tokens)", "max_tokens (2048)", "2048 tokens (server.max_tokens)")
-        r = post(http, tiny_server, "/completions", {"model": tiny_server.model, "prompt": "Hello there",
-                                                     "max_tokens": 2048 - count, "temperature": 0})
-        assert r.status_code == 200, r.text  # exactly at the limit is fine; it may stop early at EOS
+        text = " ".join(f"w{i}" for i in range(530))  # ~2010 tokens
+        count = post(http, tiny_server, "/tokenize", {"prompt": text}).json()["count"]
+        room = 2048 - count
+        assert 1 <= room <= 64, count
+        body = {"model": tiny_server.model, "prompt": text, "temperature": 0, "ignore_eos": True}
+        r = post(http, tiny_server, "/completions", {**body, "max_tokens": room + 1})
+        assert_error(r, 400, f"prompt ({count} tokens)", f"max_tokens ({room + 1})", "= 2049 tokens",
+                     "context limit of 2048 tokens (server.max_tokens)")
+        r = post(http, tiny_server, "/completions", {**body, "max_tokens": room})  # exactly at the limit
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == room
+        # Without max_tokens the default is capped to what fits.
+        r = post(http, tiny_server, "/completions", {key: v for key, v in body.items()})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == room
 
-    def test_openai_client_sees_typed_errors(self, tiny_server):
+    def test_openai_client_sees_typed_errors(self, tiny_server, client_for):
         client = client_for(tiny_server)
         with pytest.raises(openai.NotFoundError):
             client.completions.create(model="no-such-model", prompt="hi", max_tokens=2)
         with pytest.raises(openai.BadRequestError) as info:
             client.completions.create(model=tiny_server.model, prompt="hi", max_tokens=0)
         assert "max_tokens" in str(info.value)
+
+
+class TestRequestOptions:
+    def complete(self, http, server: Server, **fields) -> dict:
+        body = {"model": server.model, "prompt": "Once upon a time", "max_tokens": 48, "temperature": 0,
+                "ignore_eos": True, **fields}
+        if body.get("stream"):
+            with http.stream("POST", f"{server.base_url}/completions", json=body) as r:
+                assert r.status_code == 200
+                result = read_stream(r)
+            assert result["done"]
+            return {"text": result["text"], "finish_reason": result["finish_reason"]}
+        r = post(http, server, "/completions", body)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]
+
+    def test_stop_string_cuts_streamed_and_plain_text_alike(self, tiny_server, http):
+        full = self.complete(http, tiny_server)["text"]
+        # An ASCII piece from the middle of the greedy text; the output ends right before its first occurrence.
+        candidates = [full[i:i + 4] for i in range(len(full) // 3, len(full) - 4)
+                      if full[i:i + 4].isascii() and full[i:i + 4].strip() == full[i:i + 4]]
+        assert candidates, full
+        stop_at = candidates[0]
+        expected = full[:full.find(stop_at)]
+        for stream in (False, True):
+            choice = self.complete(http, tiny_server, stop=[stop_at, "never-appears-zq"], stream=stream)
+            assert choice["text"] == expected, stream
+            assert choice["finish_reason"] == "stop", stream
+        assert self.complete(http, tiny_server, stop=stop_at)["text"] == expected  # a single string too
+
+    def test_seed_makes_sampling_repeatable(self, tiny_server, http):
+        runs = [self.complete(http, tiny_server, temperature=1.0, seed=1234, max_tokens=12)["text"] for _ in range(2)]
+        assert runs[0] == runs[1]
+
+    def test_prompt_as_token_ids_equals_the_text_prompt(self, tiny_server, http):
+        tokens = post(http, tiny_server, "/tokenize", {"prompt": "Once upon a time"}).json()["tokens"]
+        assert self.complete(http, tiny_server, prompt=tokens)["text"] == self.complete(http, tiny_server)["text"]
+        assert self.complete(http, tiny_server, prompt=["Once upon a time"])["text"] == \
+            self.complete(http, tiny_server)["text"]
+
+    def test_max_completion_tokens_and_text_parts(self, tiny_server, http):
+        body = {"model": tiny_server.model, "max_completion_tokens": 5, "ignore_eos": True, "temperature": 0,
+                "messages": [{"role": "user", "content": [{"type": "text", "text": "Hello "},
+                                                          {"type": "text", "text": "there"}]}]}
+        r = post(http, tiny_server, "/chat/completions", body)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 5
+        plain = {**body, "messages": [{"role": "user", "content": "Hello there"}]}
+        assert r.json()["choices"][0] == post(http, tiny_server, "/chat/completions", plain).json()["choices"][0]
+
+    def test_cache_salt_and_use_cache_control_reuse(self, tiny_server, http):
+        prompt = f"[{uuid.uuid4().hex}] {SYSTEM}"
+
+        def cached(**fields) -> int:
+            r = post(http, tiny_server, "/completions", {"model": tiny_server.model, "prompt": prompt,
+                                                         "max_tokens": 2, **fields})
+            assert r.status_code == 200, r.text
+            usage = r.json()["usage"]
+            assert usage["computed_prompt_tokens"] == usage["prompt_tokens"] - usage["prompt_tokens_details"][
+                "cached_tokens"]
+            return usage["prompt_tokens_details"]["cached_tokens"]
+
+        assert cached(use_cache=False) == 0
+        assert cached(use_cache=False) == 0  # opting out neither reads nor publishes
+        assert cached() == 0
+        assert cached() > 0
+        assert cached(use_cache=False) == 0  # and never reads what others published
+        assert cached(cache_salt="one") == 0  # a salt is its own partition
+        assert cached(cache_salt="two") == 0
+        assert cached(cache_salt="one") > 0
+
+    def test_stream_request_refused_before_streaming_starts(self, tiny_server, http):
+        body = {"model": tiny_server.model, "prompt": "hi", "max_tokens": 5000, "stream": True}
+        with http.stream("POST", f"{tiny_server.base_url}/completions", json=body) as r:
+            r.read()
+        assert r.headers["content-type"].startswith("application/json")
+        assert_error(r, 400, "max_tokens (5000)", "context limit")
+
+    def test_unknown_route_and_wrong_method_answer_in_openai_error_format(self, tiny_server, http):
+        # The server promises OpenAI's error JSON for every error; the router's own 404/405 are errors too.
+        assert_error(http.get(f"{tiny_server.base_url}/no-such-endpoint"), 404)
+        assert_error(http.get(f"{tiny_server.base_url}/chat/completions"), 405)
 
 
 class TestConcurrentStreams:
@@ -447,16 +549,43 @@ class TestConcurrentStreams:
         wait_idle(server)
 
 
-class TestNonStreamingDisconnect:
-    def test_client_timeout_aborts_the_request_and_the_server_keeps_serving(self, tiny_server, http):
+class TestDisconnects:
+    def finished(self, scrape: Metrics, server: Server) -> tuple[float, float]:
+        """(aborted, finished by length) requests so far."""
+        return aborts(scrape, server), scrape.get_or_zero("vllm:request_success_total", model_name=server.model,
+                                                          finished_reason="length")
+
+    def wait_for_the_end(self, server: Server, before: Metrics) -> str:
+        """How the one request in flight ended: 'abort' or 'length' (polls up to 20 s)."""
+        start = self.finished(before, server)
+        scrape = server.wait_for(lambda s: self.finished(s, server) != start, timeout=20.0)
+        aborted, by_length = (now - then for now, then in zip(self.finished(scrape, server), start, strict=True))
+        assert (aborted, by_length) in ((1, 0), (0, 1)), (aborted, by_length)
+        return "abort" if aborted else "length"
+
+    def test_non_streaming_client_timeout_aborts_the_request(self, tiny_server, http):
         server = tiny_server
         before = server.metrics()
-        body = {"model": server.model, "prompt": "A very long story:", "max_tokens": 1800, "temperature": 0,
+        body = {"model": server.model, "prompt": "A very long story:", "max_tokens": 1500, "temperature": 0,
                 "ignore_eos": True}
         with http_client(httpx.Timeout(30.0, read=1.0)) as impatient, pytest.raises(httpx.ReadTimeout):
             impatient.post(f"{server.base_url}/completions", json=body)
-        scrape = wait_idle(server)  # 1800 tokens take seconds: only the abort can have ended it this soon
-        assert aborts(scrape, server) - aborts(before, server) == 1
+        assert self.wait_for_the_end(server, before) == "abort", \
+            "the client went away, yet the server generated all 1500 tokens for it"
+        wait_idle(server)
+        assert_serving(http, server)
+
+    def test_lone_stream_disconnect_aborts_and_frees_everything(self, tiny_server, http):
+        server = tiny_server
+        before = server.metrics()
+        body = {"model": server.model, "prompt": "Another long story:", "max_tokens": 1500, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        with http_client(30.0) as client, client.stream("POST", f"{server.base_url}/completions", json=body) as r:
+            assert r.status_code == 200
+            result = read_stream(r, stop_after_text_chunks=3)
+        assert not result["done"]
+        assert self.wait_for_the_end(server, before) == "abort"
+        wait_idle(server)  # nothing else runs after it: the gauges must still come back to 0
         assert_serving(http, server)
 
 
@@ -494,7 +623,7 @@ class TestTokenizeAndModels:
         assert_error(post(http, tiny_server, "/detokenize", {"tokens": [-1]}), 400, "tokens")
         assert_error(post(http, tiny_server, "/detokenize", {"tokens": "abc"}), 400, "tokens")
 
-    def test_models_lists_the_served_model(self, tiny_server):
+    def test_models_lists_the_served_model(self, tiny_server, client_for):
         models = client_for(tiny_server).models.list()
         assert [m.id for m in models.data] == [tiny_server.model]
         assert models.data[0].owned_by == "kvreuse"
@@ -511,29 +640,31 @@ def keyed_server(tmp_path_factory, tiny_model_dir):
 
 
 class TestTenants:
-    def cached(self, server: Server, key: str, messages: list[dict], **extra) -> int:
-        reply = client_for(server, key).chat.completions.create(
+    def cached(self, client: openai.OpenAI, server: Server, messages: list[dict], **extra) -> int:
+        reply = client.chat.completions.create(
             model=server.model, messages=messages, max_tokens=3, temperature=0, extra_body=extra or None)
         return reply.usage.prompt_tokens_details.cached_tokens
 
-    def test_same_tenant_hits_the_other_tenant_does_not(self, keyed_server):
+    def test_same_tenant_hits_the_other_tenant_does_not(self, keyed_server, client_for):
+        alpha, beta = client_for(keyed_server, "key-alpha-123"), client_for(keyed_server, "key-beta-456")
         messages = [{"role": "system", "content": f"[{uuid.uuid4().hex}] {SYSTEM}"},
                     {"role": "user", "content": "Can I renew a book online?"}]
-        assert self.cached(keyed_server, "key-alpha-123", messages) == 0
-        assert self.cached(keyed_server, "key-alpha-123", messages) > 0
-        assert self.cached(keyed_server, "key-beta-456", messages) == 0  # alpha's blocks are not beta's
-        assert self.cached(keyed_server, "key-beta-456", messages) > 0   # beta's own are
+        assert self.cached(alpha, keyed_server, messages) == 0
+        assert self.cached(alpha, keyed_server, messages) > 0
+        assert self.cached(beta, keyed_server, messages) == 0  # alpha's blocks are not beta's
+        assert self.cached(beta, keyed_server, messages) > 0   # beta's own are
         # A request's cache_salt only narrows sharing inside its tenant: alpha + salt is a fresh partition...
-        assert self.cached(keyed_server, "key-alpha-123", messages, cache_salt="team-x") == 0
-        assert self.cached(keyed_server, "key-alpha-123", messages, cache_salt="team-x") > 0
+        assert self.cached(alpha, keyed_server, messages, cache_salt="team-x") == 0
+        assert self.cached(alpha, keyed_server, messages, cache_salt="team-x") > 0
         # ...and the same salt from another tenant does not reach into it.
-        assert self.cached(keyed_server, "key-beta-456", messages, cache_salt="team-x") == 0
+        assert self.cached(beta, keyed_server, messages, cache_salt="team-x") == 0
 
-    def test_missing_or_wrong_key_gets_401(self, keyed_server, http):
+    def test_missing_or_wrong_key_gets_401(self, keyed_server, http, client_for):
         chat = {"model": keyed_server.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
         url = f"{keyed_server.base_url}/chat/completions"
         for headers in ({}, {"Authorization": "Bearer wrong-key"}, {"Authorization": "key-alpha-123"},
-                        {"Authorization": "Bearer key-alpha-12"}, {"Authorization": "Bearer "}):
+                        {"Authorization": "Basic key-alpha-123"}, {"Authorization": "Bearer key-alpha-12"},
+                        {"Authorization": "Bearer"}, {"Authorization": "Bearer key-alpha-123x"}):
             error = assert_error(http.post(url, json=chat, headers=headers), 401, "API key")
             assert error["type"] == "authentication_error"
         for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/tokenize"),
@@ -592,29 +723,24 @@ class TestBackpressure:
 
 
 # --- 8. server.truncate ----------------------------------------------------------------------------------
-LIMIT = 256
+LIMIT = 2048  # both servers keep the default context limit; only server.truncate differs
 
 
-def long_conversation() -> list[dict]:
+def long_conversation(turns: int = 8, words: int = 80) -> list[dict]:
+    """A chat of ~2600 tokens: over the limit, while its newest turns alone fit easily."""
     messages = [{"role": "system", "content": "You are a patient tutor."}]
-    for turn in range(8):
-        messages.append({"role": "user", "content": f"Question {turn}: " + " ".join(f"q{turn}x{i}" for i in range(9))})
+    for turn in range(turns):
+        messages.append({"role": "user", "content": f"Question {turn}: "
+                         + " ".join(f"q{turn}x{i}" for i in range(words))})
         messages.append({"role": "assistant", "content": f"Answer {turn}: "
-                         + " ".join(f"a{turn}y{i}" for i in range(9))})
+                         + " ".join(f"a{turn}y{i}" for i in range(words))})
     messages.append({"role": "user", "content": "And the last question: what did we cover?"})
     return messages
 
 
 @pytest.fixture(scope="class")
 def truncating_server(tmp_path_factory, tiny_model_dir):
-    args = tiny_args(tiny_model_dir, f"server.max_tokens={LIMIT}", "server.truncate=oldest")
-    with serve(tmp_path_factory, "truncate-oldest", *args) as server:
-        yield server
-
-
-@pytest.fixture(scope="class")
-def strict_server(tmp_path_factory, tiny_model_dir):
-    with serve(tmp_path_factory, "truncate-error", *tiny_args(tiny_model_dir, f"server.max_tokens={LIMIT}")) as server:
+    with serve(tmp_path_factory, "truncate-oldest", *tiny_args(tiny_model_dir, "server.truncate=oldest")) as server:
         yield server
 
 
@@ -634,7 +760,7 @@ class TestTruncation:
         assert r.status_code == 200, r.text
         reply = r.json()
         dropped = reply["truncated_turns"]
-        assert dropped >= 1
+        assert 1 <= dropped < 8
         kept = messages[:1] + messages[1 + 2 * dropped:]  # the system message and the newest turns
         assert reply["usage"]["prompt_tokens"] == self.count(http, server, kept)
         assert reply["usage"]["prompt_tokens"] + self.MAX_TOKENS <= LIMIT
@@ -654,41 +780,54 @@ class TestTruncation:
         assert r.json().get("truncated_turns", 0) == 0
 
     def test_oldest_still_refuses_a_last_message_that_cannot_fit(self, truncating_server, http):
-        huge = [{"role": "user", "content": " ".join(f"w{i}" for i in range(200))}]
+        huge = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "old question"}, {"role": "assistant", "content": "old answer"},
+                {"role": "user", "content": " ".join(f"w{i}" for i in range(800))}]
         r = post(http, truncating_server, "/chat/completions", {"model": truncating_server.model,
                                                                 "messages": huge, "max_tokens": 8})
         assert_error(r, 400, f"context limit of {LIMIT} tokens", param="messages")
         assert_serving(http, truncating_server)
 
-    def test_error_mode_refuses_the_same_conversation(self, strict_server, http):
+    def test_error_mode_refuses_the_same_conversation(self, tiny_server, http):
         messages = long_conversation()
-        count = self.count(http, strict_server, messages)
-        r = post(http, strict_server, "/chat/completions", {"model": strict_server.model, "messages": messages,
-                                                            "max_tokens": self.MAX_TOKENS})
+        count = self.count(http, tiny_server, messages)
+        r = post(http, tiny_server, "/chat/completions", {"model": tiny_server.model, "messages": messages,
+                                                          "max_tokens": self.MAX_TOKENS})
         error = assert_error(r, 400, f"prompt ({count} tokens)", f"max_tokens ({self.MAX_TOKENS})",
                              f"context limit of {LIMIT} tokens", param="messages")
         assert error["code"] == "context_length_exceeded"
-        assert_serving(http, strict_server)
+        assert_serving(http, tiny_server)
 
 
 # --- 9. SIGTERM drains -----------------------------------------------------------------------------------
 def test_sigterm_refuses_new_requests_finishes_in_flight_ones_and_exits_0(tmp_path_factory, tiny_model_dir):
-    max_tokens = 1200  # several seconds on the tiny model
+    max_tokens = 800  # seconds on the tiny model
     with serve(tmp_path_factory, "sigterm", *tiny_args(tiny_model_dir)) as server:
-        result: dict = {}
+        results: dict = {}
+        common = {"model": server.model, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
 
-        def in_flight() -> None:
-            body = {"model": server.model, "prompt": "Keep going:", "max_tokens": max_tokens, "temperature": 0,
-                    "ignore_eos": True}
+        def plain() -> None:
             try:
                 with http_client(120.0) as client:
-                    result["response"] = client.post(f"{server.base_url}/completions", json=body)
+                    results["plain"] = client.post(f"{server.base_url}/completions",
+                                                   json={**common, "prompt": "Keep going:"})
             except Exception as exc:  # reported by the main thread
-                result["error"] = exc
+                results["plain"] = exc
 
-        worker = threading.Thread(target=in_flight, daemon=True)
-        worker.start()
-        wait_running(server, 1)
+        def streamed() -> None:
+            body = {**common, "messages": [{"role": "user", "content": "Talk."}], "stream": True,
+                    "stream_options": {"include_usage": True}}
+            try:
+                with http_client(120.0) as client, client.stream("POST", f"{server.base_url}/chat/completions",
+                                                                 json=body) as r:
+                    results["streamed"] = (r.status_code, read_stream(r))
+            except Exception as exc:
+                results["streamed"] = exc
+
+        workers = [threading.Thread(target=fn, daemon=True) for fn in (plain, streamed)]
+        for worker in workers:
+            worker.start()
+        wait_running(server, 2)
         server.process.send_signal(signal.SIGTERM)
         time.sleep(0.3)  # let the signal land
 
@@ -699,12 +838,18 @@ def test_sigterm_refuses_new_requests_finishes_in_flight_ones_and_exits_0(tmp_pa
             assert_error(r, 503, "shutting down")
         except httpx.TransportError:
             pass  # refused outright: the listening socket is closed
+        assert server.process.poll() is None, "the server exited with requests in flight"
 
-        worker.join(90)
-        assert not worker.is_alive(), "the in-flight request never finished"
-        assert "error" not in result, f"in-flight request failed: {result.get('error')!r}\n{server.log_tail()}"
-        response = result["response"]
+        for worker in workers:
+            worker.join(90)
+            assert not worker.is_alive(), "an in-flight request never finished"
+        assert not isinstance(results["plain"], Exception), f"{results['plain']!r}\n{server.log_tail()}"
+        assert not isinstance(results["streamed"], Exception), f"{results['streamed']!r}\n{server.log_tail()}"
+        response = results["plain"]
         assert response.status_code == 200, response.text
         choice, usage = response.json()["choices"][0], response.json()["usage"]
         assert choice["finish_reason"] == "length" and usage["completion_tokens"] == max_tokens
+        status, stream = results["streamed"]
+        assert status == 200 and stream["done"] and stream["finish_reason"] == "length"
+        assert stream["usage"]["completion_tokens"] == max_tokens
         assert stop(server.process, timeout=30) == 0, server.log_tail()

@@ -9,6 +9,7 @@ match length over the first 32 tokens, and what the reuse saved.
 from __future__ import annotations
 
 import statistics
+from contextlib import contextmanager
 from dataclasses import replace
 
 import torch
@@ -36,15 +37,24 @@ def match_length(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
-def run(llm: LLM, conversations: list[list[dict]], suffix_overrides: dict) -> dict:
-    """One mode over one workload, starting from an empty cache."""
-    engine = llm.engine
-    engine.kv_manager.pool.reset_cache()
-    original = engine.config.cache.suffix
-    engine.config.cache.suffix = replace(original, **suffix_overrides)
-    params = SamplingParams(max_tokens=CONTINUATION, keep_first_logits=True, ignore_eos=True)
-    rows = []
+@contextmanager
+def suffix_settings(llm: LLM, **overrides):
+    """Temporarily change `cache.suffix.*` of a running engine (the runner reads them per request)."""
+    config = llm.engine.config.cache
+    original = config.suffix
+    config.suffix = replace(original, **overrides)
     try:
+        yield
+    finally:
+        config.suffix = original
+
+
+def run(llm: LLM, conversations: list[list[dict]], suffix_overrides: dict, continuation: int = CONTINUATION) -> dict:
+    """One mode over one workload, starting from an empty cache."""
+    llm.engine.kv_manager.pool.reset_cache()
+    params = SamplingParams(max_tokens=continuation, keep_first_logits=True, ignore_eos=True)
+    rows = []
+    with suffix_settings(llm, **suffix_overrides):
         for messages in conversations:
             exact = llm.chat(messages, params, use_cache=False)[0]
             approx = llm.chat(messages, params)[0]
@@ -56,8 +66,6 @@ def run(llm: LLM, conversations: list[list[dict]], suffix_overrides: dict) -> di
                 "reused": approx.usage.reused_tokens, "recomputed": approx.usage.recomputed_tokens,
                 "computed": approx.usage.computed_prompt_tokens, "guarded": approx.usage.guarded,
             })
-    finally:
-        engine.config.cache.suffix = original
     with_reuse = [r for r in rows if r["reused"]]
     total = lambda key: sum(r[key] for r in rows)
     return {
@@ -72,22 +80,28 @@ def run(llm: LLM, conversations: list[list[dict]], suffix_overrides: dict) -> di
     }
 
 
+def fidelity_llm(overrides: list[str] = ()) -> LLM:
+    return LLM(load_config(None, ["model.dtype=fp32", "server.max_tokens=4096", "cache.suffix.enabled=true",
+                                  *overrides]))
+
+
 def fidelity_report(num_requests: int = 24, seed: int = 0, modes: list[str] | None = None,
-                    overrides: list[str] = (), progress=print) -> dict:
-    llm = LLM(load_config(None, ["model.dtype=fp32", "server.max_tokens=4096", "cache.suffix.enabled=true",
-                                 *overrides]))
+                    overrides: list[str] = (), progress=print, llm: LLM | None = None,
+                    continuation: int = CONTINUATION) -> dict:
+    llm = llm or fidelity_llm(overrides)
     conversations = workloads.rag(num_requests, seed=seed)
-    report = {"workload": "rag", "requests": num_requests, "seed": seed, "continuation_tokens": CONTINUATION,
-              "block_size": llm.engine.block_size, "modes": {}}
+    report = {"workload": "rag", "requests": num_requests, "seed": seed, "continuation_tokens": continuation,
+              "block_size": llm.engine.block_size, "suffix": vars(llm.engine.config.cache.suffix), "modes": {}}
     for name in modes or list(MODES):
-        report["modes"][name] = run(llm, conversations, MODES[name])
+        report["modes"][name] = run(llm, conversations, MODES[name], continuation)
         progress(f"{name}: {report['modes'][name]}")
     return report
 
 
 def markdown(report: dict) -> str:
-    lines = ["| mode | top-1 agreement | mean KL | greedy match (of 32) | reused | recomputed | computed | "
-             "prefill work | guarded |", "|---|---|---|---|---|---|---|---|---|"]
+    header = (f"| mode | top-1 agreement | mean KL | greedy match (of {report['continuation_tokens']}) | reused | "
+              "recomputed | computed | prefill work | guarded |")
+    lines = [header, "|---|---|---|---|---|---|---|---|---|"]
     for name, m in report["modes"].items():
         fmt = lambda v, spec: "-" if v is None else format(v, spec)
         lines.append(f"| {name} | {fmt(m['top1_agreement'], '.3f')} | {fmt(m['mean_kl'], '.4f')} | "

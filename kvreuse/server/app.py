@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvreuse.engine.engine import LLMEngine, RequestError
 from kvreuse.engine.output import RequestOutput
@@ -74,6 +75,34 @@ def tenant_for(api_keys: dict[str, str], header: str | None) -> str | None:
     return found
 
 
+class Gate:
+    """Draining (503) and API keys (401) in front of every route. Plain ASGI rather than
+    `@app.middleware("http")`: Starlette's BaseHTTPMiddleware hides client disconnects from the
+    endpoint, and a disconnected client must abort its request."""
+
+    def __init__(self, app, state: ServerState):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        scope.setdefault("state", {})["tenant"] = None
+        if self.state.draining and path != "/metrics":
+            response = JSONResponse(error_body("the server is shutting down", "service_unavailable"), 503,
+                                    headers={"Connection": "close"})
+            return await response(scope, receive, send)
+        if self.state.api_keys is not None and path.startswith(AUTHENTICATED_PREFIXES):
+            header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            tenant = tenant_for(self.state.api_keys, header)
+            if tenant is None:
+                response = JSONResponse(error_body("invalid or missing API key (Authorization: Bearer KEY)",
+                                                   "authentication_error", code="invalid_api_key"), 401)
+                return await response(scope, receive, send)
+            scope["state"]["tenant"] = tenant
+        return await self.app(scope, receive, send)
+
+
 def create_app(engine: LLMEngine, model_name: str, api_keys: dict[str, str] | None = None) -> FastAPI:
     metrics = Metrics(model_name)
     async_engine = AsyncEngine(engine, on_step=metrics.observe_step, on_finish=metrics.observe_finished)
@@ -106,21 +135,12 @@ def create_app(engine: LLMEngine, model_name: str, api_keys: dict[str, str] | No
             message = f"{param}: {first['msg']}" if param else first["msg"].removeprefix("Value error, ")
         return JSONResponse(error_body(message.replace("Value error, ", ""), param=param), 400)
 
-    @app.middleware("http")
-    async def gate(request: Request, call_next):
-        path = request.url.path
-        if state.draining and path != "/metrics":
-            return JSONResponse(error_body("the server is shutting down", "service_unavailable"), 503,
-                                headers={"Connection": "close"})
-        if state.api_keys is not None and path.startswith(AUTHENTICATED_PREFIXES):
-            tenant = tenant_for(state.api_keys, request.headers.get("authorization"))
-            if tenant is None:
-                return JSONResponse(error_body("invalid or missing API key (Authorization: Bearer KEY)",
-                                               "authentication_error", code="invalid_api_key"), 401)
-            request.state.tenant = tenant
-        else:
-            request.state.tenant = None
-        return await call_next(request)
+    app.add_middleware(Gate, state=state)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException):
+        return JSONResponse(error_body(str(exc.detail), "invalid_request_error" if exc.status_code < 500
+                                       else "server_error"), exc.status_code, headers=exc.headers)
 
     # --- plain endpoints -----------------------------------------------------------------------------
     @app.get("/health")
@@ -236,14 +256,18 @@ def create_app(engine: LLMEngine, model_name: str, api_keys: dict[str, str] | No
 
     async def collect(seq: Sequence, deltas: asyncio.Queue, request: Request) -> tuple[str, RequestOutput]:
         parts = []
+        loop = asyncio.get_running_loop()
+        next_check = loop.time() + DISCONNECT_POLL_S
         while True:
             try:
                 delta: Delta | None = await asyncio.wait_for(deltas.get(), DISCONNECT_POLL_S)
             except TimeoutError:
+                delta = Delta("", 0)
+            if loop.time() >= next_check:  # on a timer: deltas arrive every step while it generates
+                next_check = loop.time() + DISCONNECT_POLL_S
                 if await request.is_disconnected():
                     async_engine.abort(seq.request_id)
-                    raise APIError(499, "client disconnected") from None
-                continue
+                    raise APIError(499, "client disconnected")
             if delta is None:
                 raise APIError(500, "the engine stopped while serving this request", "server_error")
             parts.append(delta.text)

@@ -141,6 +141,8 @@ class AsyncEngine:
                 if seq is not None:
                     self.engine.abort(arg)
                     self._finish_stream(arg, self.engine.output(seq))
+                    if self.on_step:  # the gauges must show the freed blocks even if nothing steps again
+                        self.on_step(self.engine)
             elif kind == "call":
                 arg(self.engine)
             elif kind == "stop":
