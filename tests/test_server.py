@@ -853,3 +853,33 @@ def test_sigterm_refuses_new_requests_finishes_in_flight_ones_and_exits_0(tmp_pa
         assert status == 200 and stream["done"] and stream["finish_reason"] == "length"
         assert stream["usage"]["completion_tokens"] == max_tokens
         assert stop(server.process, timeout=30) == 0, server.log_tail()
+
+
+@pytest.fixture(scope="class")
+def truncating_segment_server(tmp_path_factory, tiny_model_dir):
+    sets = ("server.truncate=oldest", "cache.suffix.enabled=true", "cache.suffix.guard_margin=0")
+    with serve(tmp_path_factory, "truncate-segments", *tiny_args(tiny_model_dir, *sets)) as server:
+        yield server
+
+
+class TestTruncationWithSegmentReuse:
+    def test_surviving_turns_still_hit_as_shifted_segments(self, truncating_segment_server, http):
+        server, messages = truncating_segment_server, long_conversation()
+        question = messages[-1]
+        count = lambda msgs: post(http, server, "/tokenize", {"messages": msgs}).json()["count"]
+        # The longest conversation that still fits, as the client sent it one turn ago...
+        turns = max(t for t in range(1, 8) if count(messages[: 1 + 2 * t] + [question]) + 16 <= LIMIT)
+        earlier = messages[: 1 + 2 * turns] + [question]
+        body = {"model": server.model, "max_tokens": 16, "temperature": 0}
+        first = post(http, server, "/chat/completions", {**body, "messages": earlier})
+        assert first.status_code == 200 and first.json().get("truncated_turns", 0) == 0
+        # ...and the next one, which no longer fits: its oldest turn goes, every surviving turn moves up.
+        later = messages[: 1 + 2 * (turns + 1)] + [question]
+        second = post(http, server, "/chat/completions", {**body, "messages": later})
+        assert second.status_code == 200, second.text
+        reply = second.json()
+        assert reply["truncated_turns"] >= 1
+        details = reply["usage"]["prompt_tokens_details"]
+        assert details["reused_tokens"] > 0, details
+        assert details["cached_tokens"] + details["reused_tokens"] + reply["usage"]["computed_prompt_tokens"] \
+            == reply["usage"]["prompt_tokens"]

@@ -316,5 +316,6 @@ def usage(out: RequestOutput) -> dict:
     u = out.usage
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
             "total_tokens": u.total_tokens,
-            "prompt_tokens_details": {"cached_tokens": u.cached_tokens, "reused_tokens": 0},
+            "prompt_tokens_details": {"cached_tokens": u.cached_tokens, "reused_tokens": u.reused_tokens,
+                                      "recomputed_tokens": u.recomputed_tokens},
             "computed_prompt_tokens": u.computed_prompt_tokens}

@@ -40,6 +40,8 @@ class Metrics:
                               labels, registry=r)
         self.recomputed = Counter("kvreuse:recomputed_prompt_tokens", "Reused tokens recomputed by the repair",
                                   labels, registry=r)
+        self.guarded = Counter("kvreuse:guarded_requests", "Requests the fidelity guard recomputed exactly",
+                               labels, registry=r)
         self.evictions = Gauge("kvreuse:cache_evictions", "Cached blocks evicted so far", labels + ["policy"],
                                registry=r)
         self.cached_blocks = Gauge("kvreuse:cached_blocks", "Unreferenced cached KV blocks kept for reuse", labels,
@@ -72,6 +74,10 @@ class Metrics:
         self.prompt_tokens.labels(m).inc(u.prompt_tokens)
         self.generation_tokens.labels(m).inc(u.completion_tokens)
         self.computed.labels(m).inc(u.computed_prompt_tokens)
+        self.reused.labels(m).inc(u.reused_tokens)
+        self.recomputed.labels(m).inc(u.recomputed_tokens)
+        if u.guarded:
+            self.guarded.labels(m).inc()
         self.request_success.labels(m, out.finish_reason or "abort").inc()
         if out.ttft_s is not None:
             self.ttft.labels(m).observe(out.ttft_s)
