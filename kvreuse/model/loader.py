@@ -85,6 +85,19 @@ def file_sha256(paths: list[Path]) -> str:
     return digest.hexdigest()
 
 
+def _rename(args: ModelArgs, tensors: dict[str, torch.Tensor], top: tuple[str, str, str], layer_format: str,
+            layer_names: dict[str, str]) -> dict[str, torch.Tensor]:
+    """A checkpoint's tensors under our names; `top` names its embedding, final norm and LM head."""
+    embed, norm, lm_head = top
+    ours = {"embed_tokens": tensors[embed], "norm": tensors[norm]}
+    if not args.tie_word_embeddings:
+        ours["lm_head"] = tensors[lm_head]
+    for i in range(args.num_layers):
+        for name, our_name in layer_names.items():
+            ours[f"layers.{i}.{our_name}"] = tensors[layer_format.format(i=i, name=name)]
+    return ours
+
+
 # --- GGUF ------------------------------------------------------------------------------------------
 
 _GGUF_LAYER_NAMES = {
@@ -148,12 +161,9 @@ def _load_gguf(path: Path) -> LoadedWeights:
         max_position_embeddings=int(_gguf_field(reader, "llama.context_length")),
         tie_word_embeddings="output.weight" not in tensors,
     )
-    ours = {"embed_tokens": tensors["token_embd.weight"], "norm": tensors["output_norm.weight"]}
-    if not args.tie_word_embeddings:
-        ours["lm_head"] = tensors["output.weight"]
+    ours = _rename(args, tensors, ("token_embd.weight", "output_norm.weight", "output.weight"),
+                   "blk.{i}.{name}.weight", _GGUF_LAYER_NAMES)
     for i in range(args.num_layers):
-        for gguf_name, our_name in _GGUF_LAYER_NAMES.items():
-            ours[f"layers.{i}.{our_name}"] = tensors[f"blk.{i}.{gguf_name}.weight"]
         ours[f"layers.{i}.q_proj"] = _unpermute_rope(ours[f"layers.{i}.q_proj"], num_heads)
         ours[f"layers.{i}.k_proj"] = _unpermute_rope(ours[f"layers.{i}.k_proj"], num_kv_heads)
     return LoadedWeights(args, ours, path, file_sha256([path]))
@@ -201,10 +211,6 @@ def _load_hf_dir(path: Path) -> LoadedWeights:
         max_position_embeddings=config.get("max_position_embeddings", 4096),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)) or "lm_head.weight" not in tensors,
     )
-    ours = {"embed_tokens": tensors["model.embed_tokens.weight"], "norm": tensors["model.norm.weight"]}
-    if not args.tie_word_embeddings:
-        ours["lm_head"] = tensors["lm_head.weight"]
-    for i in range(args.num_layers):
-        for hf_name, our_name in _HF_LAYER_NAMES.items():
-            ours[f"layers.{i}.{our_name}"] = tensors[f"model.layers.{i}.{hf_name}.weight"]
+    ours = _rename(args, tensors, ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"),
+                   "model.layers.{i}.{name}.weight", _HF_LAYER_NAMES)
     return LoadedWeights(args, ours, path, file_sha256(files))
