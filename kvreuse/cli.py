@@ -205,7 +205,8 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
 
     overrides = list(args.overrides) + ([f"cache.block_size={args.block_size}"] if args.block_size else [])
     report = fidelity.fidelity_report(num_requests=args.requests, seed=args.seed, modes=args.modes,
-                                      overrides=overrides, progress=lambda line: print(line, file=sys.stderr))
+                                      overrides=overrides, progress=lambda line: print(line, file=sys.stderr),
+                                      continuation=args.continuation, workload=args.workload)
     print(json.dumps(report, indent=2) if args.json else fidelity.markdown(report))
     return 0
 
@@ -244,10 +245,14 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--log-level", default="WARNING")
     bench.set_defaults(func=cmd_bench)
 
-    fid = sub.add_parser("fidelity", help="segment reuse against exact recompute on a built-in RAG workload")
-    fid.add_argument("--requests", type=int, default=24, help="RAG requests (default 24)")
+    fid = sub.add_parser("fidelity", help="segment reuse against exact recompute on a built-in workload")
+    fid.add_argument("--requests", type=int, default=24, help="requests (default 24)")
     fid.add_argument("--seed", type=int, default=0, help="workload seed")
-    fid.add_argument("--modes", nargs="+", choices=["shift", "blend", "blend-1.0"], help="default: all")
+    fid.add_argument("--workload", choices=["rag", "eval"], default="rag",
+                     help="rag: 2-3 documents per query in varying order; eval: varying answer + fixed rubric")
+    fid.add_argument("--modes", nargs="+", choices=["prefix-only", "shift-noguard", "shift", "blend-noguard",
+                                                    "blend", "blend-1.0"], help="default: all")
+    fid.add_argument("--continuation", type=int, default=32, help="greedy tokens compared per request")
     fid.add_argument("--block-size", type=int, help="shorthand for --set cache.block_size=")
     fid.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                      help="e.g. cache.suffix.recompute_ratio=0.3, cache.suffix.guard_margin=0")

@@ -21,7 +21,10 @@ from kvreuse.sampling_params import SamplingParams
 
 CONTINUATION = 32
 MODES = {
+    "prefix-only": {"enabled": False},
+    "shift-noguard": {"mode": "shift", "guard_margin": 0.0},
     "shift": {"mode": "shift"},
+    "blend-noguard": {"mode": "blend", "guard_margin": 0.0},
     "blend": {"mode": "blend"},
     "blend-1.0": {"mode": "blend", "recompute_ratio": 1.0},
 }
@@ -40,13 +43,15 @@ def match_length(a: list[int], b: list[int]) -> int:
 @contextmanager
 def suffix_settings(llm: LLM, **overrides):
     """Temporarily change `cache.suffix.*` of a running engine (the runner reads them per request)."""
-    config = llm.engine.config.cache
+    config, manager = llm.engine.config.cache, llm.engine.kv_manager
     original = config.suffix
     config.suffix = replace(original, **overrides)
+    manager.enable_segments = config.suffix.enabled
     try:
         yield
     finally:
         config.suffix = original
+        manager.enable_segments = original.enabled
 
 
 def run(llm: LLM, conversations: list[list[dict]], suffix_overrides: dict, continuation: int = CONTINUATION) -> dict:
@@ -65,11 +70,14 @@ def run(llm: LLM, conversations: list[list[dict]], suffix_overrides: dict, conti
                 "prompt": approx.usage.prompt_tokens, "cached": approx.usage.cached_tokens,
                 "reused": approx.usage.reused_tokens, "recomputed": approx.usage.recomputed_tokens,
                 "computed": approx.usage.computed_prompt_tokens, "guarded": approx.usage.guarded,
+                "ttft_exact": exact.ttft_s, "ttft": approx.ttft_s,
             })
     with_reuse = [r for r in rows if r["reused"]]
     total = lambda key: sum(r[key] for r in rows)
     return {
         "requests": len(rows), "requests_with_reuse": len(with_reuse),
+        "median_ttft_ms": statistics.median(r["ttft"] for r in rows) * 1000,
+        "median_ttft_ms_exact": statistics.median(r["ttft_exact"] for r in rows) * 1000,
         "top1_agreement": statistics.mean(r["top1_agree"] for r in with_reuse) if with_reuse else None,
         "mean_kl": statistics.mean(r["kl"] for r in with_reuse) if with_reuse else None,
         "mean_match_len": statistics.mean(r["match_len"] for r in with_reuse) if with_reuse else None,
@@ -87,10 +95,10 @@ def fidelity_llm(overrides: list[str] = ()) -> LLM:
 
 def fidelity_report(num_requests: int = 24, seed: int = 0, modes: list[str] | None = None,
                     overrides: list[str] = (), progress=print, llm: LLM | None = None,
-                    continuation: int = CONTINUATION) -> dict:
+                    continuation: int = CONTINUATION, workload: str = "rag") -> dict:
     llm = llm or fidelity_llm(overrides)
-    conversations = workloads.rag(num_requests, seed=seed)
-    report = {"workload": "rag", "requests": num_requests, "seed": seed, "continuation_tokens": continuation,
+    conversations = workloads.WORKLOADS[workload](num_requests, seed=seed)
+    report = {"workload": workload, "requests": num_requests, "seed": seed, "continuation_tokens": continuation,
               "block_size": llm.engine.block_size, "suffix": vars(llm.engine.config.cache.suffix), "modes": {}}
     for name in modes or list(MODES):
         report["modes"][name] = run(llm, conversations, MODES[name], continuation)
@@ -99,12 +107,13 @@ def fidelity_report(num_requests: int = 24, seed: int = 0, modes: list[str] | No
 
 
 def markdown(report: dict) -> str:
-    header = (f"| mode | top-1 agreement | mean KL | greedy match (of {report['continuation_tokens']}) | reused | "
-              "recomputed | computed | prefill work | guarded |")
+    header = (f"| {report['workload']}: mode | TTFT ms (exact) | prefill work | reused | recomputed | guarded | "
+              f"top-1 agreement | mean KL | greedy match (of {report['continuation_tokens']}) |")
     lines = [header, "|---|---|---|---|---|---|---|---|---|"]
+    fmt = lambda v, spec: "-" if v is None else format(v, spec)
     for name, m in report["modes"].items():
-        fmt = lambda v, spec: "-" if v is None else format(v, spec)
-        lines.append(f"| {name} | {fmt(m['top1_agreement'], '.3f')} | {fmt(m['mean_kl'], '.4f')} | "
-                     f"{fmt(m['mean_match_len'], '.1f')} | {m['reused_tokens']} | {m['recomputed_tokens']} | "
-                     f"{m['computed_prompt_tokens']} | {m['prefill_work_tokens']} | {m['guarded_requests']} |")
+        lines.append(f"| {name} | {m['median_ttft_ms']:.0f} ({m['median_ttft_ms_exact']:.0f}) | "
+                     f"{m['prefill_work_tokens']} | {m['reused_tokens']} | {m['recomputed_tokens']} | "
+                     f"{m['guarded_requests']} | {fmt(m['top1_agreement'], '.3f')} | {fmt(m['mean_kl'], '.4f')} | "
+                     f"{fmt(m['mean_match_len'], '.1f')} |")
     return "\n".join(lines)
