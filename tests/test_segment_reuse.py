@@ -152,7 +152,7 @@ def test_fidelity_on_the_builtin_rag_workload_meets_the_stated_thresholds(real_s
     report = fidelity.fidelity_report(num_requests=10, modes=["blend", "shift"], progress=lambda _: None,
                                       llm=real_segment_llm, continuation=8)
     blend, shift = report["modes"]["blend"], report["modes"]["shift"]
-    assert blend["requests_with_reuse"] >= 5
+    assert blend["requests_with_reuse"] >= 3
     # Thresholds from README "Segment reuse", measured with `kvreuse fidelity` (24 requests; 10 here for time).
     assert blend["top1_agreement"] >= 0.9
     assert blend["mean_kl"] <= 0.03
