@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import platform
 from collections.abc import Callable
 
@@ -135,8 +136,6 @@ def run(repeats: int = 3, include_bf16: bool = True, progress: Callable[[str], N
 
 
 def machine() -> dict:
-    import os
-
     return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
             "torch_threads": torch.get_num_threads(), "torch": torch.__version__, "python": platform.python_version()}
 

@@ -35,7 +35,7 @@ class EngineStats:
     def record_step(self, kv: KVCacheManager, num_prefill_tokens: int) -> None:
         pool = kv.pool
         self.prefill_tokens_run += num_prefill_tokens
-        in_use = pool.num_blocks - len(pool.free_block_ids) - pool.num_cached_blocks
+        in_use = pool.num_used_blocks
         self.peak_blocks_in_use = max(self.peak_blocks_in_use, in_use)
         self.peak_blocks_in_use_or_cached = max(self.peak_blocks_in_use_or_cached, in_use + pool.num_cached_blocks)
 
@@ -65,7 +65,7 @@ class EngineStats:
         """Everything as one flat dict (for logs, `--json` summaries and metrics)."""
         pool = kv.pool
         cached = pool.num_cached_blocks
-        in_use = pool.num_blocks - len(pool.free_block_ids) - cached
+        in_use = pool.num_used_blocks
         return {
             **asdict(self),
             "hit_rate": round(self.hit_rate, 4),

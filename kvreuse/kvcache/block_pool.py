@@ -45,6 +45,7 @@ class BlockPool:
 
     @property
     def num_used_blocks(self) -> int:
+        """Blocks held by requests (ref_cnt > 0)."""
         return self.num_blocks - self.num_free_blocks
 
     # --- allocation ----------------------------------------------------------------------------------

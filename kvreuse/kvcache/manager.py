@@ -136,10 +136,6 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 
-    @property
-    def usage(self) -> float:
-        return self.pool.num_used_blocks / self.pool.num_blocks
-
     def check_integrity(self, running: list[Sequence] = ()) -> None:
         self.pool.check_integrity()
         held: dict[int, int] = {}

@@ -59,7 +59,7 @@ class Metrics:
         """Gauges, from the engine thread after each step."""
         m = self.model_name
         pool = engine.kv_manager.pool
-        in_use = pool.num_blocks - len(pool.free_block_ids) - pool.num_cached_blocks
+        in_use = pool.num_used_blocks
         self.kv_usage.labels(m).set(in_use / pool.num_blocks)
         self.running.labels(m).set(len(engine.scheduler.running))
         self.waiting.labels(m).set(len(engine.scheduler.waiting))
