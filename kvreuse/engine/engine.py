@@ -198,9 +198,8 @@ class LLMEngine:
             logger.info("cache-hit request=%s prompt=%d cached=%d reused=%d (shifted=%d) recomputed=%d computed=%d "
                         "guarded=%s completion=%d ttft_ms=%.1f finish=%s hit_rate_total=%.3f", seq.request_id,
                         seq.num_prompt_tokens, seq.num_cached_tokens, seq.num_reused_tokens, seq.num_shifted_tokens,
-                        seq.num_recomputed_tokens,
-                        seq.num_prompt_tokens - seq.num_cached_tokens - seq.num_reused_tokens,
-                        seq.guarded, seq.num_completion_tokens, seq.ttft_s * 1000, reason, self.stats.hit_rate)
+                        seq.num_recomputed_tokens, seq.num_computed_prompt_tokens, seq.guarded,
+                        seq.num_completion_tokens, seq.ttft_s * 1000, reason, self.stats.hit_rate)
 
     def output(self, seq: Sequence) -> RequestOutput:
         return RequestOutput.from_sequence(seq)

@@ -41,7 +41,7 @@ class RequestOutput:
     def from_sequence(cls, seq: Sequence) -> RequestOutput:
         total = None if seq.finish_time is None else seq.finish_time - seq.arrival_time
         usage = Usage(seq.num_prompt_tokens, seq.num_completion_tokens, seq.num_cached_tokens,
-                      seq.num_prompt_tokens - seq.num_cached_tokens - seq.num_reused_tokens, seq.num_reused_tokens,
+                      seq.num_computed_prompt_tokens, seq.num_reused_tokens,
                       seq.num_recomputed_tokens, seq.num_shifted_tokens, seq.guarded)
         return cls(seq.request_id, seq.output_text, seq.completion_token_ids, seq.finish_reason, usage,
                    seq.ttft_s, total, seq.num_preemptions, seq.first_logits)

@@ -65,6 +65,11 @@ class Sequence:
         return len(self.prompt_token_ids)
 
     @property
+    def num_computed_prompt_tokens(self) -> int:
+        """Prompt tokens computed fresh: neither an exact prefix hit nor a reused segment."""
+        return self.num_prompt_tokens - self.num_cached_tokens - self.num_reused_tokens
+
+    @property
     def completion_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
 

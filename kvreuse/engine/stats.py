@@ -47,7 +47,7 @@ class EngineStats:
         self.shifted_tokens += seq.num_shifted_tokens
         self.recomputed_tokens += seq.num_recomputed_tokens
         self.guarded_requests += seq.guarded
-        self.computed_prompt_tokens += seq.num_prompt_tokens - seq.num_cached_tokens - seq.num_reused_tokens
+        self.computed_prompt_tokens += seq.num_computed_prompt_tokens
         self.completion_tokens += seq.num_completion_tokens
         self.num_preemptions += seq.num_preemptions
 
