@@ -27,6 +27,8 @@ def _common_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], help="shorthand for --set model.device=")
     parser.add_argument("--dtype", choices=["auto", "fp32", "bf16"], help="shorthand for --set model.dtype=")
     parser.add_argument("--block-size", type=int, help="shorthand for --set cache.block_size=")
+    parser.add_argument("--preset", choices=["none", "chat", "eval", "agent", "rag"],
+                        help="scenario preset (shorthand for --set cache.preset=); explicit keys override it")
     parser.add_argument("--max-model-len", type=int, help="shorthand for --set server.max_tokens= (context limit)")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                         help="shorthand for --set cache.enabled=")
@@ -37,7 +39,7 @@ def build_config(args: argparse.Namespace) -> Config:
     """CLI flags > --set > config file > defaults."""
     shorthands = {"model.path": args.model, "model.device": args.device, "model.dtype": args.dtype,
                   "cache.block_size": args.block_size, "server.max_tokens": args.max_model_len,
-                  "cache.enabled": args.enable_prefix_caching}
+                  "cache.enabled": args.enable_prefix_caching, "cache.preset": args.preset}
     overrides = list(args.overrides) + [f"{k}={v}" for k, v in shorthands.items() if v is not None]
     return load_config(args.config, overrides)
 

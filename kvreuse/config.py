@@ -61,6 +61,18 @@ class CacheConfig:
     suffix: SuffixConfig = field(default_factory=SuffixConfig)
     normalize_input: bool = False
     min_match_blocks: int = _opt(1, min=0)
+    preset: str = _opt("none", choices=("none", "chat", "eval", "agent", "rag"))
+
+
+# The seed's scenario advice as presets. A preset sets these keys first; keys written explicitly (in the
+# file or with --set) override it, wherever they appear.
+PRESETS: dict[str, dict[str, str]] = {
+    "none": {},
+    "chat": {"block_size": "16", "policy": "lru"},               # short repeated turns, recent hot spots
+    "eval": {"block_size": "32", "policy": "lfu"},               # long fixed template, fixed hot spot
+    "agent": {"block_size": "16", "normalize_input": "true"},    # tool output with formatting noise
+    "rag": {"block_size": "16", "suffix.enabled": "true"},       # documents in varying positions
+}
 
 
 @dataclass
@@ -287,17 +299,25 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
     Raises ConfigError with a one-sentence message for any unreadable, unknown or invalid setting.
     """
     config = Config()
+    assignments: list[tuple[str, str, str, str]] = []  # (section, key, text, where), file first, then --set
     if path is not None:
         name, parser = _read_file(path)
         for section in parser.sections():
             _check_section(section, f"in {name}")
-            for key, text in parser.items(section, raw=True):
-                _assign(config, section, key, text, f"in {name}")
+            assignments += [(section, key, text, f"in {name}") for key, text in parser.items(section, raw=True)]
     if isinstance(overrides, str):
         overrides = [overrides]
     for item in overrides:
-        section, key, text = _parse_override(item)
-        _assign(config, section, key, text, f"in --set {item!r}")
+        assignments.append((*_parse_override(item), f"in --set {item!r}"))
+    presets = [a for a in assignments if (a[0], a[1].lower()) == ("cache", "preset")]
+    if presets:
+        _assign(config, *presets[-1])
+        if config.cache.preset not in PRESETS:
+            validate_config(config)  # raises the "must be one of" error for cache.preset
+        for key, text in PRESETS[config.cache.preset].items():
+            _assign(config, "cache", key, text, f"in preset {config.cache.preset!r}")
+    for assignment in assignments:
+        _assign(config, *assignment)
     validate_config(config)
     return config
 

@@ -57,6 +57,7 @@ ALL_CHANGED = Config(
         ),
         normalize_input=True,
         min_match_blocks=0,
+        preset="eval",
     ),
     model=ModelConfig(path="C:\\models\\a=b.gguf", dtype="bf16", device="cpu"),
     engine=EngineConfig(
@@ -154,7 +155,7 @@ def test_config_to_ini_writes_every_key():
     parser.read_string(config_to_ini(Config()))
     assert parser.sections() == ["server", "cache", "model", "engine"]
     assert set(parser["cache"]) == {
-        "enabled", "block_size", "max_blocks", "policy", "normalize_input", "min_match_blocks",
+        "enabled", "block_size", "max_blocks", "policy", "normalize_input", "min_match_blocks", "preset",
         "suffix.enabled", "suffix.mode", "suffix.recompute_ratio", "suffix.head_tokens",
         "suffix.guard_margin",
     }
@@ -336,3 +337,19 @@ def test_as_dict():
                                        "head_tokens": 8, "guard_margin": 0.05}
     assert data["server"]["max_tokens"] == 2048
     assert set(data) == {"server", "cache", "model", "engine"}
+
+
+def test_presets_set_the_seed_advice_and_explicit_keys_override_them(tmp_path):
+    eval_preset = load_config(None, ["cache.preset=eval"]).cache
+    assert (eval_preset.block_size, eval_preset.policy) == (32, "lfu")
+    assert load_config(None, ["cache.preset=agent"]).cache.normalize_input is True
+    assert load_config(None, ["cache.preset=rag"]).cache.suffix.enabled is True
+    path = tmp_path / "kvreuse.ini"
+    # An explicit key wins over the preset whether it comes before or after it, in the file or on the CLI.
+    path.write_text("[cache]\nblock_size = 64\npreset = eval\n")
+    config = load_config(path)
+    assert (config.cache.preset, config.cache.block_size, config.cache.policy) == ("eval", 64, "lfu")
+    config = load_config(path, ["cache.preset=chat", "cache.policy=lfu"])
+    assert (config.cache.preset, config.cache.block_size, config.cache.policy) == ("chat", 64, "lfu")
+    assert error_of(None, ["cache.preset=fast"]) == (
+        "config key 'cache.preset' must be one of none, chat, eval, agent, rag, got 'fast'")
