@@ -213,6 +213,23 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_analyze(args: argparse.Namespace) -> int:
+    from kvreuse.analyze import analyze, read_prompts, text_report
+
+    config = build_config(args)
+    try:
+        prompts = read_prompts(args.prompts_file)
+    except OSError as exc:
+        raise InputError(f"cannot read {args.prompts_file}: {exc.strerror}") from exc
+    except ValueError as exc:
+        raise InputError(str(exc)) from exc
+    if not prompts:
+        raise InputError(f"{args.prompts_file}: no prompts")
+    report = analyze(prompts, config)
+    print(json.dumps(report, indent=2, ensure_ascii=False) if args.json else text_report(report))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvreuse", description="LLM inference built around KV-cache reuse")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -261,6 +278,12 @@ def main(argv: list[str] | None = None) -> int:
     fid.add_argument("--json", action="store_true", help="the whole report as JSON")
     fid.add_argument("--log-level", default="WARNING")
     fid.set_defaults(func=cmd_fidelity)
+
+    ana = sub.add_parser("analyze", help="why is the hit rate low? diagnose a prompt log without running the model")
+    _common_flags(ana)
+    ana.add_argument("prompts_file", help='JSONL: {"prompt": ...} or {"messages": [...]} per line')
+    ana.add_argument("--json", action="store_true", help="the report as JSON")
+    ana.set_defaults(func=cmd_analyze)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -1,0 +1,230 @@
+"""`kvreuse analyze`: why is the hit rate low? A diagnosis of a prompt log, without running the model.
+
+It replays the prompts through the real cache manager (the same matching and eviction code the engine
+runs, with no forward passes), so the predicted hit rates are what the engine would measure for those
+prompts in that order (generated tokens aside). Then it looks for what breaks sharing, as the seed's
+troubleshooting section does: dynamic fields (timestamps, UUIDs, ids, numbers) inside otherwise equal
+text, whitespace and full-width differences that `normalize_input` would remove, and where
+near-duplicate prompts first diverge.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvreuse.config import Config
+from kvreuse.engine.sequence import Sequence
+from kvreuse.kvcache.manager import KVCacheManager
+from kvreuse.kvcache.normalize import normalize_text
+from kvreuse.model.loader import file_sha256, resolve_model_path
+from kvreuse.model.tokenizer import Tokenizer
+from kvreuse.sampling_params import SamplingParams
+
+DYNAMIC_FIELDS = {
+    "timestamp": re.compile(r"\b\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}(:\d{2}(\.\d+)?)?(Z|[+-]\d{2}:?\d{2})?\b"
+                            r"|\b\d{4}-\d{2}-\d{2}\b|\b\d{1,2}:\d{2}:\d{2}\b|\b1[5-9]\d{8}(\d{3})?\b"),
+    "uuid": re.compile(r"\b[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}\b"),
+    "id": re.compile(r"\b(?:user|session|request|trace|customer|order|account)[_ -]?id\s*[:=]?\s*[\w-]+",
+                     re.IGNORECASE),
+    "hex": re.compile(r"\b[0-9a-f]{16,}\b"),
+    "number": re.compile(r"\b\d{4,}\b"),
+}
+
+
+@dataclass
+class Replay:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    reused_tokens: int = 0
+    per_prompt: list[tuple[int, int, int]] = field(default_factory=list)  # (prompt, cached, reused)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def segment_rate(self) -> float:
+        return self.reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+def read_prompts(path: str) -> list[str | list[dict]]:
+    """JSONL of {"prompt": str} or {"messages": [...]}; plain text lines are taken as prompts too."""
+    prompts: list[str | list[dict]] = []
+    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            prompts.append(line)
+            continue
+        if isinstance(record, dict) and isinstance(record.get("prompt"), str):
+            prompts.append(record["prompt"])
+        elif isinstance(record, dict) and isinstance(record.get("messages"), list):
+            prompts.append(record["messages"])
+        else:
+            raise ValueError(f'{path}, line {number}: expected {{"prompt": str}} or {{"messages": [...]}}')
+    return prompts
+
+
+def render(tokenizer: Tokenizer, prompt: str | list[dict], normalize: bool) -> str:
+    fix = normalize_text if normalize else (lambda text: text)
+    if isinstance(prompt, str):
+        return fix(prompt)
+    return tokenizer.apply_chat_template([{**m, "content": fix(m.get("content") or "")} for m in prompt])
+
+
+def replay(token_lists: list[list[int]], config: Config, fingerprint: str, segments: bool) -> Replay:
+    """Run the prompts through a KVCacheManager as the engine would, one after another."""
+    cache = config.cache
+    num_blocks = config.engine.num_kv_blocks or 4096
+    manager = KVCacheManager(num_blocks, cache.block_size, enable_caching=cache.enabled,
+                             max_cached_blocks=cache.max_blocks, policy=cache.policy,
+                             min_match_blocks=cache.min_match_blocks, fingerprint=fingerprint,
+                             enable_segments=segments)
+    result = Replay()
+    for i, token_ids in enumerate(token_lists):
+        seq = Sequence(f"p{i}", token_ids, SamplingParams(max_tokens=1))
+        hits = manager.match_prefix(seq)
+        plan = manager.match_segments(seq, len(hits))
+        num_new = seq.num_tokens - len(hits) * cache.block_size
+        if not manager.can_allocate(seq, num_new, hits, plan):
+            manager.pool.reset_cache()
+            hits, plan = [], None
+            num_new = seq.num_tokens
+            if not manager.can_allocate(seq, num_new):
+                continue  # larger than the whole pool: the engine would refuse it too
+        manager.allocate(seq, num_new, hits, plan)
+        cached, reused = seq.num_computed_tokens, plan.num_tokens if plan else 0
+        manager.release_sources(seq)
+        seq.num_computed_tokens = seq.num_tokens
+        manager.cache_computed_blocks(seq)
+        manager.free(seq)
+        result.prompt_tokens += seq.num_tokens
+        result.cached_tokens += cached
+        result.reused_tokens += reused
+        result.per_prompt.append((seq.num_tokens, cached, reused))
+    return result
+
+
+def common_prefix(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+def find_dynamic_fields(texts: list[str]) -> list[dict]:
+    """Fields whose values differ across prompts, with where they sit (fraction of the prompt). Kinds are
+    tried in order and a span claimed by one (a timestamp) is not reported again by a later one (a number)."""
+    found = []
+    claimed: list[list[tuple[int, int]]] = [[] for _ in texts]
+    for kind, pattern in DYNAMIC_FIELDS.items():
+        values: Counter[str] = Counter()
+        offsets = []
+        for text, spans in zip(texts, claimed, strict=True):
+            for match in pattern.finditer(text):
+                if any(match.start() < end and start < match.end() for start, end in spans):
+                    continue
+                spans.append(match.span())
+                values[match.group(0)] += 1
+                offsets.append(match.start() / max(1, len(text)))
+        if len(values) >= 2 and len(offsets) >= 2:
+            found.append({"field": kind, "distinct_values": len(values), "occurrences": sum(values.values()),
+                          "examples": [v for v, _ in values.most_common(3)],
+                          "median_position": round(statistics.median(offsets), 3)})
+    return sorted(found, key=lambda f: f["median_position"])
+
+
+def divergences(texts: list[str], tokenizer: Tokenizer) -> list[dict]:
+    """For each prompt, the earlier prompt sharing the longest text prefix, and where they part."""
+    rows = []
+    for i, text in enumerate(texts[1:], start=1):
+        j = max(range(i), key=lambda k: common_prefix(texts[k], text))
+        at = common_prefix(texts[j], text)
+        rows.append({"prompt": i, "closest_earlier": j, "diverges_at_char": at,
+                     "diverges_at_token": len(tokenizer.encode(text[:at])),
+                     "fraction": round(at / max(1, len(text)), 3),
+                     "context": text[max(0, at - 30): at + 30]})
+    return rows
+
+
+def analyze(prompts: list[str | list[dict]], config: Config) -> dict:
+    model_path = resolve_model_path(config.model.path or None)
+    fingerprint = file_sha256([model_path] if model_path.is_file() else sorted(model_path.glob("*.safetensors")))
+    tokenizer = Tokenizer.load(model_path, fingerprint)
+    normalize = config.cache.normalize_input
+    texts = [render(tokenizer, p, normalize) for p in prompts]
+    token_lists = [tokenizer.encode(t) for t in texts]
+    as_configured = replay(token_lists, config, fingerprint, segments=config.cache.suffix.enabled)
+    with_segments = replay(token_lists, config, fingerprint, segments=True)
+    other_texts = [render(tokenizer, p, not normalize) for p in prompts]
+    other = replay([tokenizer.encode(t) for t in other_texts], config, fingerprint,
+                   segments=config.cache.suffix.enabled)
+    normalized, raw = (as_configured, other) if normalize else (other, as_configured)
+    fields = find_dynamic_fields(texts)
+    splits = divergences(texts, tokenizer)
+    report = {
+        "prompts": len(prompts), "prompt_tokens": as_configured.prompt_tokens,
+        "block_size": config.cache.block_size, "normalize_input": normalize,
+        "segment_reuse": config.cache.suffix.enabled,
+        "hit_rate": round(as_configured.hit_rate, 4),
+        "segment_rate": round(as_configured.segment_rate, 4),
+        "hit_rate_with_segment_reuse": round(with_segments.hit_rate + with_segments.segment_rate, 4),
+        "hit_rate_normalized": round(normalized.hit_rate, 4), "hit_rate_raw": round(raw.hit_rate, 4),
+        "dynamic_fields": fields,
+        "median_divergence_fraction": statistics.median(r["fraction"] for r in splits) if splits else None,
+        "divergences": sorted(splits, key=lambda r: r["fraction"])[:5],
+    }
+    report["advice"] = advice(report)
+    return report
+
+
+def advice(r: dict) -> list[str]:
+    tips = []
+    early = [f for f in r["dynamic_fields"] if f["median_position"] < 0.8]
+    if early:
+        names = ", ".join(f"{f['field']} (e.g. {f['examples'][0]!r}, at {f['median_position']:.0%} of the prompt)"
+                          for f in early)
+        tips.append(f"Dynamic fields break sharing before the end of the prompt: {names}. Move them to the "
+                    "tail of the prompt (after the fixed instructions and documents), or drop them.")
+    gain = r["hit_rate_normalized"] - r["hit_rate_raw"]
+    if gain >= 0.02 and not r["normalize_input"]:
+        tips.append(f"Whitespace, line endings or full-width characters differ between equal-looking prompts: "
+                    f"cache.normalize_input = true would raise the hit rate from {r['hit_rate_raw']:.0%} to "
+                    f"{r['hit_rate_normalized']:.0%}.")
+    if r["median_divergence_fraction"] is not None and r["median_divergence_fraction"] < 0.2:
+        tips.append(f"Near-duplicate prompts part early (median at {r['median_divergence_fraction']:.0%} of the "
+                    "prompt): the template puts variable text first. Put the fixed system prompt, tool "
+                    "descriptions and rubric first and the varying part last.")
+    if r["hit_rate_with_segment_reuse"] - r["hit_rate"] >= 0.1 and not r["segment_reuse"]:
+        tips.append(f"Shared text sits after varying text: segment reuse (cache.suffix.enabled = true) would reuse "
+                    f"{r['hit_rate_with_segment_reuse']:.0%} of prompt tokens instead of {r['hit_rate']:.0%} "
+                    "(approximate: see README, Segment reuse), or reorder the prompt so it becomes a prefix.")
+    if not tips:
+        tips.append("No obvious problem: prompts share what they can at this block size.")
+    return tips
+
+
+def text_report(r: dict) -> str:
+    lines = [f"{r['prompts']} prompts, {r['prompt_tokens']} tokens, block_size {r['block_size']}",
+             f"exact prefix hit rate: {r['hit_rate']:.1%}" + (f"   segment reuse: {r['segment_rate']:.1%}"
+                                                              if r["segment_reuse"] else ""),
+             f"with normalize_input: {r['hit_rate_normalized']:.1%}   without: {r['hit_rate_raw']:.1%}",
+             f"with segment reuse (exact + approximate): {r['hit_rate_with_segment_reuse']:.1%}", ""]
+    if r["dynamic_fields"]:
+        lines.append("fields that differ across prompts:")
+        lines += [f"  {f['field']:<9} {f['distinct_values']} values, e.g. {', '.join(map(repr, f['examples']))}; "
+                  f"median position {f['median_position']:.0%}" for f in r["dynamic_fields"]]
+        lines.append("")
+    if r["divergences"]:
+        lines.append("earliest divergences from the closest earlier prompt:")
+        lines += [f"  prompt {d['prompt']} vs {d['closest_earlier']}: token {d['diverges_at_token']} "
+                  f"({d['fraction']:.0%}) ...{d['context']!r}..." for d in r["divergences"]]
+        lines.append("")
+    lines.append("advice:")
+    lines += [f"  - {tip}" for tip in r["advice"]]
+    return "\n".join(lines)
