@@ -267,8 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     fid = sub.add_parser("fidelity", help="segment reuse against exact recompute on a built-in workload")
     fid.add_argument("--requests", type=int, default=24, help="requests (default 24)")
     fid.add_argument("--seed", type=int, default=0, help="workload seed")
-    fid.add_argument("--workload", choices=["rag", "eval"], default="rag",
-                     help="rag: 2-3 documents per query in varying order; eval: varying answer + fixed rubric")
+    fid.add_argument("--workload", choices=["rag", "eval", "chat", "agent"], default="rag",
+                     help="rag: 2-3 documents per query in varying order; eval: varying answer + fixed rubric; "
+                          "chat: multi-turn follow-ups; agent: variable tool results + fixed tool rules")
     fid.add_argument("--modes", nargs="+", choices=["prefix-only", "shift-noguard", "shift", "blend-noguard",
                                                     "blend", "blend-1.0"], help="default: all")
     fid.add_argument("--continuation", type=int, default=32, help="greedy tokens compared per request")

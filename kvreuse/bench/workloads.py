@@ -84,4 +84,86 @@ def batch_eval(num_requests: int = 24, seed: int = 0) -> list[list[dict]]:
     return conversations
 
 
-WORKLOADS = {"rag": rag, "eval": batch_eval}
+CHAT_SYSTEM = "You are a helpful assistant. Explain clearly and give examples."
+CHAT_FOLLOW_UPS = ["Can you go into more detail?", "Continue.", "Give me another example.", "Explain that more simply."]
+CHAT_TAIL = "Answer in markdown only."
+
+
+def chat(num_requests: int = 24, turns: int = 4, seed: int = 0) -> list[list[dict]]:
+    """Multi-turn chats, one request per turn: each turn resends the whole conversation (so it extends the
+    previous request of its conversation), follow-ups such as "Continue.", and a fixed tail instruction on
+    every user message. Assistant replies are canned text from the corpus, so the workload is static."""
+    rng = random.Random(seed)
+    pool = documents()
+    requests = []
+    while len(requests) < num_requests:
+        doc = rng.choice(pool)
+        messages = [{"role": "system", "content": CHAT_SYSTEM},
+                    {"role": "user", "content": f"What does the {doc['title']} do? {CHAT_TAIL}"}]
+        paragraphs = doc["text"].split("\n\n")
+        for turn in range(turns):
+            requests.append([dict(m) for m in messages])
+            reply = paragraphs[turn % len(paragraphs)]
+            messages += [{"role": "assistant", "content": reply},
+                         {"role": "user", "content": f"{rng.choice(CHAT_FOLLOW_UPS)} {CHAT_TAIL}"}]
+    return requests[:num_requests]
+
+
+AGENT_TOOLS = """Available tools:
+- search(query: str) -> list of {title, url, snippet}: web search; use for facts you do not know.
+- read_file(path: str) -> str: the contents of a file in the workspace.
+- write_file(path: str, content: str) -> None: create or replace a file in the workspace.
+- run(command: str) -> {exit_code, stdout, stderr}: run a shell command in the workspace, 60 s limit.
+- ask_user(question: str) -> str: ask the user when the task is ambiguous; use sparingly.
+
+Output rules:
+1. Think step by step, but output only one action per turn.
+2. An action is a JSON object {"tool": name, "args": {...}} on a single line, with nothing after it.
+3. When the task is done, output {"tool": "finish", "args": {"summary": "..."}} instead.
+4. Never invent tool results; wait for them.
+5. Keep file edits minimal and explain nothing outside the JSON."""
+
+AGENT_TASKS = ["Fix the failing test in tests/test_io.py.", "Add a --verbose flag to the CLI.",
+               "Find out which Python version the project needs.", "Rename the function load to read_config."]
+
+
+def agent(num_requests: int = 24, seed: int = 0) -> list[list[dict]]:
+    """Agent steps: a task, the latest tool result (variable length and content), then the long fixed tool
+    descriptions and output rules at the tail, where they are never a prefix."""
+    rng = random.Random(seed)
+    pool = documents()
+    requests = []
+    for step in range(num_requests):
+        result = {"exit_code": rng.choice([0, 1]), "stdout": rng.choice(pool)["text"][: rng.randint(80, 400)]}
+        content = (f"Task: {rng.choice(AGENT_TASKS)}\nStep {step + 1}. Last tool result:\n"
+                   f"{json.dumps(result)}\n\n{AGENT_TOOLS}")
+        requests.append([{"role": "user", "content": content}])
+    return requests
+
+
+def prefix_repetition(num_requests: int = 24, num_prefixes: int = 4, prefix_words: int = 300,
+                      suffix_words: int = 40, seed: int = 0) -> list[str]:
+    """vLLM's prefix_repetition shape: each prompt is one of `num_prefixes` long random prefixes followed by
+    a random suffix (plain prompts, no chat template)."""
+    rng = random.Random(seed)
+    words = " ".join(d["text"] for d in documents()).split()
+    sample = lambda n: " ".join(rng.choice(words) for _ in range(n))
+    prefixes = [sample(prefix_words) for _ in range(num_prefixes)]
+    return [f"{rng.choice(prefixes)}\n{sample(suffix_words)}" for _ in range(num_requests)]
+
+
+def generated_shared_prefix(num_groups: int = 4, prompts_per_group: int = 6, seed: int = 0) -> list[list[dict]]:
+    """SGLang's generated-shared-prefix shape: groups of requests sharing a long system prompt, each with its
+    own short question."""
+    rng = random.Random(seed)
+    pool = documents()
+    requests = []
+    for group in range(num_groups):
+        system = f"Reference {group}:\n" + "\n\n".join(d["text"] for d in rng.sample(pool, 2))
+        requests += [[{"role": "system", "content": system},
+                      {"role": "user", "content": rng.choice(RAG_QUESTIONS).format(index=1, title="it")}]
+                     for _ in range(prompts_per_group)]
+    return requests
+
+
+WORKLOADS = {"rag": rag, "eval": batch_eval, "chat": chat, "agent": agent}

@@ -1,0 +1,49 @@
+"""Workload generators: deterministic under a seed, and shaped the way each scenario shares text."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvreuse.bench import workloads
+
+
+@pytest.mark.parametrize("make", [workloads.rag, workloads.batch_eval, workloads.chat, workloads.agent,
+                                  workloads.prefix_repetition, workloads.generated_shared_prefix])
+def test_deterministic_under_a_seed(make):
+    assert make(seed=1) == make(seed=1)
+    assert make(seed=1) != make(seed=2)
+
+
+def text(request) -> str:
+    return request if isinstance(request, str) else "\n".join(m["content"] for m in request)
+
+
+def test_rag_moves_the_same_documents_around():
+    requests = [text(r) for r in workloads.rag(24)]
+    doc = workloads.documents()[0]["text"]
+    offsets = {r.index(doc) for r in requests if doc in r}
+    assert len(offsets) >= 2, "a document must appear at more than one position"
+
+
+def test_eval_and_agent_keep_a_long_fixed_tail_after_varying_text():
+    cases = ((workloads.batch_eval(12), workloads.EVAL_RUBRIC), (workloads.agent(12), workloads.AGENT_TOOLS))
+    for requests, tail in cases:
+        texts = [text(r) for r in requests]
+        assert all(t.endswith(tail) for t in texts)
+        assert all(len(tail) > 0.5 * len(t) for t in texts), "the shared text is the larger part of each prompt"
+        assert len({t[: -len(tail)] for t in texts}) > 1
+        assert len({len(t) - len(tail) for t in texts}) > 1, "the fixed part must move, not sit at one offset"
+
+
+def test_chat_turns_extend_the_previous_turn_and_repeat_the_tail_instruction():
+    requests = workloads.chat(8, turns=4)
+    for earlier, later in zip(requests[:3], requests[1:4], strict=True):
+        assert later[: len(earlier)] == earlier and len(later) == len(earlier) + 2
+    assert all(m["content"].endswith(workloads.CHAT_TAIL) for r in requests for m in r if m["role"] == "user")
+
+
+def test_prefix_shapes():
+    prompts = workloads.prefix_repetition(24, num_prefixes=4)
+    assert len({p.split("\n")[0] for p in prompts}) == 4
+    groups = workloads.generated_shared_prefix(num_groups=3, prompts_per_group=5)
+    assert len(groups) == 15 and len({r[0]["content"] for r in groups}) == 3
