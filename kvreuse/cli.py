@@ -187,10 +187,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     import importlib
 
-    suite = importlib.import_module(f"kvreuse.bench.{args.suite}_bench")
     progress = lambda line: print(line, file=sys.stderr, flush=True)
-    kwargs = {"include_bf16": not args.no_bf16} if args.suite == "engine" else {}
-    report = suite.run(repeats=args.repeats, progress=progress, **kwargs)
+    if args.scenario:
+        from kvreuse.bench import scenario_bench as suite
+
+        args.suite = "scenario"
+        args.overrides.append("cache.suffix.enabled=true")  # the index must exist; modes switch it per run
+        scenarios = list(suite.SCENARIOS) if args.scenario == "all" else [args.scenario]
+        num_requests = args.requests or (4 if args.quick else 16)
+        max_tokens = args.max_tokens or (4 if args.quick else 16)
+        report = suite.run(build_config(args), scenarios, num_requests, max_tokens, progress)
+    else:
+        suite = importlib.import_module(f"kvreuse.bench.{args.suite}_bench")
+        kwargs = {"include_bf16": not args.no_bf16} if args.suite == "engine" else {}
+        report = suite.run(repeats=args.repeats, progress=progress, **kwargs)
     table = suite.markdown(report)
     print(table)
     if args.out:
@@ -255,13 +265,18 @@ def main(argv: list[str] | None = None) -> int:
     serve.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser("bench", help="benchmarks (medians of interleaved runs)")
+    _common_flags(bench)
+    bench.add_argument("--scenario", choices=["chat", "eval", "agent", "rag", "all"],
+                       help="the seed's scenarios in modes no-cache, prefix, shift, blend (instead of --suite)")
+    bench.add_argument("--quick", action="store_true", help="scenario: 4 requests x 4 tokens (a smoke run)")
+    bench.add_argument("--requests", type=int, help="scenario: requests per scenario (default 16)")
+    bench.add_argument("--max-tokens", type=int, help="scenario: completion tokens per request (default 16)")
     bench.add_argument("--suite", choices=["engine", "prefix"], default="prefix",
                        help="engine: cold prefill and decode vs HF transformers / llama.cpp; "
                             "prefix: cold vs warm TTFT of a 2048-token prompt")
     bench.add_argument("--repeats", type=int, default=3, help="measured rounds (after one warm-up round)")
     bench.add_argument("--no-bf16", action="store_true", help="engine suite: skip HF bf16 (slow without AVX512-BF16)")
     bench.add_argument("--out", help="directory for <suite>.json and <suite>.md")
-    bench.add_argument("--log-level", default="WARNING")
     bench.set_defaults(func=cmd_bench)
 
     fid = sub.add_parser("fidelity", help="segment reuse against exact recompute on a built-in workload")

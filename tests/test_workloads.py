@@ -47,3 +47,25 @@ def test_prefix_shapes():
     assert len({p.split("\n")[0] for p in prompts}) == 4
     groups = workloads.generated_shared_prefix(num_groups=3, prompts_per_group=5)
     assert len(groups) == 15 and len({r[0]["content"] for r in groups}) == 3
+
+
+def test_scenario_bench_quick_writes_valid_json_with_every_key(tiny_model_dir, tmp_path):
+    import json
+
+    from kvreuse.cli import main
+
+    # guard_margin 0: a random-weight model's first tokens are all near-ties, which the guard would recompute.
+    assert main(["bench", "--scenario", "eval", "--quick", "--model", tiny_model_dir, "--out", str(tmp_path),
+                 "--set", "cache.suffix.guard_margin=0"]) == 0
+    report = json.loads((tmp_path / "scenario.json").read_text())
+    modes = report["scenarios"]["eval"]
+    assert list(modes) == ["no-cache", "prefix", "shift", "blend"]
+    keys = {"completed", "duration", "request_throughput", "output_throughput", "mean_ttft_ms", "median_ttft_ms",
+            "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms", "prefill_tokens_computed", "exact_hit_rate",
+            "approximate_hit_rate", "peak_kv_bytes", "peak_rss_bytes"}
+    assert all(keys <= set(r) for r in modes.values())
+    assert {"top1_agreement", "mean_kl", "mean_match_len"} <= set(modes["blend"])
+    assert modes["no-cache"]["exact_hit_rate"] == 0 and modes["no-cache"]["completed"] == 4
+    # The rubric at the tail is reused by segment reuse, never by prefix caching.
+    assert modes["blend"]["approximate_hit_rate"] > 0 and modes["prefix"]["approximate_hit_rate"] == 0
+    assert modes["shift"]["prefill_tokens_computed"] < modes["prefix"]["prefill_tokens_computed"]
