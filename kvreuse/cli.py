@@ -191,14 +191,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.scenario:
         from kvreuse.bench import scenario_bench as suite
 
-        args.suite = "scenario"
+        name = "scenario"
         args.overrides.append("cache.suffix.enabled=true")  # the index must exist; modes switch it per run
         scenarios = list(suite.SCENARIOS) if args.scenario == "all" else [args.scenario]
         num_requests = args.requests or (4 if args.quick else 16)
         max_tokens = args.max_tokens or (4 if args.quick else 16)
         report = suite.run(build_config(args), scenarios, num_requests, max_tokens, progress)
     else:
-        suite = importlib.import_module(f"kvreuse.bench.{args.suite}_bench")
+        name = args.suite
+        suite = importlib.import_module(f"kvreuse.bench.{name}_bench")
         kwargs = {"include_bf16": not args.no_bf16} if args.suite == "engine" else {}
         report = suite.run(repeats=args.repeats, progress=progress, **kwargs)
     table = suite.markdown(report)
@@ -206,9 +207,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / f"{args.suite}.json").write_text(json.dumps(report, indent=2) + "\n")
-        (out / f"{args.suite}.md").write_text(table + "\n")
-        print(f"wrote {out / args.suite}.json and .md", file=sys.stderr)
+        (out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
+        (out / f"{name}.md").write_text(table + "\n")
+        print(f"wrote {out / name}.json and .md", file=sys.stderr)
     return 0
 
 

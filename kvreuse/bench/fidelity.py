@@ -46,12 +46,12 @@ def suffix_settings(llm: LLM, **overrides):
     config, manager = llm.engine.config.cache, llm.engine.kv_manager
     original = config.suffix
     config.suffix = replace(original, **overrides)
-    manager.enable_segments = config.suffix.enabled
+    manager.enable_segments = manager.enable_caching and config.suffix.enabled
     try:
         yield
     finally:
         config.suffix = original
-        manager.enable_segments = original.enabled
+        manager.enable_segments = manager.enable_caching and original.enabled
 
 
 def run(llm: LLM, conversations: list[list[dict]], suffix_overrides: dict, continuation: int = CONTINUATION) -> dict:

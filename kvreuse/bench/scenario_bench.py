@@ -19,6 +19,7 @@ from kvreuse.llm import LLM
 from kvreuse.sampling_params import SamplingParams
 
 SCENARIOS = ("chat", "eval", "agent", "rag")
+# cache.suffix.* per mode; no-cache differs from prefix by sending every request with use_cache=False.
 MODES = {
     "no-cache": {"enabled": False},
     "prefix": {"enabled": False},

@@ -31,12 +31,14 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         logits_rows: list[int] = []
+        sampling: list[Sequence] = []  # the sequences whose step reaches their last token
         for seq in seqs:
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + seq.num_scheduled_tokens
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
             if end == seq.num_tokens:
                 logits_rows.append(len(input_ids) - 1)
+                sampling.append(seq)
         meta = AttentionMetadata.build(
             [s.num_computed_tokens for s in seqs], [s.num_scheduled_tokens for s in seqs],
             [s.block_table for s in seqs], self.block_size, self.device,
@@ -45,13 +47,12 @@ class ModelRunner:
             torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device),
             meta, self.kv_cache, torch.tensor(logits_rows, dtype=torch.long, device=self.device),
         )
-        sampling = [s for s in seqs if s.num_computed_tokens + s.num_scheduled_tokens == s.num_tokens]
         for row, seq in enumerate(sampling):
             if seq.params.keep_first_logits and seq.first_logits is None:
                 seq.first_logits = logits[row].cpu()
-        sampled = iter(sample(logits, [s.params for s in sampling], [s.generator for s in sampling]))
-        return [next(sampled) if s.num_computed_tokens + s.num_scheduled_tokens == s.num_tokens else None
-                for s in seqs]
+        tokens = dict(zip(map(id, sampling), sample(logits, [s.params for s in sampling],
+                                                    [s.generator for s in sampling]), strict=True))
+        return [tokens.get(id(s)) for s in seqs]
 
     # --- segment reuse -------------------------------------------------------------------------------
     def copy_segments(self, seq: Sequence) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -39,12 +40,15 @@ class Tokenizer:
             except Exception as exc:  # a stale or partial cache is rebuilt, never fatal
                 logger.warning("ignoring tokenizer cache %s: %s", cached, exc)
         tokenizer = AutoTokenizer.from_pretrained(str(model_path.parent), gguf_file=model_path.name)
+        # Written to a private folder, then renamed into place, so a concurrent reader never sees half a cache.
+        tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
         try:
-            tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
             tokenizer.save_pretrained(str(tmp))
-            os.replace(tmp, cached) if not cached.exists() else None
+            shutil.rmtree(cached, ignore_errors=True)  # a stale cache that failed to load above
+            os.replace(tmp, cached)
         except OSError as exc:
             logger.info("could not cache the tokenizer in %s: %s", cached, exc)
+            shutil.rmtree(tmp, ignore_errors=True)
         return cls(tokenizer)
 
     @property
