@@ -27,11 +27,12 @@ def documents() -> list[dict]:
     return json.loads(CORPUS.read_text(encoding="utf-8"))["documents"]
 
 
-def rag(num_requests: int = 24, docs_per_query: tuple[int, int] = (2, 3), seed: int = 0) -> list[list[dict]]:
-    """Each query retrieves 2-3 documents from the pool in a random order, so the same document lands at
-    different positions (and on different block grids) across requests."""
+def rag(num_requests: int = 24, docs_per_query: tuple[int, int] = (2, 3), num_docs: int = 6,
+        seed: int = 0) -> list[list[dict]]:
+    """Each query retrieves 2-3 documents from a pool of `num_docs` (the hot set of a knowledge base) in a
+    random order, so the same document lands at different positions (and block grids) across requests."""
     rng = random.Random(seed)
-    pool = documents()
+    pool = rng.sample(documents(), min(num_docs, len(documents())))
     conversations = []
     for _ in range(num_requests):
         picked = rng.sample(pool, rng.randint(*docs_per_query))
@@ -84,15 +85,30 @@ def batch_eval(num_requests: int = 24, seed: int = 0) -> list[list[dict]]:
     return conversations
 
 
-CHAT_SYSTEM = "You are a helpful assistant. Explain clearly and give examples."
+CHAT_SYSTEM = """You are a helpful assistant for software developers, working inside a team's documentation tool.
+
+Guidelines:
+- Explain clearly and give examples. Prefer a short runnable example over a long description.
+- When a question is ambiguous, state the assumption you make in one sentence, then answer.
+- Use the terminology of the module being discussed, and name functions and classes exactly.
+- When you are not sure that an API exists, say so instead of guessing its signature.
+- Point out common mistakes and edge cases: empty inputs, encodings, time zones, large files.
+- Keep answers focused: no greetings, no apologies, no repetition of the question.
+- Follow-up requests such as "continue" or "more detail" refer to your previous answer; build on it
+  instead of starting over.
+- Never include secrets, tokens or personal data in examples; use placeholders such as EXAMPLE_KEY.
+- Code blocks name their language. Shell commands show the prompt-free command only.
+
+Tone: friendly, precise and direct, as a senior colleague reviewing a pull request would be."""
 CHAT_FOLLOW_UPS = ["Can you go into more detail?", "Continue.", "Give me another example.", "Explain that more simply."]
 CHAT_TAIL = "Answer in markdown only."
 
 
-def chat(num_requests: int = 24, turns: int = 4, seed: int = 0) -> list[list[dict]]:
-    """Multi-turn chats, one request per turn: each turn resends the whole conversation (so it extends the
-    previous request of its conversation), follow-ups such as "Continue.", and a fixed tail instruction on
-    every user message. Assistant replies are canned text from the corpus, so the workload is static."""
+def chat(num_requests: int = 24, turns: int = 6, seed: int = 0) -> list[list[dict]]:
+    """Multi-turn chats under one fixed system prompt, one request per turn: each turn resends the whole
+    conversation (so it extends the previous request of its conversation), follow-ups such as "Continue.",
+    and a fixed tail instruction on every user message. Assistant replies are canned text from the corpus,
+    so the workload is static (the same prompts for every system and mode)."""
     rng = random.Random(seed)
     pool = documents()
     requests = []

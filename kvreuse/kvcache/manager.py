@@ -25,7 +25,8 @@ class KVCacheManager:
         self.hash_fn = hash_fn  # a test can swap in a constant to prove hits are confirmed, not trusted
         self.pool = BlockPool(num_blocks, max_cached_blocks if enable_caching else 0, policy)
         self.segments = SegmentIndex(block_size)
-        if self.enable_segments:
+        # Indexed whenever caching is on, so segment reuse can be switched on for a running engine.
+        if enable_caching:
             self.pool.on_register.append(self.segments.add)
             self.pool.on_evict.append(self.segments.remove)
 

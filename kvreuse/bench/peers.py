@@ -1,0 +1,178 @@
+"""Peers for `kvreuse bench --scenario`: Hugging Face transformers on the same weights as our engine.
+
+`HFPeer` sends a scenario's conversations one after another, rendered with the tokenizer's own chat template,
+and decodes greedily for exactly `max_tokens` tokens in an explicit forward loop so TTFT and TPOT are timed
+the way our engine times them. With `prefix_reuse` it reuses earlier prompts' KV the way the transformers docs
+show: deep-copy the `DynamicCache` of the earlier prompt with the longest common token prefix, crop it to
+that prefix and prefill only the rest. Results use the keys of `scenario_bench.run_mode`.
+llama-cpp-python is not a peer here: our package index has no prebuilt wheel of it (only a long C++ build).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import statistics
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvreuse.bench.fidelity import kl_divergence, match_length
+from kvreuse.engine.stats import peak_rss_bytes
+from kvreuse.model.loader import ModelLoadError, resolve_model_path
+
+SYSTEM = "hf-transformers"
+
+
+def hf_available() -> bool:
+    """Whether transformers (and, for GGUF files, its `gguf` reader) can be imported."""
+    return all(importlib.util.find_spec(name) is not None for name in ("transformers", "gguf"))
+
+
+@dataclass
+class HFOutput:
+    """One request's result, with the fields the scenario bench compares (as our `RequestOutput` names them)."""
+    token_ids: list[int]
+    first_logits: torch.Tensor   # [vocab] fp32 on the CPU: the distribution of the first generated token
+    ttft_s: float
+    total_s: float
+    prompt_tokens: int
+    cached_tokens: int           # prompt tokens whose KV came from an earlier prompt's cache
+
+
+def load_hf(model_path: str | Path | None, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    """`(model, tokenizer)` from a .gguf file (dequantized by transformers, as our loader does) or an HF
+    directory; None is our engine's default model."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_model_path(str(model_path) if model_path else None)
+    if path.is_file() and path.suffix == ".gguf":
+        location, extra = str(path.parent), {"gguf_file": path.name}
+    elif path.is_dir():
+        location, extra = str(path), {}
+    else:
+        raise ModelLoadError(f"unsupported model path {path}: expected a .gguf file or a Hugging Face directory")
+    model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, **extra).to(device).eval()
+    return model, AutoTokenizer.from_pretrained(location, **extra)
+
+
+def _cache_bytes(cache) -> int:
+    # Storage, not view sizes: a cropped cache still holds the tensors it was sliced from.
+    return sum(t.untyped_storage().nbytes() for layer in cache.layers if layer.is_initialized
+               for t in (layer.keys, layer.values))
+
+
+def _common_prefix(a: tuple[int, ...], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+class HFPeer:
+    """HF transformers holding one model and tokenizer; `run` sends a scenario's conversations through it."""
+
+    def __init__(self, model_path: str | Path | None = None, dtype: torch.dtype = torch.float32,
+                 device: str = "cpu", max_cached_prompts: int = 8):
+        self.model, self.tokenizer = load_hf(model_path, dtype, device)
+        self.device = device
+        self.max_cached_prompts = max_cached_prompts
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """The prompt's token ids, from the tokenizer's own chat template (with the generation prompt)."""
+        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                       return_dict=False))
+
+    @torch.inference_mode()
+    def run(self, conversations: list[list[dict]], max_tokens: int, *, prefix_reuse: bool = False,
+            exact: list | None = None) -> tuple[dict, list[HFOutput]]:
+        """Send the conversations one after another, each decoded greedily for exactly `max_tokens` tokens.
+
+        With `prefix_reuse`, each prompt starts from a copy of the cached prompt that shares the longest token
+        prefix with it; the cache starts empty on every call. `exact` (our engine's no-cache outputs of the
+        same conversations) adds top1_agreement, mean_kl and mean_match_len. Returns the result, keyed as
+        `scenario_bench.run_mode`'s, and the per-request outputs."""
+        prompt_caches: OrderedDict[tuple[int, ...], object] = OrderedDict()  # prompt ids -> its KV, oldest first
+        outputs, peak_kv = [], 0
+        start = time.perf_counter()
+        for messages in conversations:
+            prompt = self.encode_chat(messages)
+            output, cache = self._generate(prompt, max_tokens, prompt_caches if prefix_reuse else None)
+            # KV of the running request only, like our engine's peak_kv_bytes (its cached blocks are not counted).
+            peak_kv = max(peak_kv, _cache_bytes(cache))
+            if prefix_reuse:
+                # The decoded tokens are dropped: a later request resends the conversation with its own text
+                # where this one's reply would be (our engine caches prompt blocks the same way).
+                cache.crop(len(prompt) - cache.get_seq_length())  # v5 `crop` takes minus the tokens to drop
+                prompt_caches[tuple(prompt)] = cache
+                prompt_caches.move_to_end(tuple(prompt))
+                while len(prompt_caches) > self.max_cached_prompts:
+                    prompt_caches.popitem(last=False)
+            outputs.append(output)
+        duration = time.perf_counter() - start
+        return _result(outputs, duration, peak_kv, exact), outputs
+
+    def _generate(self, prompt: list[int], max_tokens: int, prompt_caches: dict | None) -> tuple[HFOutput, object]:
+        from transformers import DynamicCache
+
+        start = time.perf_counter()
+        cache, reused = DynamicCache(config=self.model.config), 0
+        if prompt_caches:
+            best = max(prompt_caches, key=lambda ids: _common_prefix(ids, prompt))
+            # At least one prompt token is computed: its logits give the first output token.
+            reused = min(_common_prefix(best, prompt), len(prompt) - 1)
+            if reused > 0:
+                prompt_caches.move_to_end(best)
+                cache = copy.deepcopy(prompt_caches[best])  # the stored cache must stay whole for later prompts
+                cache.crop(reused - cache.get_seq_length())
+        ids = torch.tensor([prompt[reused:]], device=self.device)  # [1, prompt tokens not cached]
+        logits = self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]  # [vocab]
+        first_logits = logits.float().cpu()
+        token_ids = [int(logits.argmax())]  # .item() waits for the device, so the clock below is honest
+        ttft = time.perf_counter() - start
+        while len(token_ids) < max_tokens:
+            ids = torch.tensor([[token_ids[-1]]], device=self.device)  # [1, 1]
+            logits = self.model(input_ids=ids, cache=cache, use_cache=True).logits[0, -1]  # [vocab]
+            token_ids.append(int(logits.argmax()))
+        total = time.perf_counter() - start
+        return HFOutput(token_ids, first_logits, ttft, total, len(prompt), reused), cache
+
+
+def _result(outputs: list[HFOutput], duration: float, peak_kv: int, exact: list | None) -> dict:
+    from kvreuse.bench.scenario_bench import percentile  # not at the top: scenario_bench imports this module
+
+    ttfts = [o.ttft_s * 1000 for o in outputs]
+    tpots = [(o.total_s - o.ttft_s) * 1000 / (len(o.token_ids) - 1) for o in outputs if len(o.token_ids) > 1]
+    total_in = sum(o.prompt_tokens for o in outputs)
+    total_out = sum(len(o.token_ids) for o in outputs)
+    cached = sum(o.cached_tokens for o in outputs)
+    result = {
+        "system": SYSTEM,
+        "completed": len(outputs), "duration": duration,
+        "total_input_tokens": total_in, "total_output_tokens": total_out,
+        "request_throughput": len(outputs) / duration, "output_throughput": total_out / duration,
+        "total_token_throughput": (total_in + total_out) / duration,
+        "mean_ttft_ms": statistics.mean(ttfts), "median_ttft_ms": statistics.median(ttfts),
+        "p99_ttft_ms": percentile(ttfts, 99),
+        "mean_tpot_ms": statistics.mean(tpots) if tpots else None,
+        "p99_tpot_ms": percentile(tpots, 99) if tpots else None,
+        "prefill_tokens_computed": total_in - cached,
+        "exact_hit_rate": cached / total_in if total_in else 0.0,
+        "approximate_hit_rate": 0.0,  # HF reuses exact prefixes only
+        "guarded_requests": None,     # there is no fidelity guard to trip
+        "peak_kv_bytes": peak_kv, "peak_rss_bytes": peak_rss_bytes(),
+    }
+    if exact is not None:
+        pairs = list(zip(outputs, exact, strict=True))
+        result["top1_agreement"] = statistics.mean(
+            int(o.first_logits.argmax() == e.first_logits.argmax()) for o, e in pairs)
+        result["mean_kl"] = statistics.mean(kl_divergence(e.first_logits, o.first_logits) for o, e in pairs)
+        result["mean_match_len"] = statistics.mean(match_length(e.token_ids, o.token_ids) for o, e in pairs)
+    return result
+
+
+def run_hf(model_path: str | Path | None, conversations: list[list[dict]], max_tokens: int, *, prefix_reuse: bool,
+           exact: list | None = None, dtype: torch.dtype = torch.float32,
+           device: str = "cpu") -> tuple[dict, list[HFOutput]]:
+    """`HFPeer(model_path, dtype, device).run(...)` for a single run (loading the model costs seconds)."""
+    return HFPeer(model_path, dtype, device).run(conversations, max_tokens, prefix_reuse=prefix_reuse, exact=exact)

@@ -1,0 +1,206 @@
+"""`kvreuse bench --url URL`: replay a scenario against any OpenAI-compatible server (ours, vLLM, llama.cpp).
+
+As `vllm bench serve` does it: each conversation is one streaming POST /v1/chat/completions (greedy, ignore_eos,
+a fixed max_tokens), sent all at once or as a seeded Poisson process, with at most `concurrency` in flight.
+TTFT, TPOT, ITL and end-to-end latency are timed on the client; prompt and cached tokens come from the server's
+`usage` where it reports them. Failed requests are counted, not raised. Keys follow `vllm bench serve`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import httpx
+
+from kvreuse.bench.scenario_bench import percentile
+
+CONNECT_TIMEOUT_S = 10.0
+# Long, since a queued request may wait minutes for its first chunk; only a server silent this long fails it.
+READ_TIMEOUT_S = 600.0
+
+
+@dataclass
+class RequestResult:
+    success: bool = False
+    error: str = ""
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+
+
+def describe(exc: Exception) -> str:
+    # Some httpx errors (timeouts, for one) carry an empty message.
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+async def resolve_model(client: httpx.AsyncClient, root: str, model: str | None) -> str:
+    # Always probed, so that an unreachable server fails once, clearly, before any request is timed.
+    try:
+        response = await client.get(f"{root}/v1/models")
+    except httpx.HTTPError as exc:
+        raise RuntimeError(f"cannot reach the server at {root}: {describe(exc)}") from exc
+    if model is not None:  # a server without /v1/models can still be replayed against when the model is named
+        return model
+    if response.status_code != 200:
+        raise RuntimeError(f"GET {root}/v1/models failed with HTTP {response.status_code}: {response.text[:300]} "
+                           "(name the model to skip this look-up)")
+    try:
+        return response.json()["data"][0]["id"]
+    except (ValueError, KeyError, IndexError, TypeError) as exc:
+        raise RuntimeError(f"GET {root}/v1/models named no model: {response.text[:300]}") from exc
+
+
+async def send(client: httpx.AsyncClient, root: str, model: str, messages: list[dict],
+               max_tokens: int) -> RequestResult:
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, "ignore_eos": True}
+    result = RequestResult()
+    usage, content_chunks, last = None, 0, None
+    start = time.perf_counter()
+    try:
+        async with client.stream("POST", f"{root}/v1/chat/completions", json=body) as response:
+            if response.status_code != 200:
+                text = (await response.aread()).decode(errors="replace")
+                result.error = f"HTTP {response.status_code}: {text[:300]}"
+                return result
+            async for line in response.aiter_lines():
+                if line.startswith("error:"):  # llama.cpp's way of failing mid-stream
+                    result.error = line[:300]
+                    return result
+                if not line.startswith("data:"):  # blank separators, comments, event: lines
+                    continue
+                data = line[len("data:"):].strip()
+                if data == "[DONE]":
+                    break
+                now = time.perf_counter()
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    result.error = f"error in stream: {json.dumps(chunk['error'])[:300]}"
+                    return result
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                choices = chunk.get("choices") or []
+                delta = (choices[0].get("delta") or {}) if choices else {}
+                # Reasoning models stream their thinking as reasoning_content (vLLM, llama.cpp): tokens all the same.
+                if delta.get("content") or delta.get("reasoning_content"):
+                    if last is None:
+                        result.ttft = now - start
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+                    content_chunks += 1
+    except (httpx.HTTPError, ValueError) as exc:  # ValueError: a chunk that is not JSON
+        result.error = describe(exc)
+        return result
+    result.latency = time.perf_counter() - start
+    if last is None:  # nothing visible came (say, only special tokens): the first token is as late as the end
+        result.ttft = result.latency
+    usage = usage or {}
+    completion = usage.get("completion_tokens")
+    result.output_tokens = completion if isinstance(completion, int) else content_chunks
+    result.prompt_tokens = usage.get("prompt_tokens")
+    result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    result.success = True
+    return result
+
+
+async def replay(root: str, conversations: list[list[dict]], model: str | None, max_tokens: int,
+                 concurrency: int | None, request_rate: float, api_key: str, seed: int,
+                 progress: Callable[[int], None] | None) -> tuple[str, list[RequestResult], float]:
+    # One connection per allowed in-flight request, so no request waits for a pooled connection while timed.
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    timeout = httpx.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S, pool=None)
+    headers = {"Authorization": f"Bearer {api_key}"}
+    async with httpx.AsyncClient(trust_env=False, timeout=timeout, limits=limits, headers=headers) as client:
+        model = await resolve_model(client, root, model)
+        semaphore = asyncio.Semaphore(concurrency) if concurrency is not None else None
+        rng = random.Random(seed)
+
+        async def one(messages: list[dict]) -> RequestResult:
+            if semaphore is None:
+                result = await send(client, root, model, messages, max_tokens)
+            else:
+                async with semaphore:
+                    result = await send(client, root, model, messages, max_tokens)
+            if progress is not None:
+                progress(1)
+            return result
+
+        start = time.perf_counter()
+        tasks = []
+        for i, messages in enumerate(conversations):
+            # Arrivals do not wait for the semaphore (as in vLLM): a capped run queues them client-side.
+            if i and math.isfinite(request_rate):
+                await asyncio.sleep(rng.expovariate(request_rate))
+            tasks.append(asyncio.create_task(one(messages)))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    return model, list(results), duration
+
+
+def summary_ms(name: str, seconds: list[float]) -> dict:
+    ms = [s * 1000 for s in seconds]
+    stats = {"mean": statistics.mean, "median": statistics.median, "p99": lambda v: percentile(v, 99)}
+    return {f"{stat}_{name}_ms": fn(ms) if ms else None for stat, fn in stats.items()}
+
+
+def run(url: str, conversations: list[list[dict]], *, model: str | None = None, max_tokens: int = 16,
+        concurrency: int | None = None, request_rate: float = float("inf"), api_key: str = "EMPTY",
+        seed: int = 0, progress: Callable[[int], None] | None = None) -> dict:
+    """Replay `conversations` (chat message lists) against the OpenAI-compatible server at `url` and return
+    `vllm bench serve`'s metrics.
+
+    `url` is the server root, with or without `/v1`; `model` defaults to the first id of GET /v1/models.
+    Each conversation is one streaming chat completion of exactly `max_tokens` tokens (temperature 0,
+    ignore_eos). `request_rate` (requests/s) draws Poisson arrivals seeded by `seed`; infinity sends all at
+    once. `concurrency` caps requests in flight (None: no cap). `progress(1)` is called after each finished
+    request, failed or not (tqdm's `update` fits). Failed requests are counted in `failed`; RuntimeError if
+    the server cannot be reached or no request succeeds. Token counts and cached tokens come from the server's
+    usage reports: total_input_tokens, cached_tokens and exact_hit_rate are None where it sends none.
+    """
+    if not conversations:
+        raise ValueError("no conversations to replay")
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    if concurrency is not None and concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1 or None, got {concurrency}")
+    if not request_rate > 0:
+        raise ValueError(f"request_rate must be > 0, got {request_rate}")
+    root = url.strip().rstrip("/").removesuffix("/v1")
+    model, results, duration = asyncio.run(replay(root, conversations, model, max_tokens, concurrency,
+                                                  request_rate, api_key, seed, progress))
+    ok = [r for r in results if r.success]
+    errors = [r.error for r in results if not r.success]
+    if not ok:
+        raise RuntimeError(f"no request to {root} succeeded ({len(errors)} failed); first error: {errors[0]}")
+
+    prompts = [r.prompt_tokens for r in ok if r.prompt_tokens is not None]
+    total_in = sum(prompts) if prompts else None
+    total_out = sum(r.output_tokens for r in ok)
+    # The hit rate is over the requests that reported cached tokens, so a partial report stays a true ratio.
+    cached_pairs = [(r.cached_tokens, r.prompt_tokens or 0) for r in ok if r.cached_tokens is not None]
+    cached = sum(c for c, _ in cached_pairs) if cached_pairs else None
+    cached_of = sum(p for _, p in cached_pairs)
+    tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    return {
+        "url": root, "model": model, "concurrency": concurrency,
+        "request_rate": "inf" if math.isinf(request_rate) else request_rate,
+        "completed": len(ok), "failed": len(errors), "first_error": errors[0] if errors else None,
+        "duration": duration, "total_input_tokens": total_in, "total_output_tokens": total_out,
+        "request_throughput": len(ok) / duration, "output_throughput": total_out / duration,
+        "total_token_throughput": (total_in + total_out) / duration if total_in is not None else None,
+        **summary_ms("ttft", [r.ttft for r in ok]), **summary_ms("tpot", tpots),
+        **summary_ms("itl", [gap for r in ok for gap in r.itl]), **summary_ms("e2el", [r.latency for r in ok]),
+        "cached_tokens": cached,
+        "exact_hit_rate": cached / cached_of if cached is not None and cached_of else None,
+    }

@@ -1,0 +1,50 @@
+"""The HF transformers peer of the scenario bench, on the tiny random-weight model: same prompts and greedy
+tokens as our engine, and exact prefix reuse through copied caches."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvreuse.bench import workloads
+from kvreuse.bench.peers import HFPeer, hf_available, run_hf
+from kvreuse.bench.scenario_bench import run_mode
+from kvreuse.llm import LLM
+
+from .conftest import make_config
+
+pytestmark = pytest.mark.skipif(not hf_available(), reason="transformers is not installed")
+
+MAX_TOKENS = 8
+FIDELITY_KEYS = {"top1_agreement", "mean_kl", "mean_match_len"}
+
+
+def test_hf_peer_matches_our_engine_on_workload_conversations(tiny_model_dir):
+    llm = LLM(make_config(model__path=tiny_model_dir, model__dtype="fp32", engine__num_kv_blocks=256))
+    conversations = workloads.chat(2, turns=2) + workloads.rag(1) + workloads.agent(1) + workloads.batch_eval(1)
+    ours, exact = run_mode(llm, conversations, "no-cache", MAX_TOKENS, None)
+
+    result, outputs = run_hf(tiny_model_dir, conversations, MAX_TOKENS, prefix_reuse=False, exact=exact)
+
+    assert set(result) == set(ours) | FIDELITY_KEYS | {"system"}
+    assert result["system"] == "hf-transformers"
+    assert result["total_input_tokens"] == ours["total_input_tokens"]  # the same prompts, token for token
+    assert result["total_output_tokens"] == ours["total_output_tokens"] == MAX_TOKENS * len(conversations)
+    assert [o.token_ids for o in outputs] == [e.token_ids for e in exact]
+    assert result["top1_agreement"] == 1 and result["mean_match_len"] == MAX_TOKENS and result["mean_kl"] < 1e-6
+    assert result["exact_hit_rate"] == 0 and result["prefill_tokens_computed"] == result["total_input_tokens"]
+
+
+def test_hf_prefix_reuse_skips_prefill_and_changes_no_token(tiny_model_dir):
+    peer = HFPeer(tiny_model_dir)
+    conversations = workloads.chat(6, turns=3)
+    plain, plain_outputs = peer.run(conversations, MAX_TOKENS, prefix_reuse=False)
+    reused, reused_outputs = peer.run(conversations, MAX_TOKENS, prefix_reuse=True, exact=plain_outputs)
+
+    assert reused["exact_hit_rate"] > 0
+    assert reused["prefill_tokens_computed"] < plain["prefill_tokens_computed"] == plain["total_input_tokens"]
+    assert reused["prefill_tokens_computed"] + sum(o.cached_tokens for o in reused_outputs) == \
+        reused["total_input_tokens"]
+    # A later turn resends the earlier turn's whole prompt: all of it comes from the cache.
+    assert reused_outputs[1].cached_tokens == reused_outputs[0].prompt_tokens
+    assert [o.token_ids for o in reused_outputs] == [o.token_ids for o in plain_outputs]
+    assert reused["top1_agreement"] == 1 and reused["mean_kl"] < 1e-6
