@@ -188,15 +188,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
     import importlib
 
     progress = lambda line: print(line, file=sys.stderr, flush=True)
-    if args.scenario:
+    if args.concurrency is not None and args.concurrency < 1:
+        raise InputError(f"--concurrency must be >= 1, got {args.concurrency}")
+    scenarios = ["chat", "eval", "agent", "rag"] if args.scenario in (None, "all") else [args.scenario]
+    num_requests = args.requests or (4 if args.quick else 24)
+    max_tokens = args.max_tokens or (4 if args.quick else 16)
+    if args.url:
+        name, report = "replay", bench_url(args, scenarios, num_requests, max_tokens)
+        from kvreuse.bench import replay as suite
+    elif args.scenario:
         from kvreuse.bench import scenario_bench as suite
 
         name = "scenario"
         args.overrides.append("cache.suffix.enabled=true")  # the index must exist; modes switch it per run
-        scenarios = list(suite.SCENARIOS) if args.scenario == "all" else [args.scenario]
-        num_requests = args.requests or (4 if args.quick else 16)
-        max_tokens = args.max_tokens or (4 if args.quick else 16)
-        report = suite.run(build_config(args), scenarios, num_requests, max_tokens, progress)
+        report = suite.run(build_config(args), scenarios, num_requests, max_tokens, args.concurrency or 1,
+                           peers=not args.no_peers, progress=progress)
     else:
         name = args.suite
         suite = importlib.import_module(f"kvreuse.bench.{name}_bench")
@@ -210,7 +216,36 @@ def cmd_bench(args: argparse.Namespace) -> int:
         (out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
         (out / f"{name}.md").write_text(table + "\n")
         print(f"wrote {out / name}.json and .md", file=sys.stderr)
+        if name == "scenario":
+            from kvreuse.bench import plots
+
+            sweep = plots.block_size_sweep(scenarios, list(plots.DEFAULT_BLOCK_SIZES), num_requests,
+                                           build_config(args))
+            report["block_size_sweep"] = sweep
+            (out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
+            for path in plots.write_plots(report, sweep, out):
+                print(f"wrote {path}", file=sys.stderr)
     return 0
+
+
+def bench_url(args: argparse.Namespace, scenarios: list[str], num_requests: int, max_tokens: int) -> dict:
+    from tqdm import tqdm
+
+    from kvreuse.bench import replay, workloads
+
+    report = {"suite": "replay", "url": args.url, "requests": num_requests, "max_tokens": max_tokens,
+              "scenarios": {}}
+    for scenario in scenarios:
+        conversations = workloads.WORKLOADS[scenario](num_requests)
+        with tqdm(total=len(conversations), desc=f"{scenario} @ {args.url}", unit="req", leave=False) as bar:
+            try:
+                report["scenarios"][scenario] = replay.run(
+                    args.url, conversations, model=args.served_model, max_tokens=max_tokens,
+                    concurrency=args.concurrency, request_rate=args.request_rate, api_key=args.api_key,
+                    progress=bar.update)
+            except (RuntimeError, ValueError) as exc:
+                raise InputError(str(exc)) from exc
+    return report
 
 
 def cmd_fidelity(args: argparse.Namespace) -> int:
@@ -270,14 +305,21 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--scenario", choices=["chat", "eval", "agent", "rag", "all"],
                        help="the seed's scenarios in modes no-cache, prefix, shift, blend (instead of --suite)")
     bench.add_argument("--quick", action="store_true", help="scenario: 4 requests x 4 tokens (a smoke run)")
-    bench.add_argument("--requests", type=int, help="scenario: requests per scenario (default 16)")
+    bench.add_argument("--requests", type=int, help="scenario: requests per scenario (default 24)")
     bench.add_argument("--max-tokens", type=int, help="scenario: completion tokens per request (default 16)")
     bench.add_argument("--suite", choices=["engine", "prefix"], default="prefix",
                        help="engine: cold prefill and decode vs HF transformers / llama.cpp; "
                             "prefix: cold vs warm TTFT of a 2048-token prompt")
     bench.add_argument("--repeats", type=int, default=3, help="measured rounds (after one warm-up round)")
     bench.add_argument("--no-bf16", action="store_true", help="engine suite: skip HF bf16 (slow without AVX512-BF16)")
-    bench.add_argument("--out", help="directory for <suite>.json and <suite>.md")
+    bench.add_argument("--concurrency", type=int, help="requests in flight (scenario default 1, --url: no cap)")
+    bench.add_argument("--no-peers", action="store_true", help="scenario: skip the HF transformers peer")
+    bench.add_argument("--url", help="replay the scenario(s) against an OpenAI-compatible server at this root URL")
+    bench.add_argument("--request-rate", type=float, default=float("inf"),
+                       help="--url: Poisson arrivals per second (default inf: all at once)")
+    bench.add_argument("--served-model", help="--url: model name to send (default: the first of GET /v1/models)")
+    bench.add_argument("--api-key", default="EMPTY", help="--url: bearer token")
+    bench.add_argument("--out", help="directory for <suite>.json and <suite>.md (scenario: and PNG plots)")
     bench.set_defaults(func=cmd_bench)
 
     fid = sub.add_parser("fidelity", help="segment reuse against exact recompute on a built-in workload")

@@ -91,3 +91,24 @@ def test_unreachable_server_names_the_url():
     url = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(RuntimeError, match=rf"cannot reach the server at {url}"):
         replay.run(url + "/v1", workloads.agent(2), max_tokens=MAX_TOKENS)
+
+
+def test_bench_url_cli_writes_a_report(server, tmp_path):
+    import json
+
+    from kvreuse.cli import main
+
+    assert main(["bench", "--url", server.root, "--scenario", "chat", "--requests", "3", "--max-tokens", "2",
+                 "--concurrency", "1", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "replay.json").read_text())
+    chat = report["scenarios"]["chat"]
+    assert chat["completed"] == 3 and chat["failed"] == 0 and chat["total_output_tokens"] == 6
+    assert "| chat | 3 | 0 |" in (tmp_path / "replay.md").read_text()
+
+
+def test_bench_url_cli_names_an_unreachable_server(capsys):
+    from kvreuse.cli import main
+
+    url = f"http://127.0.0.1:{free_port()}"
+    assert main(["bench", "--url", url, "--scenario", "chat", "--requests", "1"]) == 2
+    assert f"cannot reach the server at {url}" in capsys.readouterr().err

@@ -49,23 +49,33 @@ def test_prefix_shapes():
     assert len(groups) == 15 and len({r[0]["content"] for r in groups}) == 3
 
 
-def test_scenario_bench_quick_writes_valid_json_with_every_key(tiny_model_dir, tmp_path):
+def test_scenario_bench_quick_writes_valid_json_with_every_key_and_plots(tiny_model_dir, tmp_path):
     import json
 
     from kvreuse.cli import main
 
     # guard_margin 0: a random-weight model's first tokens are all near-ties, which the guard would recompute.
     assert main(["bench", "--scenario", "eval", "--quick", "--model", tiny_model_dir, "--out", str(tmp_path),
-                 "--set", "cache.suffix.guard_margin=0"]) == 0
+                 "--concurrency", "2", "--set", "cache.suffix.guard_margin=0"]) == 0
     report = json.loads((tmp_path / "scenario.json").read_text())
     modes = report["scenarios"]["eval"]
-    assert list(modes) == ["no-cache", "prefix", "shift", "blend"]
+    assert list(modes) == ["no-cache", "prefix", "shift", "blend", "hf"]
     keys = {"completed", "duration", "request_throughput", "output_throughput", "mean_ttft_ms", "median_ttft_ms",
             "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms", "prefill_tokens_computed", "exact_hit_rate",
-            "approximate_hit_rate", "peak_kv_bytes", "peak_rss_bytes"}
+            "approximate_hit_rate", "peak_kv_bytes", "peak_rss_bytes", "ttft_vs_no_cache", "throughput_vs_no_cache",
+            "work_vs_prefix"}
     assert all(keys <= set(r) for r in modes.values())
-    assert {"top1_agreement", "mean_kl", "mean_match_len"} <= set(modes["blend"])
+    assert all({"top1_agreement", "mean_kl", "mean_match_len"} <= set(modes[m]) for m in ("blend", "hf"))
     assert modes["no-cache"]["exact_hit_rate"] == 0 and modes["no-cache"]["completed"] == 4
+    assert modes["no-cache"]["ttft_vs_no_cache"] == 1.0 and modes["prefix"]["work_vs_prefix"] == 1.0
     # The rubric at the tail is reused by segment reuse, never by prefix caching.
     assert modes["blend"]["approximate_hit_rate"] > 0 and modes["prefix"]["approximate_hit_rate"] == 0
     assert modes["shift"]["prefill_tokens_computed"] < modes["prefix"]["prefill_tokens_computed"]
+    # The HF peer computes the same prompts without reuse and, in fp32, greedily agrees with exact recompute.
+    assert modes["hf"]["total_input_tokens"] == modes["no-cache"]["total_input_tokens"]
+    assert modes["hf"]["prefill_tokens_computed"] == modes["no-cache"]["prefill_tokens_computed"]
+    assert modes["hf"]["top1_agreement"] == 1.0
+    sweep = report["block_size_sweep"]
+    assert sweep["block_sizes"][0] == 8 and 0 <= sweep["scenarios"]["eval"]["with_segments"][0] <= 1
+    for png in ("scenario_ttft.png", "hit_rate_vs_block_size.png"):
+        assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-import statistics
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from kvreuse.bench.fidelity import kl_divergence, match_length
+from kvreuse.bench.metrics import fidelity_metrics, serving_metrics
 from kvreuse.engine.stats import peak_rss_bytes
 from kvreuse.model.loader import ModelLoadError, resolve_model_path
 
@@ -139,23 +138,12 @@ class HFPeer:
 
 
 def _result(outputs: list[HFOutput], duration: float, peak_kv: int, exact: list | None) -> dict:
-    from kvreuse.bench.scenario_bench import percentile  # not at the top: scenario_bench imports this module
-
-    ttfts = [o.ttft_s * 1000 for o in outputs]
-    tpots = [(o.total_s - o.ttft_s) * 1000 / (len(o.token_ids) - 1) for o in outputs if len(o.token_ids) > 1]
     total_in = sum(o.prompt_tokens for o in outputs)
-    total_out = sum(len(o.token_ids) for o in outputs)
     cached = sum(o.cached_tokens for o in outputs)
     result = {
         "system": SYSTEM,
-        "completed": len(outputs), "duration": duration,
-        "total_input_tokens": total_in, "total_output_tokens": total_out,
-        "request_throughput": len(outputs) / duration, "output_throughput": total_out / duration,
-        "total_token_throughput": (total_in + total_out) / duration,
-        "mean_ttft_ms": statistics.mean(ttfts), "median_ttft_ms": statistics.median(ttfts),
-        "p99_ttft_ms": percentile(ttfts, 99),
-        "mean_tpot_ms": statistics.mean(tpots) if tpots else None,
-        "p99_tpot_ms": percentile(tpots, 99) if tpots else None,
+        **serving_metrics([o.ttft_s for o in outputs], [o.total_s for o in outputs],
+                          [len(o.token_ids) for o in outputs], duration, total_in),
         "prefill_tokens_computed": total_in - cached,
         "exact_hit_rate": cached / total_in if total_in else 0.0,
         "approximate_hit_rate": 0.0,  # HF reuses exact prefixes only
@@ -163,11 +151,7 @@ def _result(outputs: list[HFOutput], duration: float, peak_kv: int, exact: list 
         "peak_kv_bytes": peak_kv, "peak_rss_bytes": peak_rss_bytes(),
     }
     if exact is not None:
-        pairs = list(zip(outputs, exact, strict=True))
-        result["top1_agreement"] = statistics.mean(
-            int(o.first_logits.argmax() == e.first_logits.argmax()) for o, e in pairs)
-        result["mean_kl"] = statistics.mean(kl_divergence(e.first_logits, o.first_logits) for o, e in pairs)
-        result["mean_match_len"] = statistics.mean(match_length(e.token_ids, o.token_ids) for o, e in pairs)
+        result.update(fidelity_metrics(outputs, exact))
     return result
 
 

@@ -12,14 +12,13 @@ import asyncio
 import json
 import math
 import random
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
 
-from kvreuse.bench.scenario_bench import percentile
+from kvreuse.bench.metrics import serving_metrics, summary_ms
 
 CONNECT_TIMEOUT_S = 10.0
 # Long, since a queued request may wait minutes for its first chunk; only a server silent this long fails it.
@@ -148,12 +147,6 @@ async def replay(root: str, conversations: list[list[dict]], model: str | None, 
     return model, list(results), duration
 
 
-def summary_ms(name: str, seconds: list[float]) -> dict:
-    ms = [s * 1000 for s in seconds]
-    stats = {"mean": statistics.mean, "median": statistics.median, "p99": lambda v: percentile(v, 99)}
-    return {f"{stat}_{name}_ms": fn(ms) if ms else None for stat, fn in stats.items()}
-
-
 def run(url: str, conversations: list[list[dict]], *, model: str | None = None, max_tokens: int = 16,
         concurrency: int | None = None, request_rate: float = float("inf"), api_key: str = "EMPTY",
         seed: int = 0, progress: Callable[[int], None] | None = None) -> dict:
@@ -186,21 +179,29 @@ def run(url: str, conversations: list[list[dict]], *, model: str | None = None, 
 
     prompts = [r.prompt_tokens for r in ok if r.prompt_tokens is not None]
     total_in = sum(prompts) if prompts else None
-    total_out = sum(r.output_tokens for r in ok)
     # The hit rate is over the requests that reported cached tokens, so a partial report stays a true ratio.
     cached_pairs = [(r.cached_tokens, r.prompt_tokens or 0) for r in ok if r.cached_tokens is not None]
     cached = sum(c for c, _ in cached_pairs) if cached_pairs else None
     cached_of = sum(p for _, p in cached_pairs)
-    tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     return {
         "url": root, "model": model, "concurrency": concurrency,
         "request_rate": "inf" if math.isinf(request_rate) else request_rate,
-        "completed": len(ok), "failed": len(errors), "first_error": errors[0] if errors else None,
-        "duration": duration, "total_input_tokens": total_in, "total_output_tokens": total_out,
-        "request_throughput": len(ok) / duration, "output_throughput": total_out / duration,
-        "total_token_throughput": (total_in + total_out) / duration if total_in is not None else None,
-        **summary_ms("ttft", [r.ttft for r in ok]), **summary_ms("tpot", tpots),
-        **summary_ms("itl", [gap for r in ok for gap in r.itl]), **summary_ms("e2el", [r.latency for r in ok]),
+        "failed": len(errors), "first_error": errors[0] if errors else None,
+        **serving_metrics([r.ttft for r in ok], [r.latency for r in ok], [r.output_tokens for r in ok], duration,
+                          total_in),
+        **summary_ms("itl", [gap for r in ok for gap in r.itl]),
         "cached_tokens": cached,
         "exact_hit_rate": cached / cached_of if cached is not None and cached_of else None,
     }
+
+
+def markdown(report: dict) -> str:
+    """A `kvreuse bench --url` report ({"scenarios": {name: run(...)}}) as a Markdown table."""
+    lines = ["| scenario | completed | failed | mean TTFT ms | p99 TTFT ms | mean TPOT ms | req/s | output tok/s | "
+             "cached tokens |", "|---" * 9 + "|"]
+    fmt = lambda v, spec: "-" if v is None else format(v, spec)
+    for scenario, r in report["scenarios"].items():
+        lines.append(f"| {scenario} | {r['completed']} | {r['failed']} | {r['mean_ttft_ms']:.0f} | "
+                     f"{r['p99_ttft_ms']:.0f} | {fmt(r['mean_tpot_ms'], '.1f')} | {r['request_throughput']:.2f} | "
+                     f"{r['output_throughput']:.1f} | {fmt(r['exact_hit_rate'], '.1%')} |")
+    return "\n".join(lines)

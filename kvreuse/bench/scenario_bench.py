@@ -1,18 +1,24 @@
 """`kvreuse bench --scenario chat|eval|agent|rag|all`: the seed's scenarios in four cache modes, one process.
 
 Modes: no-cache (every prompt computed), prefix (exact prefix caching), shift and blend (prefix + segment
-reuse). Each mode starts from an empty cache and sends the scenario's requests one after another (so later
-requests can reuse earlier KV). Fidelity is measured against the no-cache run of the same requests.
-Keys follow `vllm bench serve` where it has one (mean_ttft_ms, p99_ttft_ms, request_throughput, ...).
+reuse); then the peers: HF transformers on the same weights without reuse ("hf") and, on chat, with its own
+prefix reuse through a copied cache ("hf-prefix"). Each mode starts from an empty cache and keeps
+`concurrency` requests in flight, sent in workload order (so later requests can reuse earlier KV). Fidelity
+is measured against the no-cache run of the same requests. Keys follow `vllm bench serve` where it has one
+(mean_ttft_ms, p99_ttft_ms, request_throughput, ...); each row also carries its ratios to no-cache (TTFT,
+throughput) and to prefix (prefill work), the numbers the targets are stated in.
 """
 
 from __future__ import annotations
 
-import statistics
 import time
+from collections.abc import Callable
+
+from tqdm import tqdm
 
 from kvreuse.bench import workloads
-from kvreuse.bench.fidelity import kl_divergence, match_length, suffix_settings
+from kvreuse.bench.fidelity import suffix_settings
+from kvreuse.bench.metrics import fidelity_metrics, serving_metrics
 from kvreuse.config import Config
 from kvreuse.engine.stats import EngineStats, peak_rss_bytes
 from kvreuse.llm import LLM
@@ -26,76 +32,101 @@ MODES = {
     "shift": {"enabled": True, "mode": "shift"},
     "blend": {"enabled": True, "mode": "blend"},
 }
+PEER_SCENARIOS = {"hf": SCENARIOS, "hf-prefix": ("chat",)}
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+def send_all(llm: LLM, conversations: list[list[dict]], params: SamplingParams, use_cache: bool, concurrency: int,
+             bar: tqdm) -> list:
+    """Closed loop: at most `concurrency` requests in flight, the next one added as soon as one finishes."""
+    engine, pending, in_flight, seqs = llm.engine, list(reversed(conversations)), set(), []
+    while pending or in_flight:
+        while pending and len(in_flight) < concurrency:
+            seq = engine.add_request(engine.render_chat(pending.pop()), params, use_cache=use_cache)
+            seqs.append(seq)
+            in_flight.add(seq.request_id)
+        for seq in engine.step():
+            if seq.is_finished:
+                in_flight.discard(seq.request_id)
+                bar.update(1)
+    return [engine.output(seq) for seq in seqs]
 
 
-def run_mode(llm: LLM, conversations: list[list[dict]], mode: str, max_tokens: int, exact: list | None) -> dict:
+def run_mode(llm: LLM, conversations: list[list[dict]], mode: str, max_tokens: int, exact: list | None,
+             concurrency: int = 1, bar: tqdm | None = None) -> tuple[dict, list]:
     engine = llm.engine
     engine.kv_manager.pool.reset_cache()
     engine.stats = EngineStats()
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, keep_first_logits=True)
     start = time.perf_counter()
     with suffix_settings(llm, **MODES[mode]):
-        outputs = [llm.chat(messages, params, use_cache=mode != "no-cache")[0] for messages in conversations]
+        outputs = send_all(llm, conversations, params, mode != "no-cache", concurrency, bar or tqdm(disable=True))
     duration = time.perf_counter() - start
-    ttfts = [o.ttft_s * 1000 for o in outputs]
-    tpots = [(o.total_s - o.ttft_s) * 1000 / (o.usage.completion_tokens - 1) for o in outputs
-             if o.usage.completion_tokens > 1]
     stats = engine.stats_snapshot()
-    total_in, total_out = stats["prompt_tokens"], stats["completion_tokens"]
     result = {
-        "completed": len(outputs), "duration": duration,
-        "total_input_tokens": total_in, "total_output_tokens": total_out,
-        "request_throughput": len(outputs) / duration, "output_throughput": total_out / duration,
-        "total_token_throughput": (total_in + total_out) / duration,
-        "mean_ttft_ms": statistics.mean(ttfts), "median_ttft_ms": statistics.median(ttfts),
-        "p99_ttft_ms": percentile(ttfts, 99),
-        "mean_tpot_ms": statistics.mean(tpots) if tpots else None,
-        "p99_tpot_ms": percentile(tpots, 99) if tpots else None,
+        **serving_metrics([o.ttft_s for o in outputs], [o.total_s for o in outputs],
+                          [o.usage.completion_tokens for o in outputs], duration, stats["prompt_tokens"]),
         "prefill_tokens_computed": stats["prefill_work_tokens"],
         "exact_hit_rate": stats["hit_rate"], "approximate_hit_rate": stats["approximate_hit_rate"],
         "guarded_requests": stats["guarded_requests"],
         "peak_kv_bytes": stats["peak_kv_bytes_in_use"], "peak_rss_bytes": peak_rss_bytes(),
     }
     if exact is not None:
-        result["top1_agreement"] = statistics.mean(
-            int(o.first_logits.argmax() == e.first_logits.argmax()) for o, e in zip(outputs, exact, strict=True))
-        result["mean_kl"] = statistics.mean(
-            kl_divergence(e.first_logits, o.first_logits) for o, e in zip(outputs, exact, strict=True))
-        result["mean_match_len"] = statistics.mean(
-            match_length(e.token_ids, o.token_ids) for o, e in zip(outputs, exact, strict=True))
+        result.update(fidelity_metrics(outputs, exact))
     return result, outputs
 
 
-def run(config: Config, scenarios: list[str], num_requests: int, max_tokens: int, progress=print) -> dict:
+def add_ratios(results: dict[str, dict]) -> None:
+    """Each row's TTFT and throughput relative to no-cache and prefill work relative to prefix (in place)."""
+    base, prefix = results["no-cache"], results.get("prefix")
+    for r in results.values():
+        r["ttft_vs_no_cache"] = r["mean_ttft_ms"] / base["mean_ttft_ms"]
+        r["throughput_vs_no_cache"] = r["request_throughput"] / base["request_throughput"]
+        r["work_vs_prefix"] = r["prefill_tokens_computed"] / prefix["prefill_tokens_computed"] if prefix else None
+
+
+def run(config: Config, scenarios: list[str], num_requests: int, max_tokens: int, concurrency: int = 1,
+        peers: bool = True, progress: Callable[[str], None] = print) -> dict:
     llm = LLM(config)
-    report = {"suite": "scenario", "requests": num_requests, "max_tokens": max_tokens,
-              "block_size": config.cache.block_size, "scenarios": {}}
+    hf = None
+    if peers:
+        from kvreuse.bench.peers import HFPeer, hf_available
+
+        hf = HFPeer(config.model.path or None, llm.engine.dtype, str(llm.engine.device)) if hf_available() else None
+    report = {"suite": "scenario", "model": config.model.path or "SmolLM2-135M-Instruct (embedded GGUF)",
+              "device": str(llm.engine.device), "dtype": str(llm.engine.dtype).removeprefix("torch."),
+              "requests": num_requests, "max_tokens": max_tokens, "concurrency": concurrency,
+              "block_size": config.cache.block_size, "suffix": vars(config.cache.suffix), "scenarios": {}}
     for scenario in scenarios:
         conversations = workloads.WORKLOADS[scenario](num_requests)
+        runs = list(MODES) + [p for p, where in PEER_SCENARIOS.items() if hf is not None and scenario in where]
         results, exact = {}, None
-        for mode in MODES:
-            results[mode], outputs = run_mode(llm, conversations, mode, max_tokens, exact)
+        for mode in runs:
+            with tqdm(total=len(conversations), desc=f"{scenario}/{mode}", unit="req", leave=False) as bar:
+                if mode in MODES:
+                    results[mode], outputs = run_mode(llm, conversations, mode, max_tokens, exact, concurrency, bar)
+                else:
+                    # HF sees the text our engine sees (normalize_input rewrites message contents).
+                    texts = [[{**m, "content": llm.engine.normalize(m["content"])} for m in c] for c in conversations]
+                    results[mode], outputs = hf.run(texts, max_tokens, prefix_reuse=mode == "hf-prefix", exact=exact)
             exact = exact or outputs  # no-cache runs first: the exact reference for the others
             progress(f"{scenario} / {mode}: mean TTFT {results[mode]['mean_ttft_ms']:.0f} ms, "
                      f"prefill {results[mode]['prefill_tokens_computed']} tokens")
+        add_ratios(results)
         report["scenarios"][scenario] = results
     return report
 
 
 def markdown(report: dict) -> str:
-    lines = ["| scenario | mode | mean TTFT ms | p99 TTFT ms | mean TPOT ms | prefill tokens | exact hits | "
-             "approx. hits | req/s | top-1 | mean KL |", "|---" * 11 + "|"]
+    lines = ["| scenario | mode | mean TTFT ms | p99 TTFT ms | TTFT / no-cache | mean TPOT ms | prefill work | "
+             "work / prefix | exact hits | approx. hits | req/s | req/s / no-cache | top-1 | mean KL |",
+             "|---" * 14 + "|"]
     fmt = lambda v, spec: "-" if v is None else format(v, spec)
     for scenario, modes in report["scenarios"].items():
         for mode, r in modes.items():
             lines.append(f"| {scenario} | {mode} | {r['mean_ttft_ms']:.0f} | {r['p99_ttft_ms']:.0f} | "
-                         f"{fmt(r['mean_tpot_ms'], '.1f')} | {r['prefill_tokens_computed']} | "
+                         f"{r['ttft_vs_no_cache']:.2f} | {fmt(r['mean_tpot_ms'], '.1f')} | "
+                         f"{r['prefill_tokens_computed']} | {fmt(r['work_vs_prefix'], '.2f')} | "
                          f"{r['exact_hit_rate']:.1%} | {r['approximate_hit_rate']:.1%} | "
-                         f"{r['request_throughput']:.2f} | {fmt(r.get('top1_agreement'), '.2f')} | "
-                         f"{fmt(r.get('mean_kl'), '.4f')} |")
+                         f"{r['request_throughput']:.2f} | {r['throughput_vs_no_cache']:.2f} | "
+                         f"{fmt(r.get('top1_agreement'), '.2f')} | {fmt(r.get('mean_kl'), '.4f')} |")
     return "\n".join(lines)

@@ -289,13 +289,16 @@ def create_app(engine: LLMEngine, model_name: str, api_keys: dict[str, str] | No
                     choice = {"index": 0, "text": text or "", "finish_reason": finish_reason, "logprobs": None}
                 return f"data: {json.dumps({**base, 'choices': [choice]}, ensure_ascii=False)}\n\n"
 
-            if chat:
-                yield chunk(None, None, role=True)
+            first = True
             while True:
                 delta = await deltas.get()
                 if delta is None:
                     yield f"data: {json.dumps(error_body('the engine stopped', 'server_error'))}\n\n"
                     return
+                if chat and first:
+                    # With the first token, as vLLM does: clients time TTFT from the first chunk.
+                    yield chunk(None, None, role=True)
+                first = False
                 if delta.text:
                     yield chunk(delta.text, None)
                 if delta.finished:
