@@ -9,7 +9,7 @@ import re
 import sys
 from pathlib import Path
 
-from kvreuse.config import Config, ConfigError, load_config
+from kvreuse.config import PRESETS, Config, ConfigError, load_config
 from kvreuse.model.loader import ModelLoadError
 
 EXIT_USAGE = 2
@@ -35,13 +35,17 @@ def _common_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO (per-request cache-hit log), WARNING")
 
 
-def build_config(args: argparse.Namespace) -> Config:
-    """CLI flags > --set > config file > defaults."""
+def build_overrides(args: argparse.Namespace) -> list[str]:
+    """--set assignments, then the shorthand flags (which win)."""
     shorthands = {"model.path": args.model, "model.device": args.device, "model.dtype": args.dtype,
                   "cache.block_size": args.block_size, "server.max_tokens": args.max_model_len,
                   "cache.enabled": args.enable_prefix_caching, "cache.preset": args.preset}
-    overrides = list(args.overrides) + [f"{k}={v}" for k, v in shorthands.items() if v is not None]
-    return load_config(args.config, overrides)
+    return list(args.overrides) + [f"{k}={v}" for k, v in shorthands.items() if v is not None]
+
+
+def build_config(args: argparse.Namespace) -> Config:
+    """CLI flags > --set > config file > defaults."""
+    return load_config(args.config, build_overrides(args))
 
 
 def read_requests(path: str) -> list[dict]:
@@ -190,7 +194,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     progress = lambda line: print(line, file=sys.stderr, flush=True)
     if args.concurrency is not None and args.concurrency < 1:
         raise InputError(f"--concurrency must be >= 1, got {args.concurrency}")
-    scenarios = ["chat", "eval", "agent", "rag"] if args.scenario in (None, "all") else [args.scenario]
+    scenarios = ["chat", "eval", "agent", "rag", "prefix"] if args.scenario in (None, "all") else [args.scenario]
     num_requests = args.requests or (4 if args.quick else 24)
     max_tokens = args.max_tokens or (4 if args.quick else 16)
     if args.url:
@@ -200,9 +204,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from kvreuse.bench import scenario_bench as suite
 
         name = "scenario"
-        args.overrides.append("cache.suffix.enabled=true")  # the index must exist; modes switch it per run
-        report = suite.run(build_config(args), scenarios, num_requests, max_tokens, args.concurrency or 1,
-                           peers=not args.no_peers, progress=progress)
+        report = suite.run({s: scenario_config(args, s) for s in scenarios}, num_requests, max_tokens,
+                           args.concurrency, peers=not args.no_peers, progress=progress)
     else:
         name = args.suite
         suite = importlib.import_module(f"kvreuse.bench.{name}_bench")
@@ -220,12 +223,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
             from kvreuse.bench import plots
 
             sweep = plots.block_size_sweep(scenarios, list(plots.DEFAULT_BLOCK_SIZES), num_requests,
-                                           build_config(args))
+                                           scenario_config(args, "none"))
             report["block_size_sweep"] = sweep
             (out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
             for path in plots.write_plots(report, sweep, out):
                 print(f"wrote {path}", file=sys.stderr)
     return 0
+
+
+def scenario_config(args: argparse.Namespace, scenario: str) -> Config:
+    """The config a scenario runs under: its own preset unless --preset names one (explicit keys still win)."""
+    preset = [] if args.preset else [f"cache.preset={scenario if scenario in PRESETS else 'none'}"]
+    # The segment index must exist; the modes switch reuse on and off per run.
+    return load_config(args.config, preset + build_overrides(args) + ["cache.suffix.enabled=true"])
 
 
 def bench_url(args: argparse.Namespace, scenarios: list[str], num_requests: int, max_tokens: int) -> dict:
@@ -302,8 +312,9 @@ def main(argv: list[str] | None = None) -> int:
 
     bench = sub.add_parser("bench", help="benchmarks (medians of interleaved runs)")
     _common_flags(bench)
-    bench.add_argument("--scenario", choices=["chat", "eval", "agent", "rag", "all"],
-                       help="the seed's scenarios in modes no-cache, prefix, shift, blend (instead of --suite)")
+    bench.add_argument("--scenario", choices=["chat", "eval", "agent", "rag", "prefix", "all"],
+                       help="the seed's scenarios (prefix: SGLang's generated-shared-prefix) in modes no-cache, "
+                            "prefix, shift, blend, each under its own preset unless --preset is given")
     bench.add_argument("--quick", action="store_true", help="scenario: 4 requests x 4 tokens (a smoke run)")
     bench.add_argument("--requests", type=int, help="scenario: requests per scenario (default 24)")
     bench.add_argument("--max-tokens", type=int, help="scenario: completion tokens per request (default 16)")

@@ -66,12 +66,20 @@ class CacheConfig:
 
 # The seed's scenario advice as presets. A preset sets these keys first; keys written explicitly (in the
 # file or with --set) override it, wherever they appear.
+# Guard margins are per scenario, from `kvreuse fidelity` runs (README, "Segment reuse"): on the eval rubric
+# the guard never changed an answer and only added work, so it is off; agent steps open with a near-tie
+# that reuse error flips, so a small margin keeps them exact; RAG keeps the default.
 PRESETS: dict[str, dict[str, str]] = {
     "none": {},
-    "chat": {"block_size": "16", "policy": "lru"},               # short repeated turns, recent hot spots
-    "eval": {"block_size": "32", "policy": "lfu"},               # long fixed template, fixed hot spot
-    "agent": {"block_size": "16", "normalize_input": "true"},    # tool output with formatting noise
-    "rag": {"block_size": "16", "suffix.enabled": "true"},       # documents in varying positions
+    # short repeated turns, recent hot spots; the shared part is a prefix, so segment reuse stays off
+    "chat": {"block_size": "16", "policy": "lru"},
+    # long fixed rubric after varying text: a fixed hot spot, reached only by segment reuse
+    "eval": {"block_size": "32", "policy": "lfu", "suffix.enabled": "true", "suffix.guard_margin": "0"},
+    # tool output with formatting noise before fixed tool rules
+    "agent": {"block_size": "16", "normalize_input": "true", "suffix.enabled": "true",
+              "suffix.guard_margin": "0.02"},
+    # documents in varying positions
+    "rag": {"block_size": "16", "suffix.enabled": "true"},
 }
 
 

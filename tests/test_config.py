@@ -342,6 +342,7 @@ def test_as_dict():
 def test_presets_set_the_seed_advice_and_explicit_keys_override_them(tmp_path):
     eval_preset = load_config(None, ["cache.preset=eval"]).cache
     assert (eval_preset.block_size, eval_preset.policy) == (32, "lfu")
+    assert eval_preset.suffix.enabled and eval_preset.suffix.guard_margin == 0
     assert load_config(None, ["cache.preset=agent"]).cache.normalize_input is True
     assert load_config(None, ["cache.preset=rag"]).cache.suffix.enabled is True
     path = tmp_path / "kvreuse.ini"

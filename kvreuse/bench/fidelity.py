@@ -69,6 +69,7 @@ def run(llm: LLM, conversations: list[list[dict]], suffix_overrides: dict, conti
                 "match_len": match_length(exact.token_ids, approx.token_ids),
                 "prompt": approx.usage.prompt_tokens, "cached": approx.usage.cached_tokens,
                 "reused": approx.usage.reused_tokens, "recomputed": approx.usage.recomputed_tokens,
+                "work": approx.usage.prefill_work_tokens,
                 "computed": approx.usage.computed_prompt_tokens, "guarded": approx.usage.guarded,
                 "ttft_exact": exact.ttft_s, "ttft": approx.ttft_s,
             })
@@ -84,7 +85,7 @@ def run(llm: LLM, conversations: list[list[dict]], suffix_overrides: dict, conti
         "guarded_requests": total("guarded"),
         "prompt_tokens": total("prompt"), "cached_tokens": total("cached"), "reused_tokens": total("reused"),
         "recomputed_tokens": total("recomputed"), "computed_prompt_tokens": total("computed"),
-        "prefill_work_tokens": total("computed") + total("recomputed"),
+        "prefill_work_tokens": total("work"),
     }
 
 

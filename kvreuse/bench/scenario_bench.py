@@ -24,15 +24,19 @@ from kvreuse.engine.stats import EngineStats, peak_rss_bytes
 from kvreuse.llm import LLM
 from kvreuse.sampling_params import SamplingParams
 
-SCENARIOS = ("chat", "eval", "agent", "rag")
+SCENARIOS = ("chat", "eval", "agent", "rag", "prefix")
 # cache.suffix.* per mode; no-cache differs from prefix by sending every request with use_cache=False.
 MODES = {
     "no-cache": {"enabled": False},
     "prefix": {"enabled": False},
     "shift": {"enabled": True, "mode": "shift"},
     "blend": {"enabled": True, "mode": "blend"},
+    "blend-noguard": {"enabled": True, "mode": "blend", "guard_margin": 0.0},
 }
 PEER_SCENARIOS = {"hf": SCENARIOS, "hf-prefix": ("chat",)}
+# Requests in flight by default: chat turns and agent steps wait for the previous reply; an eval run is a batch
+# job; RAG queries and shared-prefix groups come one at a time here, so each can reuse the ones before it.
+SCENARIO_CONCURRENCY = {"chat": 1, "eval": 4, "agent": 1, "rag": 1, "prefix": 1}
 
 
 def send_all(llm: LLM, conversations: list[list[dict]], params: SamplingParams, use_cache: bool, concurrency: int,
@@ -84,26 +88,34 @@ def add_ratios(results: dict[str, dict]) -> None:
         r["work_vs_prefix"] = r["prefill_tokens_computed"] / prefix["prefill_tokens_computed"] if prefix else None
 
 
-def run(config: Config, scenarios: list[str], num_requests: int, max_tokens: int, concurrency: int = 1,
+def run(configs: dict[str, Config], num_requests: int, max_tokens: int, concurrency: int | None = None,
         peers: bool = True, progress: Callable[[str], None] = print) -> dict:
-    llm = LLM(config)
+    """Every scenario of `configs` (scenario -> the engine config it runs under) in every mode, then its peers.
+    `concurrency` None takes each scenario's own (SCENARIO_CONCURRENCY)."""
+    report = {"suite": "scenario", "requests": num_requests, "max_tokens": max_tokens, "scenarios": {}, "configs": {}}
     hf = None
-    if peers:
-        from kvreuse.bench.peers import HFPeer, hf_available
+    for scenario, config in configs.items():
+        llm = LLM(config)
+        if peers and hf is None:
+            from kvreuse.bench.peers import HFPeer, hf_available
 
-        hf = HFPeer(config.model.path or None, llm.engine.dtype, str(llm.engine.device)) if hf_available() else None
-    report = {"suite": "scenario", "model": config.model.path or "SmolLM2-135M-Instruct (embedded GGUF)",
-              "device": str(llm.engine.device), "dtype": str(llm.engine.dtype).removeprefix("torch."),
-              "requests": num_requests, "max_tokens": max_tokens, "concurrency": concurrency,
-              "block_size": config.cache.block_size, "suffix": vars(config.cache.suffix), "scenarios": {}}
-    for scenario in scenarios:
+            hf = HFPeer(config.model.path or None, llm.engine.dtype, str(llm.engine.device)) if hf_available() else None
+        report |= {"model": config.model.path or "SmolLM2-135M-Instruct (embedded GGUF)",
+                   "device": str(llm.engine.device), "dtype": str(llm.engine.dtype).removeprefix("torch.")}
+        in_flight = concurrency or SCENARIO_CONCURRENCY[scenario]
+        report["configs"][scenario] = {"preset": config.cache.preset, "block_size": config.cache.block_size,
+                                       "policy": config.cache.policy, "normalize_input": config.cache.normalize_input,
+                                       "suffix": vars(config.cache.suffix), "concurrency": in_flight}
         conversations = workloads.WORKLOADS[scenario](num_requests)
-        runs = list(MODES) + [p for p, where in PEER_SCENARIOS.items() if hf is not None and scenario in where]
+        # With the guard on, blend-noguard shows what the guard costs and what it buys.
+        noguard = ["blend-noguard"] if config.cache.suffix.guard_margin > 0 else []
+        runs = ["no-cache", "prefix", "shift", "blend"] + noguard + [p for p, where in PEER_SCENARIOS.items()
+                                        if hf is not None and scenario in where]
         results, exact = {}, None
         for mode in runs:
             with tqdm(total=len(conversations), desc=f"{scenario}/{mode}", unit="req", leave=False) as bar:
-                if mode in MODES:
-                    results[mode], outputs = run_mode(llm, conversations, mode, max_tokens, exact, concurrency, bar)
+                if mode in MODES:  # our engine
+                    results[mode], outputs = run_mode(llm, conversations, mode, max_tokens, exact, in_flight, bar)
                 else:
                     # HF sees the text our engine sees (normalize_input rewrites message contents).
                     texts = [[{**m, "content": llm.engine.normalize(m["content"])} for m in c] for c in conversations]
@@ -113,6 +125,7 @@ def run(config: Config, scenarios: list[str], num_requests: int, max_tokens: int
                      f"prefill {results[mode]['prefill_tokens_computed']} tokens")
         add_ratios(results)
         report["scenarios"][scenario] = results
+        del llm  # one engine (and its KV pool) at a time
     return report
 
 

@@ -182,4 +182,10 @@ def generated_shared_prefix(num_groups: int = 4, prompts_per_group: int = 6, see
     return requests
 
 
-WORKLOADS = {"rag": rag, "eval": batch_eval, "chat": chat, "agent": agent}
+def shared_prefix(num_requests: int = 24, prompts_per_group: int = 6, seed: int = 0) -> list[list[dict]]:
+    """`generated_shared_prefix` cut to `num_requests` requests: the scenario bench's "prefix" scenario."""
+    num_groups = -(-num_requests // prompts_per_group)
+    return generated_shared_prefix(num_groups, prompts_per_group, seed)[:num_requests]
+
+
+WORKLOADS = {"rag": rag, "eval": batch_eval, "chat": chat, "agent": agent, "prefix": shared_prefix}

@@ -105,13 +105,15 @@ class ModelRunner:
             logits = self.model.forward_selective(input_ids, positions.to(self.device), meta_all, self.kv_cache,
                                                   select_layer=1, select=select, meta_for=meta_for)
             num_recomputed = int(reused[kept[0]].sum())
+        num_discarded = 0
         if num_recomputed < plan.num_tokens and near_tie(logits, suffix.guard_margin):
             # The approximate answer is a near-tie that reuse error can flip: compute exactly instead.
             logits = self.model(input_ids, positions.to(self.device), meta_all, self.kv_cache,
                                 torch.tensor([num_rows - 1], device=self.device))[0]
+            num_discarded = num_rows - int(reused.sum()) + num_recomputed  # the approximate pass's rows
             num_recomputed, seq.guarded = plan.num_tokens, True
         if seq.num_preemptions == 0:
-            seq.num_recomputed_tokens = num_recomputed
+            seq.num_recomputed_tokens, seq.num_discarded_tokens = num_recomputed, num_discarded
         if num_recomputed == plan.num_tokens:
             seq.num_exact_tokens = 1 << 62  # every reused token was recomputed: the whole KV is exact
         if seq.params.keep_first_logits and seq.first_logits is None:

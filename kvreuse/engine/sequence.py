@@ -49,6 +49,7 @@ class Sequence:
     num_shifted_tokens: int = 0       # of those, reused at another position (K re-rotated)
     num_recomputed_tokens: int = 0    # reused tokens computed again by the repair (never counted as hits)
     guarded: bool = False             # the fidelity guard recomputed the reused part exactly
+    num_discarded_tokens: int = 0     # token work of the approximate pass the guard threw away
     first_logits: torch.Tensor | None = None  # [vocab] fp32, kept when params.keep_first_logits
 
     def __post_init__(self):

@@ -25,6 +25,7 @@ class EngineStats:
     shifted_tokens: int = 0           # of those, moved to another position
     recomputed_tokens: int = 0        # reused tokens recomputed by the repair
     guarded_requests: int = 0         # requests the fidelity guard recomputed exactly
+    discarded_tokens: int = 0         # token work of the approximate passes the guard threw away
     computed_prompt_tokens: int = 0   # prompt tokens computed fresh
     completion_tokens: int = 0
     prefill_tokens_run: int = 0       # tokens run through prefill steps, recomputation after preemption included
@@ -47,6 +48,7 @@ class EngineStats:
         self.shifted_tokens += seq.num_shifted_tokens
         self.recomputed_tokens += seq.num_recomputed_tokens
         self.guarded_requests += seq.guarded
+        self.discarded_tokens += seq.num_discarded_tokens
         self.computed_prompt_tokens += seq.num_computed_prompt_tokens
         self.completion_tokens += seq.num_completion_tokens
         self.num_preemptions += seq.num_preemptions
@@ -70,7 +72,8 @@ class EngineStats:
             **asdict(self),
             "hit_rate": round(self.hit_rate, 4),
             "approximate_hit_rate": round(self.approximate_hit_rate, 4),
-            "prefill_work_tokens": self.computed_prompt_tokens + self.recomputed_tokens,
+            # Every token run through the model for a prompt, the guard's discarded approximate pass included.
+            "prefill_work_tokens": self.computed_prompt_tokens + self.recomputed_tokens + self.discarded_tokens,
             "blocks_total": pool.num_blocks,
             "blocks_in_use": in_use,
             "blocks_cached": cached,

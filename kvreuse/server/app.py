@@ -320,5 +320,6 @@ def usage(out: RequestOutput) -> dict:
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
             "total_tokens": u.total_tokens,
             "prompt_tokens_details": {"cached_tokens": u.cached_tokens, "reused_tokens": u.reused_tokens,
-                                      "recomputed_tokens": u.recomputed_tokens},
+                                      "recomputed_tokens": u.recomputed_tokens,
+                                      "discarded_tokens": u.discarded_tokens},
             "computed_prompt_tokens": u.computed_prompt_tokens}

@@ -40,6 +40,8 @@ class Metrics:
                               labels, registry=r)
         self.recomputed = Counter("kvreuse:recomputed_prompt_tokens", "Reused tokens recomputed by the repair",
                                   labels, registry=r)
+        self.discarded = Counter("kvreuse:discarded_prompt_tokens",
+                                 "Token work of approximate passes the fidelity guard threw away", labels, registry=r)
         self.guarded = Counter("kvreuse:guarded_requests", "Requests the fidelity guard recomputed exactly",
                                labels, registry=r)
         self.evictions = Gauge("kvreuse:cache_evictions", "Cached blocks evicted so far", labels + ["policy"],
@@ -76,6 +78,7 @@ class Metrics:
         self.computed.labels(m).inc(u.computed_prompt_tokens)
         self.reused.labels(m).inc(u.reused_tokens)
         self.recomputed.labels(m).inc(u.recomputed_tokens)
+        self.discarded.labels(m).inc(u.discarded_tokens)
         if u.guarded:
             self.guarded.labels(m).inc()
         self.request_success.labels(m, out.finish_reason or "abort").inc()
