@@ -247,7 +247,8 @@ def bench_url(args: argparse.Namespace, scenarios: list[str], num_requests: int,
               "scenarios": {}}
     for scenario in scenarios:
         conversations = workloads.WORKLOADS[scenario](num_requests)
-        with tqdm(total=len(conversations), desc=f"{scenario} @ {args.url}", unit="req", leave=False) as bar:
+        with tqdm(total=len(conversations), desc=f"{scenario} @ {args.url}", unit="req", leave=False,
+                  disable=None) as bar:  # no bar when stderr is not a terminal
             try:
                 report["scenarios"][scenario] = replay.run(
                     args.url, conversations, model=args.served_model, max_tokens=max_tokens,

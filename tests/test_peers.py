@@ -44,7 +44,8 @@ def test_hf_prefix_reuse_skips_prefill_and_changes_no_token(tiny_model_dir):
     assert reused["prefill_tokens_computed"] < plain["prefill_tokens_computed"] == plain["total_input_tokens"]
     assert reused["prefill_tokens_computed"] + sum(o.cached_tokens for o in reused_outputs) == \
         reused["total_input_tokens"]
-    # A later turn resends the earlier turn's whole prompt: all of it comes from the cache.
-    assert reused_outputs[1].cached_tokens == reused_outputs[0].prompt_tokens
+    # A later turn resends the earlier turn's prompt and reply: all of it comes from the cache, but the reply's
+    # last token, which was sampled and never fed back.
+    assert reused_outputs[1].cached_tokens == reused_outputs[0].prompt_tokens + MAX_TOKENS - 1
     assert [o.token_ids for o in reused_outputs] == [o.token_ids for o in plain_outputs]
     assert reused["top1_agreement"] == 1 and reused["mean_kl"] < 1e-6

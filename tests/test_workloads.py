@@ -79,3 +79,17 @@ def test_scenario_bench_quick_writes_valid_json_with_every_key_and_plots(tiny_mo
     assert sweep["block_sizes"][0] == 8 and 0 <= sweep["scenarios"]["eval"]["with_segments"][0] <= 1
     for png in ("scenario_ttft.png", "hit_rate_vs_block_size.png"):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_live_replies_resend_the_reply_given_and_keep_canned_text_until_then():
+    first, second, third = workloads.chat(3, turns=3)
+    replies = workloads.LiveReplies()
+    assert replies.fill(second) == second  # nothing recorded yet: the canned reply stays
+    replies.record(first, "reply one")
+    filled = replies.fill(second)
+    assert filled[len(first)] == {"role": "assistant", "content": "reply one"}
+    assert filled[: len(first)] == first and filled[len(first) + 1:] == second[len(first) + 1:]
+    replies.record(second, "reply two")
+    assert [m["content"] for m in replies.fill(third) if m["role"] == "assistant"] == ["reply one", "reply two"]
+    single = workloads.batch_eval(1)[0]
+    assert replies.fill(single) == single

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from kvreuse.bench.metrics import fidelity_metrics, serving_metrics
+from kvreuse.bench.workloads import LiveReplies
 from kvreuse.engine.stats import peak_rss_bytes
 from kvreuse.model.loader import ModelLoadError, resolve_model_path
 
@@ -91,20 +92,22 @@ class HFPeer:
         prefix with it; the cache starts empty on every call. `exact` (our engine's no-cache outputs of the
         same conversations) adds top1_agreement, mean_kl and mean_match_len. Returns the result, keyed as
         `scenario_bench.run_mode`'s, and the per-request outputs."""
-        prompt_caches: OrderedDict[tuple[int, ...], object] = OrderedDict()  # prompt ids -> its KV, oldest first
+        prompt_caches: OrderedDict[tuple[int, ...], object] = OrderedDict()  # token ids -> their KV, oldest first
         outputs, peak_kv = [], 0
         start = time.perf_counter()
+        replies = LiveReplies()
         for messages in conversations:
-            prompt = self.encode_chat(messages)
+            prompt = self.encode_chat(replies.fill(messages))
             output, cache = self._generate(prompt, max_tokens, prompt_caches if prefix_reuse else None)
+            replies.record(messages, self.tokenizer.decode(output.token_ids, skip_special_tokens=True))
             # KV of the running request only, like our engine's peak_kv_bytes (its cached blocks are not counted).
             peak_kv = max(peak_kv, _cache_bytes(cache))
             if prefix_reuse:
-                # The decoded tokens are dropped: a later request resends the conversation with its own text
-                # where this one's reply would be (our engine caches prompt blocks the same way).
-                cache.crop(len(prompt) - cache.get_seq_length())  # v5 `crop` takes minus the tokens to drop
-                prompt_caches[tuple(prompt)] = cache
-                prompt_caches.move_to_end(tuple(prompt))
+                # Kept with the generated tokens (all but the last, never fed back), as the transformers docs
+                # keep a chat's cache: the next turn resends this reply, as our engine's cache allows too.
+                key = tuple(prompt + output.token_ids[:-1])
+                prompt_caches[key] = cache
+                prompt_caches.move_to_end(key)
                 while len(prompt_caches) > self.max_cached_prompts:
                     prompt_caches.popitem(last=False)
             outputs.append(output)

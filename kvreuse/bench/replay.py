@@ -1,7 +1,8 @@
 """`kvreuse bench --url URL`: replay a scenario against any OpenAI-compatible server (ours, vLLM, llama.cpp).
 
 As `vllm bench serve` does it: each conversation is one streaming POST /v1/chat/completions (greedy, ignore_eos,
-a fixed max_tokens), sent all at once or as a seeded Poisson process, with at most `concurrency` in flight.
+a fixed max_tokens), sent all at once or as a seeded Poisson process, with at most `concurrency` in flight;
+multi-turn requests resend the replies the server gave (`workloads.LiveReplies`).
 TTFT, TPOT, ITL and end-to-end latency are timed on the client; prompt and cached tokens come from the server's
 `usage` where it reports them. Failed requests are counted, not raised. Keys follow `vllm bench serve`.
 """
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from kvreuse.bench.metrics import serving_metrics, summary_ms
+from kvreuse.bench.workloads import LiveReplies
 
 CONNECT_TIMEOUT_S = 10.0
 # Long, since a queued request may wait minutes for its first chunk; only a server silent this long fails it.
@@ -33,6 +35,7 @@ class RequestResult:
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)
     output_tokens: int = 0
+    text: str = ""
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
 
@@ -91,6 +94,7 @@ async def send(client: httpx.AsyncClient, root: str, model: str, messages: list[
                 choices = chunk.get("choices") or []
                 delta = (choices[0].get("delta") or {}) if choices else {}
                 # Reasoning models stream their thinking as reasoning_content (vLLM, llama.cpp): tokens all the same.
+                result.text += delta.get("content") or ""
                 if delta.get("content") or delta.get("reasoning_content"):
                     if last is None:
                         result.ttft = now - start
@@ -125,12 +129,17 @@ async def replay(root: str, conversations: list[list[dict]], model: str | None, 
         semaphore = asyncio.Semaphore(concurrency) if concurrency is not None else None
         rng = random.Random(seed)
 
+        replies = LiveReplies()
+
         async def one(messages: list[dict]) -> RequestResult:
+            # Filled once a slot is free, so a turn sent after its predecessor finished carries its reply.
             if semaphore is None:
-                result = await send(client, root, model, messages, max_tokens)
+                result = await send(client, root, model, replies.fill(messages), max_tokens)
             else:
                 async with semaphore:
-                    result = await send(client, root, model, messages, max_tokens)
+                    result = await send(client, root, model, replies.fill(messages), max_tokens)
+            if result.success:
+                replies.record(messages, result.text)
             if progress is not None:
                 progress(1)
             return result

@@ -41,16 +41,19 @@ SCENARIO_CONCURRENCY = {"chat": 1, "eval": 4, "agent": 1, "rag": 1, "prefix": 1}
 
 def send_all(llm: LLM, conversations: list[list[dict]], params: SamplingParams, use_cache: bool, concurrency: int,
              bar: tqdm) -> list:
-    """Closed loop: at most `concurrency` requests in flight, the next one added as soon as one finishes."""
-    engine, pending, in_flight, seqs = llm.engine, list(reversed(conversations)), set(), []
+    """Closed loop: at most `concurrency` requests in flight, the next one added as soon as one finishes;
+    assistant turns carry the replies given (LiveReplies)."""
+    engine, pending, in_flight, seqs = llm.engine, list(reversed(conversations)), {}, []
+    replies = workloads.LiveReplies()
     while pending or in_flight:
         while pending and len(in_flight) < concurrency:
-            seq = engine.add_request(engine.render_chat(pending.pop()), params, use_cache=use_cache)
+            messages = pending.pop()
+            seq = engine.add_request(engine.render_chat(replies.fill(messages)), params, use_cache=use_cache)
             seqs.append(seq)
-            in_flight.add(seq.request_id)
+            in_flight[seq.request_id] = messages
         for seq in engine.step():
             if seq.is_finished:
-                in_flight.discard(seq.request_id)
+                replies.record(in_flight.pop(seq.request_id), seq.output_text)
                 bar.update(1)
     return [engine.output(seq) for seq in seqs]
 
@@ -113,7 +116,8 @@ def run(configs: dict[str, Config], num_requests: int, max_tokens: int, concurre
                                         if hf is not None and scenario in where]
         results, exact = {}, None
         for mode in runs:
-            with tqdm(total=len(conversations), desc=f"{scenario}/{mode}", unit="req", leave=False) as bar:
+            with tqdm(total=len(conversations), desc=f"{scenario}/{mode}", unit="req", leave=False,
+                      disable=None) as bar:  # no bar when stderr is not a terminal
                 if mode in MODES:  # our engine
                     results[mode], outputs = run_mode(llm, conversations, mode, max_tokens, exact, in_flight, bar)
                 else:

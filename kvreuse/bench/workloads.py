@@ -104,11 +104,11 @@ CHAT_FOLLOW_UPS = ["Can you go into more detail?", "Continue.", "Give me another
 CHAT_TAIL = "Answer in markdown only."
 
 
-def chat(num_requests: int = 24, turns: int = 6, seed: int = 0) -> list[list[dict]]:
+def chat(num_requests: int = 24, turns: int = 8, seed: int = 0) -> list[list[dict]]:
     """Multi-turn chats under one fixed system prompt, one request per turn: each turn resends the whole
     conversation (so it extends the previous request of its conversation), follow-ups such as "Continue.",
-    and a fixed tail instruction on every user message. Assistant replies are canned text from the corpus,
-    so the workload is static (the same prompts for every system and mode)."""
+    and a fixed tail instruction on every user message. Assistant turns hold canned text from the corpus;
+    the benchmarks send the reply the model actually gave instead (`LiveReplies`)."""
     rng = random.Random(seed)
     pool = documents()
     requests = []
@@ -123,6 +123,30 @@ def chat(num_requests: int = 24, turns: int = 6, seed: int = 0) -> list[list[dic
             messages += [{"role": "assistant", "content": reply},
                          {"role": "user", "content": f"{rng.choice(CHAT_FOLLOW_UPS)} {CHAT_TAIL}"}]
     return requests[:num_requests]
+
+
+class LiveReplies:
+    """Multi-turn replay as `vllm`'s multi-turn benchmark does it: an assistant turn is sent as the reply the
+    model gave to the request that ended just before it, so each turn resends what was generated (and a
+    cache that keeps generated tokens can hit on it). Turns whose reply is not known yet (a request still in
+    flight, or none recorded) keep the workload's canned text. Requests without assistant turns pass as they
+    are."""
+
+    def __init__(self):
+        self._replies: dict[str, str] = {}  # the workload's messages up to an assistant turn -> the reply given
+
+    @staticmethod
+    def _key(messages: list[dict]) -> str:
+        return json.dumps(messages, sort_keys=True, ensure_ascii=False)
+
+    def fill(self, messages: list[dict]) -> list[dict]:
+        """`messages` with every assistant turn replaced by the recorded reply to the turns before it."""
+        return [{**m, "content": self._replies.get(self._key(messages[:i]), m["content"])}
+                if m["role"] == "assistant" else m for i, m in enumerate(messages)]
+
+    def record(self, messages: list[dict], reply: str) -> None:
+        """The model answered the workload request `messages` (as given, before `fill`) with `reply`."""
+        self._replies[self._key(messages)] = reply
 
 
 AGENT_TOOLS = """Available tools:
