@@ -110,6 +110,10 @@ def run(configs: dict[str, Config], num_requests: int, max_tokens: int, concurre
                                        "policy": config.cache.policy, "normalize_input": config.cache.normalize_input,
                                        "suffix": vars(config.cache.suffix), "concurrency": in_flight}
         conversations = workloads.WORKLOADS[scenario](num_requests)
+        # One untimed request first, so no mode pays for first-call allocations and kernel selection.
+        llm.chat(conversations[0], SamplingParams(max_tokens=2), use_cache=False)
+        if hf is not None:
+            hf.run(conversations[:1], 2)
         # With the guard on, blend-noguard shows what the guard costs and what it buys.
         noguard = ["blend-noguard"] if config.cache.suffix.guard_margin > 0 else []
         runs = ["no-cache", "prefix", "shift", "blend"] + noguard + [p for p, where in PEER_SCENARIOS.items()
