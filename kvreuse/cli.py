@@ -234,8 +234,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def scenario_config(args: argparse.Namespace, scenario: str) -> Config:
     """The config a scenario runs under: its own preset unless --preset names one (explicit keys still win)."""
     preset = [] if args.preset else [f"cache.preset={scenario if scenario in PRESETS else 'none'}"]
-    # The segment index must exist; the modes switch reuse on and off per run.
-    return load_config(args.config, preset + build_overrides(args) + ["cache.suffix.enabled=true"])
+    return load_config(args.config, preset + build_overrides(args))  # the modes switch segment reuse per run
 
 
 def bench_url(args: argparse.Namespace, scenarios: list[str], num_requests: int, max_tokens: int) -> dict:
