@@ -1,13 +1,13 @@
-"""`kvreuse bench --scenario chat|eval|agent|rag|all`: the seed's scenarios in four cache modes, one process.
+"""`kvreuse bench --scenario chat|eval|agent|rag|prefix|all`: the seed's scenarios in every cache mode, one process.
 
-Modes: no-cache (every prompt computed), prefix (exact prefix caching), shift and blend (prefix + segment
-reuse); then the peers: HF transformers on the same weights without reuse ("hf") and, on chat, with its own
-prefix reuse through a copied cache ("hf-prefix"). Each mode starts from an empty cache and keeps
+Each scenario runs under its own engine config (its preset, by default). Modes: no-cache (every prompt
+computed), prefix (exact prefix caching), shift and blend (prefix + segment reuse), and blend-noguard where the
+config's guard is on; then the peers: HF transformers on the same weights without reuse ("hf") and, on chat,
+with its own prefix reuse through a copied cache ("hf-prefix"). Each mode starts from an empty cache and keeps
 `concurrency` requests in flight, sent in workload order (so later requests can reuse earlier KV). Fidelity
 is measured against the no-cache run of the same requests. Keys follow `vllm bench serve` where it has one
 (mean_ttft_ms, p99_ttft_ms, request_throughput, ...); each row also carries its ratios to no-cache (TTFT,
-throughput) and to prefix (prefill work), the numbers the targets are stated in.
-"""
+throughput) and to prefix (prefill work), the numbers the targets are stated in."""
 
 from __future__ import annotations
 
