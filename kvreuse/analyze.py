@@ -152,10 +152,15 @@ def divergences(texts: list[str], tokenizer: Tokenizer) -> list[dict]:
     return rows
 
 
-def analyze(prompts: list[str | list[dict]], config: Config) -> dict:
+def load_tokenizer(config: Config) -> tuple[Tokenizer, str]:
+    """The configured model's tokenizer and a weights fingerprint for block keys, without loading weights."""
     model_path = resolve_model_path(config.model.path or None)
     fingerprint = file_sha256([model_path] if model_path.is_file() else sorted(model_path.glob("*.safetensors")))
-    tokenizer = Tokenizer.load(model_path, fingerprint)
+    return Tokenizer.load(model_path, fingerprint), fingerprint
+
+
+def analyze(prompts: list[str | list[dict]], config: Config) -> dict:
+    tokenizer, fingerprint = load_tokenizer(config)
     normalize = config.cache.normalize_input
     texts = [render(tokenizer, p, normalize) for p in prompts]
     token_lists = [tokenizer.encode(t) for t in texts]

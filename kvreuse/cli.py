@@ -9,6 +9,7 @@ import re
 import sys
 from pathlib import Path
 
+from kvreuse.bench.workloads import WORKLOADS
 from kvreuse.config import PRESETS, Config, ConfigError, load_config
 from kvreuse.model.loader import ModelLoadError
 
@@ -27,7 +28,7 @@ def _common_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], help="shorthand for --set model.device=")
     parser.add_argument("--dtype", choices=["auto", "fp32", "bf16"], help="shorthand for --set model.dtype=")
     parser.add_argument("--block-size", type=int, help="shorthand for --set cache.block_size=")
-    parser.add_argument("--preset", choices=["none", "chat", "eval", "agent", "rag"],
+    parser.add_argument("--preset", choices=list(PRESETS),
                         help="scenario preset (shorthand for --set cache.preset=); explicit keys override it")
     parser.add_argument("--max-model-len", type=int, help="shorthand for --set server.max_tokens= (context limit)")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
@@ -194,12 +195,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     progress = lambda line: print(line, file=sys.stderr, flush=True)
     if args.concurrency is not None and args.concurrency < 1:
         raise InputError(f"--concurrency must be >= 1, got {args.concurrency}")
-    scenarios = ["chat", "eval", "agent", "rag", "prefix"] if args.scenario in (None, "all") else [args.scenario]
+    scenarios = list(WORKLOADS) if args.scenario in (None, "all") else [args.scenario]
     num_requests = args.requests or (4 if args.quick else 24)
     max_tokens = args.max_tokens or (4 if args.quick else 16)
     if args.url:
-        name, report = "replay", bench_url(args, scenarios, num_requests, max_tokens)
         from kvreuse.bench import replay as suite
+
+        name, report = "replay", bench_url(args, scenarios, num_requests, max_tokens)
     elif args.scenario:
         from kvreuse.bench import scenario_bench as suite
 
@@ -216,18 +218,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
-        (out / f"{name}.md").write_text(table + "\n")
-        print(f"wrote {out / name}.json and .md", file=sys.stderr)
         if name == "scenario":
             from kvreuse.bench import plots
 
-            sweep = plots.block_size_sweep(scenarios, list(plots.DEFAULT_BLOCK_SIZES), num_requests,
-                                           scenario_config(args, "none"))
-            report["block_size_sweep"] = sweep
-            (out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
-            for path in plots.write_plots(report, sweep, out):
+            report["block_size_sweep"] = plots.block_size_sweep(scenarios, list(plots.DEFAULT_BLOCK_SIZES),
+                                                                num_requests, scenario_config(args, "none"))
+            for path in plots.write_plots(report, report["block_size_sweep"], out):
                 print(f"wrote {path}", file=sys.stderr)
+        (out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
+        (out / f"{name}.md").write_text(table + "\n")
+        print(f"wrote {out / name}.json and .md", file=sys.stderr)
     return 0
 
 
@@ -310,9 +310,10 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--served-model-name", help="model id clients use (default: the weights file name)")
     serve.set_defaults(func=cmd_serve)
 
-    bench = sub.add_parser("bench", help="benchmarks (medians of interleaved runs)")
+    bench = sub.add_parser("bench", help="benchmarks: engine and prefix suites (medians of interleaved runs), "
+                                         "scenarios in-process or against a server (--url)")
     _common_flags(bench)
-    bench.add_argument("--scenario", choices=["chat", "eval", "agent", "rag", "prefix", "all"],
+    bench.add_argument("--scenario", choices=[*WORKLOADS, "all"],
                        help="the seed's scenarios (prefix: SGLang's generated-shared-prefix) in modes no-cache, "
                             "prefix, shift, blend, each under its own preset unless --preset is given")
     bench.add_argument("--quick", action="store_true", help="scenario: 4 requests x 4 tokens (a smoke run)")
@@ -336,9 +337,10 @@ def main(argv: list[str] | None = None) -> int:
     fid = sub.add_parser("fidelity", help="segment reuse against exact recompute on a built-in workload")
     fid.add_argument("--requests", type=int, default=24, help="requests (default 24)")
     fid.add_argument("--seed", type=int, default=0, help="workload seed")
-    fid.add_argument("--workload", choices=["rag", "eval", "chat", "agent"], default="rag",
+    fid.add_argument("--workload", choices=list(WORKLOADS), default="rag",
                      help="rag: 2-3 documents per query in varying order; eval: varying answer + fixed rubric; "
-                          "chat: multi-turn follow-ups; agent: variable tool results + fixed tool rules")
+                          "chat: multi-turn follow-ups; agent: variable tool results + fixed tool rules; "
+                          "prefix: groups sharing a long system prompt")
     fid.add_argument("--modes", nargs="+", choices=["prefix-only", "shift-noguard", "shift", "blend-noguard",
                                                     "blend", "blend-1.0"], help="default: all")
     fid.add_argument("--continuation", type=int, default=32, help="greedy tokens compared per request")

@@ -3,16 +3,12 @@ tokens as our engine, and exact prefix reuse through copied caches."""
 
 from __future__ import annotations
 
-import pytest
-
 from kvreuse.bench import workloads
-from kvreuse.bench.peers import HFPeer, hf_available, run_hf
+from kvreuse.bench.peers import HFPeer
 from kvreuse.bench.scenario_bench import run_mode
 from kvreuse.llm import LLM
 
 from .conftest import make_config
-
-pytestmark = pytest.mark.skipif(not hf_available(), reason="transformers is not installed")
 
 MAX_TOKENS = 8
 FIDELITY_KEYS = {"top1_agreement", "mean_kl", "mean_match_len"}
@@ -23,7 +19,7 @@ def test_hf_peer_matches_our_engine_on_workload_conversations(tiny_model_dir):
     conversations = workloads.chat(2, turns=2) + workloads.rag(1) + workloads.agent(1) + workloads.batch_eval(1)
     ours, exact = run_mode(llm, conversations, "no-cache", MAX_TOKENS, None)
 
-    result, outputs = run_hf(tiny_model_dir, conversations, MAX_TOKENS, prefix_reuse=False, exact=exact)
+    result, outputs = HFPeer(tiny_model_dir).run(conversations, MAX_TOKENS, prefix_reuse=False, exact=exact)
 
     assert set(result) == set(ours) | FIDELITY_KEYS | {"system"}
     assert result["system"] == "hf-transformers"

@@ -12,9 +12,8 @@ import statistics
 from contextlib import contextmanager
 from dataclasses import replace
 
-import torch
-
 from kvreuse.bench import workloads
+from kvreuse.bench.metrics import fidelity_metrics
 from kvreuse.config import load_config
 from kvreuse.llm import LLM
 from kvreuse.sampling_params import SamplingParams
@@ -28,16 +27,6 @@ MODES = {
     "blend": {"mode": "blend"},
     "blend-1.0": {"mode": "blend", "recompute_ratio": 1.0},
 }
-
-
-def kl_divergence(exact_logits: torch.Tensor, approx_logits: torch.Tensor) -> float:
-    p = torch.log_softmax(exact_logits.double(), -1)
-    q = torch.log_softmax(approx_logits.double(), -1)
-    return float((p.exp() * (p - q)).sum())
-
-
-def match_length(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 @contextmanager
@@ -58,34 +47,22 @@ def run(llm: LLM, conversations: list[list[dict]], suffix_overrides: dict, conti
     """One mode over one workload, starting from an empty cache."""
     llm.engine.kv_manager.pool.reset_cache()
     params = SamplingParams(max_tokens=continuation, keep_first_logits=True, ignore_eos=True)
-    rows = []
+    pairs = []  # (exact, with reuse) outputs per request
     with suffix_settings(llm, **suffix_overrides):
         for messages in conversations:
-            exact = llm.chat(messages, params, use_cache=False)[0]
-            approx = llm.chat(messages, params)[0]
-            rows.append({
-                "top1_agree": int(exact.first_logits.argmax() == approx.first_logits.argmax()),
-                "kl": kl_divergence(exact.first_logits, approx.first_logits),
-                "match_len": match_length(exact.token_ids, approx.token_ids),
-                "prompt": approx.usage.prompt_tokens, "cached": approx.usage.cached_tokens,
-                "reused": approx.usage.reused_tokens, "recomputed": approx.usage.recomputed_tokens,
-                "work": approx.usage.prefill_work_tokens,
-                "computed": approx.usage.computed_prompt_tokens, "guarded": approx.usage.guarded,
-                "ttft_exact": exact.ttft_s, "ttft": approx.ttft_s,
-            })
-    with_reuse = [r for r in rows if r["reused"]]
-    total = lambda key: sum(r[key] for r in rows)
+            pairs.append((llm.chat(messages, params, use_cache=False)[0], llm.chat(messages, params)[0]))
+    reusing = [(e, a) for e, a in pairs if a.usage.reused_tokens]
+    fidelity = (fidelity_metrics([a for _, a in reusing], [e for e, _ in reusing]) if reusing
+                else dict.fromkeys(("top1_agreement", "mean_kl", "mean_match_len")))
+    total = lambda key: sum(getattr(a.usage, key) for _, a in pairs)
     return {
-        "requests": len(rows), "requests_with_reuse": len(with_reuse),
-        "median_ttft_ms": statistics.median(r["ttft"] for r in rows) * 1000,
-        "median_ttft_ms_exact": statistics.median(r["ttft_exact"] for r in rows) * 1000,
-        "top1_agreement": statistics.mean(r["top1_agree"] for r in with_reuse) if with_reuse else None,
-        "mean_kl": statistics.mean(r["kl"] for r in with_reuse) if with_reuse else None,
-        "mean_match_len": statistics.mean(r["match_len"] for r in with_reuse) if with_reuse else None,
+        "requests": len(pairs), "requests_with_reuse": len(reusing),
+        "median_ttft_ms": statistics.median(a.ttft_s for _, a in pairs) * 1000,
+        "median_ttft_ms_exact": statistics.median(e.ttft_s for e, _ in pairs) * 1000,
+        **fidelity,
         "guarded_requests": total("guarded"),
-        "prompt_tokens": total("prompt"), "cached_tokens": total("cached"), "reused_tokens": total("reused"),
-        "recomputed_tokens": total("recomputed"), "computed_prompt_tokens": total("computed"),
-        "prefill_work_tokens": total("work"),
+        **{key: total(key) for key in ("prompt_tokens", "cached_tokens", "reused_tokens", "recomputed_tokens",
+                                       "computed_prompt_tokens", "prefill_work_tokens")},
     }
 
 

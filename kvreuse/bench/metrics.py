@@ -6,7 +6,17 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 
-from kvreuse.bench.fidelity import kl_divergence, match_length
+import torch
+
+
+def kl_divergence(exact_logits: torch.Tensor, approx_logits: torch.Tensor) -> float:
+    p = torch.log_softmax(exact_logits.double(), -1)
+    q = torch.log_softmax(approx_logits.double(), -1)
+    return float((p.exp() * (p - q)).sum())
+
+
+def match_length(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -11,7 +11,6 @@ llama-cpp-python is not a peer here: our package index has no prebuilt wheel of 
 from __future__ import annotations
 
 import copy
-import importlib.util
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -25,11 +24,6 @@ from kvreuse.engine.stats import peak_rss_bytes
 from kvreuse.model.loader import ModelLoadError, resolve_model_path
 
 SYSTEM = "hf-transformers"
-
-
-def hf_available() -> bool:
-    """Whether transformers (and, for GGUF files, its `gguf` reader) can be imported."""
-    return all(importlib.util.find_spec(name) is not None for name in ("transformers", "gguf"))
 
 
 @dataclass
@@ -156,10 +150,3 @@ def _result(outputs: list[HFOutput], duration: float, peak_kv: int, exact: list 
     if exact is not None:
         result.update(fidelity_metrics(outputs, exact))
     return result
-
-
-def run_hf(model_path: str | Path | None, conversations: list[list[dict]], max_tokens: int, *, prefix_reuse: bool,
-           exact: list | None = None, dtype: torch.dtype = torch.float32,
-           device: str = "cpu") -> tuple[dict, list[HFOutput]]:
-    """`HFPeer(model_path, dtype, device).run(...)` for a single run (loading the model costs seconds)."""
-    return HFPeer(model_path, dtype, device).run(conversations, max_tokens, prefix_reuse=prefix_reuse, exact=exact)

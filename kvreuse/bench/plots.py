@@ -15,11 +15,9 @@ from pathlib import Path
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from kvreuse.analyze import render, replay
+from kvreuse.analyze import load_tokenizer, render, replay
 from kvreuse.bench import workloads
 from kvreuse.config import Config
-from kvreuse.model.loader import file_sha256, resolve_model_path
-from kvreuse.model.tokenizer import Tokenizer
 
 TTFT_PNG = "scenario_ttft.png"
 HIT_RATE_PNG = "hit_rate_vs_block_size.png"
@@ -103,10 +101,7 @@ def block_size_sweep(scenarios: list[str], block_sizes: list[int], num_requests:
     if any(b < 1 for b in block_sizes):
         raise ValueError(f"block sizes must be positive, got {block_sizes}")
     config = config or Config()
-    # The fingerprint must be the engine's (it is part of every block key), so it is computed as analyze() does.
-    model_path = resolve_model_path(config.model.path or None)
-    fingerprint = file_sha256([model_path] if model_path.is_file() else sorted(model_path.glob("*.safetensors")))
-    tokenizer = Tokenizer.load(model_path, fingerprint)
+    tokenizer, fingerprint = load_tokenizer(config)
     # The engine sizes its pool from a memory budget, so smaller blocks mean more of them: hold the capacity in
     # tokens fixed at the configured block size's (4096 blocks when unset, as replay() assumes), so the curves
     # show the block grid and not the pool size.

@@ -24,7 +24,7 @@ from kvreuse.engine.stats import EngineStats, peak_rss_bytes
 from kvreuse.llm import LLM
 from kvreuse.sampling_params import SamplingParams
 
-SCENARIOS = ("chat", "eval", "agent", "rag", "prefix")
+SCENARIOS = tuple(workloads.WORKLOADS)
 # cache.suffix.* per mode; no-cache differs from prefix by sending every request with use_cache=False.
 MODES = {
     "no-cache": {"enabled": False},
@@ -100,9 +100,9 @@ def run(configs: dict[str, Config], num_requests: int, max_tokens: int, concurre
     for scenario, config in configs.items():
         llm = LLM(config)
         if peers and hf is None:
-            from kvreuse.bench.peers import HFPeer, hf_available
+            from kvreuse.bench.peers import HFPeer
 
-            hf = HFPeer(config.model.path or None, llm.engine.dtype, str(llm.engine.device)) if hf_available() else None
+            hf = HFPeer(config.model.path or None, llm.engine.dtype, str(llm.engine.device))
         report |= {"model": config.model.path or "SmolLM2-135M-Instruct (embedded GGUF)",
                    "device": str(llm.engine.device), "dtype": str(llm.engine.dtype).removeprefix("torch.")}
         in_flight = concurrency or SCENARIO_CONCURRENCY[scenario]

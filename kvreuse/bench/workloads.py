@@ -212,4 +212,5 @@ def shared_prefix(num_requests: int = 24, prompts_per_group: int = 6, seed: int 
     return generated_shared_prefix(num_groups, prompts_per_group, seed)[:num_requests]
 
 
-WORKLOADS = {"rag": rag, "eval": batch_eval, "chat": chat, "agent": agent, "prefix": shared_prefix}
+# The scenarios of `kvreuse bench --scenario`, in report order.
+WORKLOADS = {"chat": chat, "eval": batch_eval, "agent": agent, "rag": rag, "prefix": shared_prefix}

@@ -31,14 +31,15 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         logits_rows: list[int] = []
-        sampling: list[Sequence] = []  # the sequences whose step reaches their last token
+        samples: list[bool] = []  # per sequence: its step reaches its last token, so it samples one
         for seq in seqs:
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + seq.num_scheduled_tokens
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
-            if end == seq.num_tokens:
+            samples.append(end == seq.num_tokens)
+            if samples[-1]:
                 logits_rows.append(len(input_ids) - 1)
-                sampling.append(seq)
+        sampling = [seq for seq, s in zip(seqs, samples, strict=True) if s]
         meta = AttentionMetadata.build(
             [s.num_computed_tokens for s in seqs], [s.num_scheduled_tokens for s in seqs],
             [s.block_table for s in seqs], self.block_size, self.device,
@@ -50,9 +51,8 @@ class ModelRunner:
         for row, seq in enumerate(sampling):
             if seq.params.keep_first_logits and seq.first_logits is None:
                 seq.first_logits = logits[row].cpu()
-        tokens = dict(zip(map(id, sampling), sample(logits, [s.params for s in sampling],
-                                                    [s.generator for s in sampling]), strict=True))
-        return [tokens.get(id(s)) for s in seqs]
+        tokens = iter(sample(logits, [s.params for s in sampling], [s.generator for s in sampling]))
+        return [next(tokens) if s else None for s in samples]
 
     # --- segment reuse -------------------------------------------------------------------------------
     def copy_segments(self, seq: Sequence) -> None:

@@ -63,6 +63,11 @@ class EngineStats:
         """Reused tokens not recomputed / prompt tokens."""
         return (self.reused_tokens - self.recomputed_tokens) / self.prompt_tokens if self.prompt_tokens else 0.0
 
+    @property
+    def prefill_work_tokens(self) -> int:
+        """Token work of prefills: fresh + recomputed + the approximate passes the guard threw away."""
+        return self.computed_prompt_tokens + self.recomputed_tokens + self.discarded_tokens
+
     def snapshot(self, kv: KVCacheManager, bytes_per_block: int) -> dict:
         """Everything as one flat dict (for logs, `--json` summaries and metrics)."""
         pool = kv.pool
@@ -72,8 +77,7 @@ class EngineStats:
             **asdict(self),
             "hit_rate": round(self.hit_rate, 4),
             "approximate_hit_rate": round(self.approximate_hit_rate, 4),
-            # Every token run through the model for a prompt, the guard's discarded approximate pass included.
-            "prefill_work_tokens": self.computed_prompt_tokens + self.recomputed_tokens + self.discarded_tokens,
+            "prefill_work_tokens": self.prefill_work_tokens,
             "blocks_total": pool.num_blocks,
             "blocks_in_use": in_use,
             "blocks_cached": cached,

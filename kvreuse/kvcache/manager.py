@@ -147,5 +147,5 @@ class KVCacheManager:
                 held[block_id] = held.get(block_id, 0) + 1
         for block_id, count in held.items():
             assert self.pool.blocks[block_id].ref_cnt == count, f"block {block_id} held {count}x, ref_cnt differs"
-        if self.enable_segments:
+        if self.enable_caching:
             self.segments.check_integrity(self.pool.blocks)
