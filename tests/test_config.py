@@ -236,7 +236,7 @@ def test_parse_value_conversions():
     ("cache.suffix.recompute_ratio=1.5",
      "config key 'cache.suffix.recompute_ratio' must be between 0.0 and 1.0, got 1.5"),
     ("cache.suffix.guard_margin=-0.1",
-     "config key 'cache.suffix.guard_margin' must be between 0.0 and 1.0, got -0.1"),
+     "config key 'cache.suffix.guard_margin' must be between 0.0 and 100.0, got -0.1"),
     ("engine.max_num_batched_tokens=0", "config key 'engine.max_num_batched_tokens' must be >= 1, got 0"),
     ("cache.policy=fifo", "config key 'cache.policy' must be one of lru, lfu, got 'fifo'"),
     ("model.dtype=fp16", "config key 'model.dtype' must be one of auto, fp32, bf16, got 'fp16'"),
@@ -334,7 +334,7 @@ def test_validate_config_checks_code_built_configs():
 def test_as_dict():
     data = load_config(None, ["cache.suffix.mode=shift"]).as_dict()
     assert data["cache"]["suffix"] == {"enabled": False, "mode": "shift", "recompute_ratio": 0.15,
-                                       "head_tokens": 8, "guard_margin": 0.05}
+                                       "head_tokens": 8, "guard_margin": 0.03}
     assert data["server"]["max_tokens"] == 2048
     assert set(data) == {"server", "cache", "model", "engine"}
 
@@ -343,8 +343,10 @@ def test_presets_set_the_seed_advice_and_explicit_keys_override_them(tmp_path):
     eval_preset = load_config(None, ["cache.preset=eval"]).cache
     assert (eval_preset.block_size, eval_preset.policy) == (32, "lfu")
     assert eval_preset.suffix.enabled and eval_preset.suffix.guard_margin == 0
-    assert load_config(None, ["cache.preset=agent"]).cache.normalize_input is True
-    assert load_config(None, ["cache.preset=rag"]).cache.suffix.enabled is True
+    agent = load_config(None, ["cache.preset=agent"]).cache
+    assert agent.normalize_input and agent.suffix.enabled and agent.suffix.recompute_ratio == 0.1
+    rag = load_config(None, ["cache.preset=rag"]).cache
+    assert rag.suffix.enabled and rag.suffix.recompute_ratio == 0.3
     path = tmp_path / "kvreuse.ini"
     # An explicit key wins over the preset whether it comes before or after it, in the file or on the CLI.
     path.write_text("[cache]\nblock_size = 64\npreset = eval\n")

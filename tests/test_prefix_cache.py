@@ -183,3 +183,22 @@ def test_real_model_output_is_identical_with_and_without_reuse(real_llm):
     again = real_llm.chat(convs, greedy(16))
     assert [o.token_ids for o in cached] == [o.token_ids for o in fresh] == [o.token_ids for o in again]
     assert all(o.usage.cached_tokens >= 64 for o in again)
+
+
+def test_prompts_sharing_a_prefix_sent_together_compute_it_once(tiny_model_dir):
+    shared = list(range(300, 300 + 5 * BS))
+    prompts = [shared + [7 + i] * (i + 2) for i in range(4)]
+    expected = [o.token_ids for o in tiny(tiny_model_dir, cache__enabled="false").generate(prompts, greedy(6))]
+    llm = tiny(tiny_model_dir)
+    outputs = llm.generate(prompts, greedy(6))
+    # The first computes the shared blocks; the others wait one step and hit them instead of computing them too.
+    assert [o.usage.cached_tokens for o in outputs] == [0] + [5 * BS] * 3
+    assert [o.token_ids for o in outputs] == expected
+    # No waiting for blocks a request may not share: other salts, or no caching for it.
+    llm.engine.kv_manager.pool.reset_cache()
+    salted = [llm.engine.add_request(p, greedy(6), cache_salt=f"tenant-{i}") for i, p in enumerate(prompts)]
+    assert len(llm.engine.step()) == 4  # one prefill step admits all four
+    assert all(s.num_cached_tokens == 0 for s in salted)
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    llm.engine.check_integrity()

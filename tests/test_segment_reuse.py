@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kvreuse.bench import fidelity, workloads
+from kvreuse.config import load_config
 from kvreuse.llm import LLM
 from kvreuse.sampling_params import SamplingParams
 
@@ -136,9 +137,9 @@ def first_reused_position(llm: LLM, prompt: list[int]) -> int:
 
 
 @pytest.mark.slow
-def test_guard_margin_one_guards_everything_and_margin_zero_nothing(real_segment_llm):
+def test_the_widest_guard_margin_guards_everything_and_margin_zero_nothing(real_segment_llm):
     conversations = workloads.rag(4, seed=3)
-    guarded = fidelity.run(real_segment_llm, conversations, {"mode": "shift", "guard_margin": 1.0}, continuation=8)
+    guarded = fidelity.run(real_segment_llm, conversations, {"mode": "shift", "guard_margin": 100.0}, continuation=8)
     assert guarded["requests_with_reuse"] > 0
     assert guarded["guarded_requests"] == guarded["requests_with_reuse"]
     assert guarded["top1_agreement"] == 1.0 and guarded["mean_match_len"] == 8
@@ -151,9 +152,11 @@ def test_guard_margin_one_guards_everything_and_margin_zero_nothing(real_segment
 
 
 @pytest.mark.slow
-def test_fidelity_on_the_builtin_rag_workload_meets_the_stated_thresholds(real_segment_llm):
-    report = fidelity.fidelity_report(num_requests=10, modes=["blend", "shift"], progress=lambda _: None,
-                                      llm=real_segment_llm, continuation=8)
+def test_fidelity_on_the_builtin_rag_workload_meets_the_stated_thresholds_under_the_rag_preset(real_segment_llm):
+    rag = load_config(None, ["cache.preset=rag"]).cache.suffix
+    with fidelity.suffix_settings(real_segment_llm, **vars(rag)):
+        report = fidelity.fidelity_report(num_requests=10, modes=["blend", "shift"], progress=lambda _: None,
+                                          llm=real_segment_llm, continuation=8)
     blend, shift = report["modes"]["blend"], report["modes"]["shift"]
     assert blend["requests_with_reuse"] >= 3
     # Thresholds from README "Segment reuse" (top-1 >= 0.9, KL <= 0.03), measured with `kvreuse fidelity` on 24
@@ -161,3 +164,32 @@ def test_fidelity_on_the_builtin_rag_workload_meets_the_stated_thresholds(real_s
     assert blend["top1_agreement"] >= 1 - 1 / blend["requests_with_reuse"]
     assert blend["mean_kl"] <= 0.03
     assert shift["top1_agreement"] is not None and shift["mean_kl"] is not None  # reported beside it
+
+
+def test_prompts_reusing_segments_share_one_forward_and_full_recompute_stays_exact(tiny_model_dir):
+    llm = segment_llm(tiny_model_dir, recompute_ratio=1.0, guard_margin=0)
+    orders = [DOCS[:3], [DOCS[2], DOCS[0], DOCS[1]], [DOCS[1], DOCS[2], DOCS[0]], [DOCS[0], DOCS[2], DOCS[1]]]
+    prompts = [rag_prompt(llm, f"Question {i}: which document is longest?", docs) for i, docs in enumerate(orders)]
+    exact = llm.generate(prompts, greedy(6), use_cache=False)
+    batch_sizes = spy_batches(llm)
+    # Sent together with nothing cached: the first is computed, the others wait one step and reuse its documents.
+    reused = llm.generate(prompts, greedy(6))
+    assert reused[0].usage.reused_tokens == 0
+    assert all(o.usage.reused_tokens > 0 for o in reused[1:])
+    assert all(o.usage.recomputed_tokens == o.usage.reused_tokens for o in reused)
+    assert [o.token_ids for o in reused] == [o.token_ids for o in exact]
+    # The three reusing prompts share one forward, and the first one's decode rides along with them.
+    assert (4, 3) in batch_sizes, batch_sizes
+    llm.engine.check_integrity()
+
+
+def spy_batches(llm: LLM) -> list[tuple[int, int]]:
+    """Records (sequences, sequences reusing segments) of every forward from now on."""
+    runner, seen = llm.engine.runner, []
+    run = runner.run
+
+    def spy(seqs, suffix=None):
+        seen.append((len(seqs), sum(s.segment_plan is not None for s in seqs)))
+        return run(seqs, suffix)
+    runner.run = spy
+    return seen

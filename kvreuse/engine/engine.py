@@ -156,14 +156,11 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
-        if batch.is_prefill and batch.seqs[0].segment_plan is not None:
-            seq = batch.seqs[0]
-            token_ids = [self.runner.run_segments(seq, self.config.cache.suffix)]
-            self.kv_manager.release_sources(seq)
-        else:
-            token_ids = self.runner.run(batch.seqs)
+        token_ids = self.runner.run(batch.seqs, self.config.cache.suffix)
+        for seq in batch.seqs:
+            self.kv_manager.release_sources(seq)  # reused K/V are copied into the sequence's own blocks now
         now = time.perf_counter()
-        self.stats.record_step(self.kv_manager, batch.num_tokens if batch.is_prefill else 0)
+        self.stats.record_step(self.kv_manager, batch.num_prefill_tokens)
         updated = []
         for seq, token_id in zip(batch.seqs, token_ids, strict=True):
             seq.num_computed_tokens += seq.num_scheduled_tokens

@@ -1,9 +1,12 @@
 """Continuous batching: which sequences compute how many tokens in the next forward.
 
-A step is either a prefill step (prompt chunks under the `max_num_batched_tokens` budget: unfinished
-chunks of running sequences first, then waiting sequences in arrival order) or a decode step (one token
-for every running sequence). When the KV pool runs out, the youngest running sequence is preempted:
-its blocks are freed and it goes back to the front of the queue, to be recomputed later.
+Each step spends a budget of `max_num_batched_tokens` (as vLLM's scheduler does): running sequences first, in
+admission order, each with its next token (decode) or its next prompt chunk, then waiting sequences in arrival
+order. So decodes ride along with prefills instead of stalling behind them. A prompt that reuses cached
+segments is taken whole (its repair is one forward). A waiting prompt that shares blocks with a prompt of this
+step waits one step and reuses them instead of computing them alongside. When the KV pool runs out, the
+youngest running sequence is preempted: its blocks are freed and it goes back to the front of the queue, to be
+recomputed later.
 """
 
 from __future__ import annotations
@@ -18,11 +21,19 @@ from kvreuse.kvcache.manager import KVCacheManager
 @dataclass
 class SchedulerOutput:
     seqs: list[Sequence]
-    is_prefill: bool
 
     @property
     def num_tokens(self) -> int:
         return sum(s.num_scheduled_tokens for s in self.seqs)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        """Scheduled tokens that are not decodes (prompt chunks, and recomputation after a preemption)."""
+        return sum(s.num_scheduled_tokens for s in self.seqs if not is_decode(s))
+
+
+def is_decode(seq: Sequence) -> bool:
+    return seq.num_computed_tokens >= seq.num_prompt_tokens and seq.num_uncomputed_tokens == 1
 
 
 class Scheduler:
@@ -41,31 +52,26 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
-        prefill = self._schedule_prefill()
-        if prefill:
-            return SchedulerOutput(prefill, is_prefill=True)
-        return SchedulerOutput(self._schedule_decode(), is_prefill=False)
-
-    def _schedule_prefill(self) -> list[Sequence]:
         budget = self.max_num_batched_tokens
         scheduled: list[Sequence] = []
         for seq in list(self.running):
             if budget == 0:
                 break
-            if seq.status == SequenceStatus.RUNNING and seq.is_prefilling:
-                num_tokens = min(seq.num_uncomputed_tokens, budget)
-                if self._reserve(seq, num_tokens):
-                    scheduled.append(seq)
-                    budget -= num_tokens
+            if seq.status == SequenceStatus.RUNNING and self._reserve(seq, min(seq.num_uncomputed_tokens, budget)):
+                scheduled.append(seq)
+                budget -= seq.num_scheduled_tokens
+        num_prefilling = sum(not is_decode(s) for s in scheduled)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             hits = self.kv_manager.match_prefix(seq)
             plan = self.kv_manager.match_segments(seq, len(hits))
+            if self.kv_manager.gains_by_waiting(seq, hits, plan, scheduled):
+                break  # blocks it shares with this step's prompts are reusable from the next step on
             num_tokens = seq.num_tokens - len(hits) * self.kv_manager.block_size
             if plan is None:
                 num_tokens = min(num_tokens, budget)
-            elif scheduled:
-                break  # reused segments are repaired in one forward over the whole prompt, alone
+            elif num_prefilling and num_tokens > budget:
+                break  # a prompt that reuses segments is repaired in one forward, whole
             if not self.kv_manager.can_allocate(seq, num_tokens, hits, plan):
                 break  # strict arrival order: nobody overtakes the head of the queue
             self.waiting.popleft()
@@ -78,17 +84,9 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             scheduled.append(seq)
+            num_prefilling += 1
             budget -= num_tokens
-            if plan is not None:
-                break
-        return scheduled
-
-    def _schedule_decode(self) -> list[Sequence]:
-        scheduled = []
-        for seq in list(self.running):
-            if seq.status == SequenceStatus.RUNNING and self._reserve(seq, 1):
-                scheduled.append(seq)
-        return scheduled
+        return SchedulerOutput(scheduled)
 
     def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
         """Allocate room for `num_tokens` of a running sequence, preempting the youngest running

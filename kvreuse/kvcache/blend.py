@@ -4,8 +4,8 @@ Beyond layer 0 a reused block's K/V depend on the text it was computed after, so
 context is an approximation (see DESIGN.md section 1). Blend mode computes layers 0 and 1 for every
 token, then at the deeper layers recomputes only the tokens most likely to be wrong:
 - the first `head_tokens` of each reused run (EPIC: a chunk start carries a false attention sink), and
-- the top `recompute_ratio` of the remaining reused tokens by how far their fresh layer-1 K is from
-  the reused one (CacheBlend),
+- the top `recompute_ratio` of the remaining reused tokens by how far their fresh layer-1 K and V are
+  from the reused ones (CacheBlend's KV deviation),
 plus every token that was not reused. `recompute_ratio = 1.0` recomputes everything: exact output.
 """
 
@@ -34,10 +34,16 @@ def head_rows(plan: SegmentPlan, region_start: int, num_rows: int, head_tokens: 
     return mask
 
 
-def k_deviation(fresh_k: torch.Tensor, reused_k: torch.Tensor) -> torch.Tensor:
-    """Relative L2 distance per token; fresh_k, reused_k: [T, Hkv, D] -> [T]."""
-    diff = (fresh_k.float() - reused_k.float()).flatten(1).norm(dim=-1)
-    return diff / reused_k.float().flatten(1).norm(dim=-1).clamp_min(1e-6)
+def relative_deviation(fresh: torch.Tensor, reused: torch.Tensor) -> torch.Tensor:
+    """Relative L2 distance per token; fresh, reused: [T, Hkv, D] -> [T]."""
+    diff = (fresh.float() - reused.float()).flatten(1).norm(dim=-1)
+    return diff / reused.float().flatten(1).norm(dim=-1).clamp_min(1e-6)
+
+
+def kv_deviation(fresh_k: torch.Tensor, reused_k: torch.Tensor, fresh_v: torch.Tensor,
+                 reused_v: torch.Tensor) -> torch.Tensor:
+    """How far each token's fresh K and V are from the reused ones (relative, summed); [T, Hkv, D] each -> [T]."""
+    return relative_deviation(fresh_k, reused_k) + relative_deviation(fresh_v, reused_v)
 
 
 def select_rows(reused: torch.Tensor, heads: torch.Tensor, deviation: torch.Tensor, ratio: float) -> torch.Tensor:

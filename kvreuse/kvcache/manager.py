@@ -71,6 +71,43 @@ class KVCacheManager:
                                        seq.extra_key, self.min_match_blocks)
         return SegmentPlan(runs) if runs else None
 
+    def gains_by_waiting(self, seq: Sequence, hits: list[int], plan: SegmentPlan | None,
+                         scheduled: list[Sequence]) -> bool:
+        """Whether `seq`, admitted one step later, would reuse at least `min_match_blocks` more blocks: blocks
+        that the sequences `scheduled` in this step compute exactly and publish after it. (SGLang's in-batch
+        prefix caching, extended to segments: of several equal prompts arriving together only the first is
+        computed, and the rest reuse it instead of computing it alongside.)"""
+        if not self.caches(seq) or not scheduled:
+            return False
+        bs, need = self.block_size, max(1, self.min_match_blocks)
+        self._key(seq, 0)  # sets seq.extra_key
+        usable = (seq.num_tokens - 1) // bs  # full blocks before the last token, which is always computed
+        published: set[tuple[int, ...]] = set()  # contents of the blocks this step publishes
+        gained = 0
+        for other in scheduled:
+            if not self.caches(other) or other.extra_key != seq.extra_key:
+                continue
+            end = min(other.num_computed_tokens + other.num_scheduled_tokens, other.num_exact_tokens) // bs
+            published.update(tuple(other.token_ids[i * bs:(i + 1) * bs]) for i in range(len(other.block_uids), end))
+            # Exact prefix: the blocks seq shares from the start with one that publishes them.
+            limit = min(end, usable) * bs
+            pairs = zip(other.token_ids[:limit], seq.token_ids, strict=False)
+            common = next((k for k, (x, y) in enumerate(pairs) if x != y), min(limit, seq.num_tokens))
+            gained = max(gained, common // bs - len(hits))
+        if gained >= need or not self.enable_segments or not published:
+            return gained >= need
+        # Segments: windows of the uncovered part, at any offset, with the contents of a published block.
+        covered = set(plan.positions()) if plan else set()
+        region = seq.token_ids[len(hits) * bs:seq.num_tokens - 1]
+        t, num_windows = 0, 0
+        while t + bs <= len(region) and num_windows < need:
+            start = len(hits) * bs + t
+            if tuple(region[t:t + bs]) in published and start not in covered and start + bs - 1 not in covered:
+                num_windows, t = num_windows + 1, t + bs
+            else:
+                t += 1
+        return num_windows >= need
+
     # --- allocation ----------------------------------------------------------------------------------
     def num_new_blocks(self, seq: Sequence, num_new_tokens: int, num_hit_blocks: int = 0) -> int:
         num_tokens = max(seq.num_computed_tokens, num_hit_blocks * self.block_size) + num_new_tokens

@@ -34,11 +34,30 @@ class AttentionMetadata:
     ) -> AttentionMetadata:
         """Sequence b computes positions [start_positions[b], start_positions[b] + query_lens[b]) and
         attends causally to every position before and including each query."""
-        num_seqs = len(query_lens)
-        max_query_len = max(query_lens)
-        starts = torch.tensor(start_positions, dtype=torch.long)                       # [B]
-        q_lens = torch.tensor(query_lens, dtype=torch.long)                            # [B]
-        context_lens = starts + q_lens                                                 # [B]
+        queries = [torch.arange(s, s + n) for s, n in zip(start_positions, query_lens, strict=True)]
+        meta = cls.for_queries(queries, block_tables, block_size, device)
+        # SDPA's own causal path skips the masked upper triangle: about 2x faster on long prefills.
+        meta.causal = len(queries) == 1 and start_positions[0] == 0
+        return meta
+
+    @classmethod
+    def for_queries(
+        cls,
+        query_positions: list[torch.Tensor],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device,
+    ) -> AttentionMetadata:
+        """Sequence b computes the ascending positions query_positions[b] (any subset, as selective
+        recomputation keeps) and each attends to every pool slot at or before its position."""
+        num_seqs = len(query_positions)
+        q_lens = torch.tensor([len(p) for p in query_positions], dtype=torch.long)    # [B]
+        max_query_len = int(q_lens.max())
+        # Padded query rows repeat the last real query and sit at the sequence's first query position, so
+        # each keeps >= 1 visible key (no NaN rows); their output is dropped.
+        query_pos = torch.stack([F.pad(p, (0, max_query_len - len(p)), value=int(p[0]))
+                                 for p in query_positions])                            # [B, Q]
+        context_lens = torch.stack([p[-1] + 1 for p in query_positions])               # [B]
         max_context_len = int(context_lens.max())
         max_blocks = max(len(t) for t in block_tables)
         tables = torch.zeros(num_seqs, max_blocks, dtype=torch.long)
@@ -49,48 +68,21 @@ class AttentionMetadata:
         key_blocks = tables[:, torch.div(key_pos, block_size, rounding_mode="floor")]  # [B, K]
         context_slots = key_blocks * block_size + key_pos % block_size                 # [B, K]
         context_slots = torch.where(key_pos < context_lens[:, None], context_slots, 0)
+        attn_mask = key_pos[None, None, :] <= query_pos[:, :, None]                    # [B, Q, K]
 
         j = torch.arange(max_query_len)                                                # [Q]
         valid_query = j < q_lens[:, None]                                              # [B, Q]
-        # Padded query rows repeat the last real query and sit at the first position, so each keeps
-        # >= 1 visible key (no NaN rows); their output is dropped.
-        j_clamped = torch.minimum(j, q_lens[:, None] - 1)                              # [B, Q]
-        query_pos = starts[:, None] + torch.where(valid_query, j_clamped, 0)           # [B, Q]
-        attn_mask = key_pos[None, None, :] <= query_pos[:, :, None]                    # [B, Q, K]
-
         cu_query = torch.cumsum(q_lens, 0) - q_lens                                    # [B]
-        query_index = cu_query[:, None] + j_clamped                                    # [B, Q]
-        output_index = (torch.arange(num_seqs * max_query_len).view(num_seqs, max_query_len))[valid_query]
-        slot_mapping = torch.cat(
-            [context_slots[b, start_positions[b] : start_positions[b] + query_lens[b]] for b in range(num_seqs)]
-        )
+        query_index = cu_query[:, None] + torch.minimum(j, q_lens[:, None] - 1)        # [B, Q]
+        output_index = torch.arange(num_seqs * max_query_len).view(num_seqs, max_query_len)[valid_query]
+        slot_mapping = torch.cat([context_slots[b, p] for b, p in enumerate(query_positions)])
         return cls(
             slot_mapping=slot_mapping.to(device),
             query_index=query_index.to(device),
             context_slots=context_slots.to(device),
             attn_mask=attn_mask.unsqueeze(1).to(device),
             output_index=output_index.to(device),
-            # SDPA's own causal path skips the masked upper triangle: about 2x faster on long prefills.
-            causal=num_seqs == 1 and start_positions[0] == 0,
         )
-
-
-def metadata_for_positions(positions: list[int], block_table: list[int], block_size: int,
-                           device: torch.device) -> AttentionMetadata:
-    """One sequence computing an arbitrary ascending set of positions (the rows selective recomputation
-    keeps); each attends to every pool slot at or before its position."""
-    table = torch.tensor(block_table, dtype=torch.long)
-    query_pos = torch.tensor(positions, dtype=torch.long)                              # [Q]
-    key_pos = torch.arange(int(query_pos[-1]) + 1)                                     # [K]
-    context_slots = table[torch.div(key_pos, block_size, rounding_mode="floor")] * block_size + key_pos % block_size
-    num_queries = len(positions)
-    return AttentionMetadata(
-        slot_mapping=context_slots[query_pos].to(device),
-        query_index=torch.arange(num_queries).unsqueeze(0).to(device),
-        context_slots=context_slots.unsqueeze(0).to(device),
-        attn_mask=(key_pos[None, :] <= query_pos[:, None]).view(1, 1, num_queries, -1).to(device),
-        output_index=torch.arange(num_queries).to(device),
-    )
 
 
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

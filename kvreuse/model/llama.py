@@ -98,30 +98,32 @@ class Llama(nn.Module):
         return model.to(device).eval()
 
     def forward_selective(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                          kv_cache: torch.Tensor, select_layer: int,
-                          select: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                          kv_cache: torch.Tensor, logits_index: torch.Tensor, select_layer: int,
+                          select: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
                           meta_for: Callable[[torch.Tensor], AttentionMetadata]) -> torch.Tensor:
-        """Selective recomputation (CacheBlend) for one sequence whose pool already holds reused K/V.
+        """Selective recomputation (CacheBlend) for a batch whose pool already holds reused K/V.
 
         Layers below `select_layer` run every row. At `select_layer`, K/V are computed for every row, then
-        `select(fresh_k [T, Hkv, D], slot_mapping [T])` (called before the pool is overwritten, so it can
-        compare against the reused K) returns the rows to keep; from there on only those rows are computed,
-        and the other rows' K/V stay as reused. Returns fp32 logits [vocab] of the last kept row."""
+        `select(fresh_k [T, Hkv, D], fresh_v [T, Hkv, D], slot_mapping [T])` (called before the pool is
+        overwritten, so it can compare against the reused K/V) returns the rows to keep, ascending; from there
+        on only those rows are computed (with attention metadata `meta_for(rows)`), and the other rows' K/V
+        stay as reused.
+        `logits_index` [S] names rows of the full batch, which must be kept. Returns fp32 logits [S, vocab]."""
         x = self.embed_tokens(input_ids)                                  # [T, hidden]
         cos, sin = self.rotary.cos_sin(positions, x.dtype)                # [T, 1, D] each
         for i, (layer, layer_cache) in enumerate(zip(self.layers, kv_cache, strict=True)):
-            if i < select_layer:
+            if i != select_layer:
                 x = layer(x, cos, sin, layer_cache[0], layer_cache[1], meta)
-            elif i == select_layer:
-                q, k, v = layer.qkv(x, cos, sin)
-                rows = select(k, meta.slot_mapping)                       # [T'] kept rows, ascending
-                store_kv(layer_cache[0], layer_cache[1], k, v, meta.slot_mapping)
-                meta = meta_for(rows)
-                x, q, cos, sin = x[rows], q[rows], cos[rows], sin[rows]
-                x = layer.attend_and_mlp(x, q, layer_cache[0], layer_cache[1], meta)
-            else:
-                x = layer(x, cos, sin, layer_cache[0], layer_cache[1], meta)
-        return self.lm_head(self.norm(x[-1:])).float()[0]
+                continue
+            q, k, v = layer.qkv(x, cos, sin)
+            rows = select(k, v, meta.slot_mapping)                        # [T'] kept rows, ascending
+            store_kv(layer_cache[0], layer_cache[1], k, v, meta.slot_mapping)
+            kept_index = torch.searchsorted(rows, logits_index).clamp_max(len(rows) - 1)  # [S] their new rows
+            assert bool((rows[kept_index] == logits_index).all()), "a row that gives logits was not kept"
+            meta, logits_index = meta_for(rows), kept_index
+            x, q, cos, sin = x[rows], q[rows], cos[rows], sin[rows]
+            x = layer.attend_and_mlp(x, q, layer_cache[0], layer_cache[1], meta)
+        return self.lm_head(self.norm(x[logits_index])).float()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: torch.Tensor, logits_index: torch.Tensor) -> torch.Tensor:
