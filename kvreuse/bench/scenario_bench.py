@@ -35,8 +35,9 @@ MODES = {
 }
 PEER_SCENARIOS = {"hf": SCENARIOS, "hf-prefix": ("chat",)}
 # Requests in flight by default: chat turns and agent steps wait for the previous reply; an eval run is a batch
-# job; RAG queries and shared-prefix groups come one at a time here, so each can reuse the ones before it.
-SCENARIO_CONCURRENCY = {"chat": 1, "eval": 4, "agent": 1, "rag": 1, "prefix": 1}
+# job, submitted as a whole (16 = engine.max_num_seqs, what the engine batches); RAG queries and shared-prefix
+# groups come one at a time here, so each can reuse the ones before it.
+SCENARIO_CONCURRENCY = {"chat": 1, "eval": 16, "agent": 1, "rag": 1, "prefix": 1}
 
 
 def send_all(llm: LLM, conversations: list[list[dict]], params: SamplingParams, use_cache: bool, concurrency: int,
