@@ -188,7 +188,7 @@ def spy_batches(llm: LLM) -> list[tuple[int, int]]:
     runner, seen = llm.engine.runner, []
     run = runner.run
 
-    def spy(seqs, suffix=None):
+    def spy(seqs, suffix):
         seen.append((len(seqs), sum(s.segment_plan is not None for s in seqs)))
         return run(seqs, suffix)
     runner.run = spy

@@ -28,7 +28,7 @@ class ModelRunner:
         return self.kv_cache[:, :, 0].numel() * self.kv_cache.element_size()
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], suffix: SuffixConfig | None = None) -> list[int | None]:
+    def run(self, seqs: list[Sequence], suffix: SuffixConfig) -> list[int | None]:
         """Compute each sequence's `num_scheduled_tokens` tokens from `num_computed_tokens` on. A sequence with a
         segment plan is scheduled whole and reuses the plan's K/V, repaired per `suffix` (see `_forward_reusing`).
         Returns a sampled token for each sequence whose step reaches its last token, else None."""
