@@ -29,11 +29,7 @@ class SchedulerOutput:
     @property
     def num_prefill_tokens(self) -> int:
         """Scheduled tokens that are not decodes (prompt chunks, and recomputation after a preemption)."""
-        return sum(s.num_scheduled_tokens for s in self.seqs if not is_decode(s))
-
-
-def is_decode(seq: Sequence) -> bool:
-    return seq.num_computed_tokens >= seq.num_prompt_tokens and seq.num_uncomputed_tokens == 1
+        return sum(s.num_scheduled_tokens for s in self.seqs if s.is_prefilling)
 
 
 class Scheduler:
@@ -60,7 +56,7 @@ class Scheduler:
             if seq.status == SequenceStatus.RUNNING and self._reserve(seq, min(seq.num_uncomputed_tokens, budget)):
                 scheduled.append(seq)
                 budget -= seq.num_scheduled_tokens
-        num_prefilling = sum(not is_decode(s) for s in scheduled)
+        num_prefilling = sum(s.is_prefilling for s in scheduled)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             hits = self.kv_manager.match_prefix(seq)

@@ -84,8 +84,8 @@ class Sequence:
 
     @property
     def is_prefilling(self) -> bool:
-        """More than the newest token still lacks K/V (a fresh prompt, a chunk in progress, a recompute)."""
-        return self.num_uncomputed_tokens > 1
+        """Not a decode: prompt tokens still lack K/V, or more than the newest token does (a recompute)."""
+        return self.num_computed_tokens < self.num_prompt_tokens or self.num_uncomputed_tokens > 1
 
     @property
     def is_finished(self) -> bool:

@@ -88,6 +88,8 @@ class KVCacheManager:
             if not self.caches(other) or other.extra_key != seq.extra_key:
                 continue
             end = min(other.num_computed_tokens + other.num_scheduled_tokens, other.num_exact_tokens) // bs
+            if end <= len(other.block_uids):
+                continue  # publishes nothing new this step (a decode, mostly): nothing to wait for
             published.update(tuple(other.token_ids[i * bs:(i + 1) * bs]) for i in range(len(other.block_uids), end))
             # Exact prefix: the blocks seq shares from the start with one that publishes them.
             limit = min(end, usable) * bs
