@@ -1,69 +1,100 @@
-"""Configuration: dataclasses loaded from an INI file plus ``--set section.key=value`` overrides."""
+"""Configuration: pydantic models loaded from an INI file plus ``--set section.key=value`` overrides.
+
+Types, ranges and choices live in the field declarations; pydantic's first error becomes a ConfigError."""
 
 from __future__ import annotations
 
 import configparser
 import contextlib
-import dataclasses
 import difflib
-import math
 import os
 import re
-import typing
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
+from functools import reduce
+from typing import Annotated, Literal, get_args
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic.fields import FieldInfo
+from pydantic_core import ErrorDetails, PydanticCustomError
+from typing_extensions import Self
 
 
 class ConfigError(ValueError):
     """A config file, override or value is invalid; the message names the key or line and the problem."""
 
 
-def _opt(default, **spec):
-    # The validation spec (min, max, cap, choices) rides in the field metadata so one table drives all checks.
-    return field(default=default, metadata=spec)
+class _Section(BaseModel):
+    """A config section (or the whole Config). Values are checked when built and when assigned, strictly (code
+    passes typed values; the INI loader converts text first); the first bad one raises a ConfigError naming its key.
+    """
+
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, validate_assignment=True)
+
+    def __init__(self, **values: object) -> None:
+        with _reported(type(self)):
+            super().__init__(**values)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        with _reported(type(self)):
+            super().__setattr__(name, value)
+
+    def with_changes(self, **changes: object) -> Self:
+        """A validated deep copy with ``changes`` applied (pydantic's ``model_copy(update=)`` skips validation)."""
+        return type(self)(**{**self.model_dump(), **changes})
 
 
-@dataclass
-class ServerConfig:
+def _at_most(cap: int) -> AfterValidator:
+    def check(value: int) -> int:
+        if value > cap:
+            raise PydanticCustomError("less_than_equal", "Input should be less than or equal to {le}", {"le": cap})
+        return value
+
+    return AfterValidator(check)
+
+
+class ServerConfig(_Section):
     """``[server]``: the HTTP front end and per-request limits."""
 
-    # `cap` is a sanity bound against typos, apart from `max` so the documented range still reads ">= 16".
-    max_tokens: int = _opt(2048, min=16, cap=1_000_000)
+    # The cap is a sanity bound against typos, kept out of Field(le=) so the documented range still reads ">= 16".
+    max_tokens: Annotated[int, Field(ge=16), _at_most(1_000_000)] = 2048
     host: str = "127.0.0.1"
-    port: int = _opt(8000, min=0, max=65535)
-    max_queue: int = _opt(256, min=1)
-    truncate: str = _opt("error", choices=("error", "oldest"))
+    port: int = Field(8000, ge=0, le=65535)
+    max_queue: int = Field(256, ge=1)
+    truncate: Literal["error", "oldest"] = "error"
     api_keys_file: str = ""
-    default_max_tokens: int = _opt(256, min=1)
-    drain_timeout_s: int = _opt(30, min=0)
+    default_max_tokens: int = Field(256, ge=1)
+    drain_timeout_s: int = Field(30, ge=0)
 
 
-@dataclass
-class SuffixConfig:
-    """``suffix.*`` keys of ``[cache]``: reuse of cached segments that are not a prefix. Off by default:
-    unlike prefix reuse it is approximate (see README, "Segment reuse")."""
+class SuffixConfig(_Section):
+    """``suffix.*`` keys of ``[cache]``: the reuse settings for cached segments that are not a prefix. Off by
+    default: unlike prefix reuse it is approximate (see README, "Segment reuse"). The keys keep the seed's name,
+    suffix reuse, although what is reused is any cached segment, not only a suffix.
+
+    Immutable, so the engine can take it as one settings value; derive a variant with ``with_changes``."""
+
+    model_config = ConfigDict(frozen=True)
 
     enabled: bool = False
-    mode: str = _opt("blend", choices=("blend", "shift"))
-    recompute_ratio: float = _opt(0.15, min=0.0, max=1.0)
-    head_tokens: int = _opt(8, min=0)
+    mode: Literal["blend", "shift"] = "blend"
+    recompute_ratio: float = Field(0.15, ge=0.0, le=1.0)
+    head_tokens: int = Field(8, ge=0)
     # Nats between the top two log-probabilities: reuse error shifts logits, so a flat distribution whose top
     # two are well apart is safe, and only a close pair can flip.
-    guard_margin: float = _opt(0.03, min=0.0, max=100.0)
+    guard_margin: float = Field(0.03, ge=0.0, le=100.0)
 
 
-@dataclass
-class CacheConfig:
+class CacheConfig(_Section):
     """``[cache]``: the KV block cache."""
 
     enabled: bool = True
-    block_size: int = _opt(16, min=1, max=256)
-    max_blocks: int = _opt(4096, min=0)
-    policy: str = _opt("lru", choices=("lru", "lfu"))
-    suffix: SuffixConfig = field(default_factory=SuffixConfig)
+    block_size: int = Field(16, ge=1, le=256)
+    max_blocks: int = Field(4096, ge=0)
+    policy: Literal["lru", "lfu"] = "lru"
+    suffix: SuffixConfig = Field(default_factory=SuffixConfig)
     normalize_input: bool = False
-    min_match_blocks: int = _opt(1, min=0)
-    preset: str = _opt("none", choices=("none", "chat", "eval", "agent", "rag"))
+    min_match_blocks: int = Field(1, ge=0)
+    preset: Literal["none", "chat", "eval", "agent", "rag"] = "none"  # the names in PRESETS
 
 
 # The seed's scenario advice as presets. A preset sets these keys first; keys written explicitly (in the
@@ -84,139 +115,127 @@ PRESETS: dict[str, dict[str, str]] = {
 }
 
 
-@dataclass
-class ModelConfig:
+class ModelConfig(_Section):
     """``[model]``: which weights to load and how; an empty path means the embedded default model."""
 
     path: str = ""
-    dtype: str = _opt("auto", choices=("auto", "fp32", "bf16"))
-    device: str = _opt("auto", choices=("auto", "cpu", "cuda"))
+    dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
 
 
-@dataclass
-class EngineConfig:
+class EngineConfig(_Section):
     """``[engine]``: KV pool and batching; ``num_kv_blocks = 0`` derives it from ``kv_cache_memory_mb``."""
 
-    num_kv_blocks: int = _opt(0, min=0)
-    kv_cache_memory_mb: int = _opt(512, min=1)
-    max_num_seqs: int = _opt(16, min=1)
-    max_num_batched_tokens: int = _opt(2048, min=1)
-    seed: int = 0
+    num_kv_blocks: int = Field(0, ge=0)
+    kv_cache_memory_mb: int = Field(512, ge=1)
+    max_num_seqs: int = Field(16, ge=1)
+    max_num_batched_tokens: int = Field(2048, ge=1)
+    seed: int = 0  # seeds sampling for requests that give no seed of their own (reproducible runs)
 
 
-@dataclass
-class Config:
+class Config(_Section):
     """The whole configuration; one attribute per INI section."""
 
-    server: ServerConfig = field(default_factory=ServerConfig)
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    engine: EngineConfig = field(default_factory=EngineConfig)
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    cache: CacheConfig = Field(default_factory=CacheConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
 
     def as_dict(self) -> dict:
         """Nested plain dicts of every value."""
-        return dataclasses.asdict(self)
+        return self.model_dump()
 
 
-def _flat_keys(cls: type, prefix: str = "") -> Iterator[tuple[str, type, Mapping]]:
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        kind = hints[f.name]
-        if dataclasses.is_dataclass(kind):
-            yield from _flat_keys(kind, f"{prefix}{f.name}.")
+def _leaves(model: type[BaseModel], prefix: str = "") -> Iterator[tuple[str, FieldInfo]]:
+    for name, field in model.model_fields.items():
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            yield from _leaves(field.annotation, f"{prefix}{name}.")
         else:
-            yield prefix + f.name, kind, f.metadata
+            yield prefix + name, field
 
 
-# section -> INI key ("suffix.enabled") -> (type, spec); the single source for parsing, validation and output.
-_KEYS: dict[str, dict[str, tuple[type, Mapping]]] = {
-    section: {key: (kind, spec) for key, kind, spec in _flat_keys(cls)}
-    for section, cls in typing.get_type_hints(Config).items()
-}
-_TYPE_NAMES = {bool: "a boolean (true/false)", int: "an integer", float: "a number", str: "a string"}
-_TRUE = {"true", "yes", "on", "1"}
-_FALSE = {"false", "no", "off", "0"}
+# section -> INI key ("suffix.enabled") -> field; the keys the loader accepts and config_to_ini writes.
+_KEYS = {section: dict(_leaves(field.annotation)) for section, field in Config.model_fields.items()}
+# Where each model sits in the INI, to name the key of an error raised while building it.
+_PREFIX = {Config: "", ServerConfig: "server", CacheConfig: "cache", SuffixConfig: "cache.suffix",
+           ModelConfig: "model", EngineConfig: "engine"}
+# What a value must be, by pydantic error type.
+_MUST_BE = {"bool_type": "a boolean (true/false)", "string_type": "a string",
+            **dict.fromkeys(("int_type", "int_parsing", "int_from_float"), "an integer"),
+            **dict.fromkeys(("float_type", "float_parsing", "finite_number"), "a number")}
+_NUMBERS = {kind: TypeAdapter(kind, config=ConfigDict(allow_inf_nan=False)) for kind in (int, float)}
+
+
+def _unknown(section: str, key: str, where: str) -> str:
+    """The message for an unknown section, or for an unknown key of a known one, with the closest valid name."""
+    if section not in _KEYS:
+        valid = sorted(_KEYS)
+        close = difflib.get_close_matches(section, valid, n=1)
+        hint = f"; did you mean [{close[0]}]?" if close else ";"
+        return f"unknown config section [{section}] {where}{hint} valid sections: {', '.join(valid)}"
+    keys = _KEYS[section]
+    close = difflib.get_close_matches(key, list(keys), n=1)
+    hint = f"did you mean '{section}.{close[0]}'?" if close else f"valid keys: {', '.join(sorted(keys))}"
+    return f"unknown config key '{section}.{key}'; {hint}"
+
+
+def _message(key: str, error: ErrorDetails) -> str:
+    kind, got = error["type"], error["input"]
+    section, _, rest = key.partition(".")
+    field = _KEYS.get(section, {}).get(rest)
+    if kind in _MUST_BE:
+        return f"config key '{key}' must be {_MUST_BE[kind]}, got {got!r}"
+    if kind == "literal_error" and field is not None:
+        return f"config key '{key}' must be one of {', '.join(get_args(field.annotation))}, got {got!r}"
+    if kind in ("greater_than_equal", "less_than_equal") and field is not None:
+        low = next((m.ge for m in field.metadata if hasattr(m, "ge")), None)
+        high = next((m.le for m in field.metadata if hasattr(m, "le")), None)
+        if low is not None and high is not None:
+            return f"config key '{key}' must be between {low} and {high}, got {got}"
+        bound = f">= {error['ctx']['ge']}" if kind == "greater_than_equal" else f"<= {error['ctx']['le']}"
+        return f"config key '{key}' must be {bound}, got {got}"
+    if kind == "extra_forbidden":
+        return _unknown(section, rest, "in code")
+    if kind == "frozen_instance":
+        return f"config key '{key}' is read-only, got {got!r}; derive a changed copy with with_changes()"
+    return f"config key '{key}': {error['msg']}, got {got!r}"
+
+
+@contextlib.contextmanager
+def _reported(model: type[BaseModel]) -> Iterator[None]:
+    """Re-raise the first error of a ValidationError about ``model`` as a ConfigError naming the INI key."""
+    try:
+        yield
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        # A nested section built from a dict runs its own __init__, whose ConfigError pydantic wraps: unwrap it.
+        if isinstance(error.get("ctx", {}).get("error"), ConfigError):
+            raise error["ctx"]["error"] from None
+        key = ".".join(filter(None, [_PREFIX[model], *map(str, error["loc"])]))
+        raise ConfigError(_message(key, error)) from None
 
 
 def parse_value(key: str, text: str, kind: type) -> bool | int | float | str:
-    """Convert the INI text of ``key`` (e.g. ``'cache.block_size'``) to ``kind``, or raise ConfigError."""
-    word = text.strip()
-    if kind is bool:
-        if word.lower() in _TRUE | _FALSE:
-            return word.lower() in _TRUE
-    elif kind is int:
-        with contextlib.suppress(ValueError):
-            return int(word)
-    elif kind is float:
-        with contextlib.suppress(ValueError):
-            number = float(word)
-            if math.isfinite(number):
-                return number
-    else:
+    """Convert the INI text of ``key`` (e.g. ``'cache.block_size'``) to ``kind``, or raise ConfigError.
+
+    Booleans take configparser's spellings (true/false, yes/no, on/off, 1/0, any case); numbers must be finite."""
+    if kind is str:
         return text
-    raise ConfigError(f"config key '{key}' must be {_TYPE_NAMES[kind]}, got {text!r}")
-
-
-def _owner(config: Config, section: str, key: str) -> tuple[object, str]:
-    obj = getattr(config, section)
-    *parents, name = key.split(".")
-    for parent in parents:
-        obj = getattr(obj, parent)
-    return obj, name
-
-
-def _get(config: Config, section: str, key: str):
-    obj, name = _owner(config, section, key)
-    return getattr(obj, name)
-
-
-def _check_section(section: str, where: str) -> None:
-    if section in _KEYS:
-        return
-    valid = sorted(_KEYS)
-    close = difflib.get_close_matches(section, valid, n=1)
-    hint = f"; did you mean [{close[0]}]?" if close else ";"
-    raise ConfigError(f"unknown config section [{section}] {where}{hint} valid sections: {', '.join(valid)}")
-
-
-def _assign(config: Config, section: str, key: str, text: str, where: str) -> None:
-    _check_section(section, where)
-    keys = _KEYS[section]
-    if key not in keys:
-        close = difflib.get_close_matches(key, list(keys), n=1)
-        hint = f"did you mean '{section}.{close[0]}'?" if close else f"valid keys: {', '.join(sorted(keys))}"
-        raise ConfigError(f"unknown config key '{section}.{key}'; {hint}")
-    obj, name = _owner(config, section, key)
-    setattr(obj, name, parse_value(f"{section}.{key}", text, keys[key][0]))
-
-
-def _check_value(key: str, value, kind: type, spec: Mapping) -> None:
-    if kind is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    else:
-        ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
-    if not ok:
-        raise ConfigError(f"config key '{key}' must be {_TYPE_NAMES[kind]}, got {value!r}")
-    choices = spec.get("choices")
-    if choices is not None and value not in choices:
-        raise ConfigError(f"config key '{key}' must be one of {', '.join(choices)}, got {value!r}")
-    low, high, cap = spec.get("min"), spec.get("max"), spec.get("cap")
-    if low is not None and high is not None:
-        if not low <= value <= high:
-            raise ConfigError(f"config key '{key}' must be between {low} and {high}, got {value}")
-    elif low is not None and value < low:
-        raise ConfigError(f"config key '{key}' must be >= {low}, got {value}")
-    elif high is not None and value > high:
-        raise ConfigError(f"config key '{key}' must be <= {high}, got {value}")
-    if cap is not None and value > cap:
-        raise ConfigError(f"config key '{key}' must be <= {cap}, got {value}")
+    if kind is bool:
+        with contextlib.suppress(KeyError):
+            return configparser.ConfigParser.BOOLEAN_STATES[text.strip().lower()]
+        raise ConfigError(f"config key '{key}' must be {_MUST_BE['bool_type']}, got {text!r}")
+    try:
+        return _NUMBERS[kind].validate_strings(text)
+    except ValidationError as exc:
+        raise ConfigError(_message(key, exc.errors()[0])) from None
 
 
 def validate_config(config: Config) -> None:
-    """Check the type, range and choices of every value; raise ConfigError naming the first bad key."""
-    for section, keys in _KEYS.items():
-        for key, (kind, spec) in keys.items():
-            _check_value(f"{section}.{key}", _get(config, section, key), kind, spec)
+    """Raise ConfigError naming the first invalid value of ``config``. Sections check their values when built
+    and assigned, so this only re-checks one assembled without validation (``model_construct``)."""
+    with _reported(Config):
+        Config.model_validate(config.model_dump(warnings=False))
 
 
 _HEADER_WITH_KEYS = re.compile(r"\s*\[[^\]]*\]\s*[^\s#;]")
@@ -302,33 +321,47 @@ def _parse_override(item: str) -> tuple[str, str, str]:
     return section, key, text.strip()
 
 
+def _assign(values: dict, section: str, key: str, text: str, where: str) -> None:
+    """Parse ``text`` for ``section.key`` into the nested dict ``values`` (``suffix.mode`` under ``suffix``)."""
+    fields = _KEYS.get(section, {})
+    if key not in fields:
+        raise ConfigError(_unknown(section, key, where))
+    kind = fields[key].annotation
+    value = parse_value(f"{section}.{key}", text, kind if kind in (bool, int, float) else str)
+    *parents, name = key.split(".")
+    node = values.setdefault(section, {})
+    for parent in parents:
+        node = node.setdefault(parent, {})
+    node[name] = value
+
+
 def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> Config:
     """Defaults, then the INI file at ``path`` (if any), then ``section.key=value`` overrides; validated.
 
     Raises ConfigError with a one-sentence message for any unreadable, unknown or invalid setting.
     """
-    config = Config()
     assignments: list[tuple[str, str, str, str]] = []  # (section, key, text, where), file first, then --set
     if path is not None:
         name, parser = _read_file(path)
         for section in parser.sections():
-            _check_section(section, f"in {name}")
+            if section not in _KEYS:
+                raise ConfigError(_unknown(section, "", f"in {name}"))
             assignments += [(section, key, text, f"in {name}") for key, text in parser.items(section, raw=True)]
     if isinstance(overrides, str):
         overrides = [overrides]
     for item in overrides:
         assignments.append((*_parse_override(item), f"in --set {item!r}"))
-    presets = [a for a in assignments if (a[0], a[1].lower()) == ("cache", "preset")]
+    values: dict = {}
+    presets = [a for a in assignments if a[:2] == ("cache", "preset")]
     if presets:
-        _assign(config, *presets[-1])
-        if config.cache.preset not in PRESETS:
-            validate_config(config)  # raises the "must be one of" error for cache.preset
-        for key, text in PRESETS[config.cache.preset].items():
-            _assign(config, "cache", key, text, f"in preset {config.cache.preset!r}")
+        _assign(values, *presets[-1])
+        preset = values["cache"]["preset"]
+        for key, text in PRESETS.get(preset, {}).items():  # an unknown preset fails validation below
+            _assign(values, "cache", key, text, f"in preset {preset!r}")
     for assignment in assignments:
-        _assign(config, *assignment)
-    validate_config(config)
-    return config
+        _assign(values, *assignment)
+    with _reported(Config):
+        return Config.model_validate(values)
 
 
 def _format(value) -> str:
@@ -345,6 +378,8 @@ def config_to_ini(config: Config) -> str:
     lines: list[str] = []
     for section, keys in _KEYS.items():
         lines.append(f"[{section}]")
-        lines += [f"{key} = {_format(_get(config, section, key))}".rstrip() for key in keys]
+        for key in keys:
+            value = reduce(getattr, key.split("."), getattr(config, section))
+            lines.append(f"{key} = {_format(value)}".rstrip())
         lines.append("")
     return "\n".join(lines)

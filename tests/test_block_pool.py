@@ -9,10 +9,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvreuse.engine.sequence import Sequence
 from kvreuse.kvcache.block_pool import BlockPool
 from kvreuse.kvcache.manager import KVCacheManager
-from kvreuse.sampling_params import SamplingParams
+from kvreuse.kvcache.request import CacheRequest
 
 # --------------------------------------------------------------------------------------------------------
 # helpers
@@ -25,7 +24,7 @@ def keyed_pool(num_blocks: int, keys: list[bytes], max_cached_blocks: int | None
     ids = pool.allocate(len(keys))
     key_to_id = {}
     for block_id, key in zip(ids, keys, strict=True):
-        assert pool.register(block_id, key, tokens_of(key), 0) > 0
+        assert pool.register(block_id, key, tokens_of(key), None) is not None
         key_to_id[key] = block_id
     pool.check_integrity()
     return pool, key_to_id
@@ -37,9 +36,9 @@ def tokens_of(key: bytes) -> tuple[int, ...]:
 
 def hit(pool: BlockPool, key: bytes) -> int:
     """Find `key` in the cache (confirmed) and hold it, as a request reusing it would."""
-    block = pool.lookup(key, tokens_of(key), 0)
+    block = pool.lookup(key, tokens_of(key), None)
     assert block is not None, f"{key!r} not cached"
-    pool.touch([block.block_id])
+    pool.hold([block.block_id])
     return block.block_id
 
 
@@ -179,9 +178,9 @@ def test_random_operations_keep_pool_consistent(num_blocks, max_cached, policy, 
             b = data.draw(st.sampled_from(held_unkeyed), label="block")
             key = data.draw(st.sampled_from(indexed), label="taken_key")
             owner = pool.key_to_block[key]
-            assert pool.register(b, key, (1,), 0) == 0
+            assert pool.register(b, key, (1,), 0) is None
             assert not model.register(b, key)
-            assert pool.blocks[b].block_key is None and pool.blocks[b].uid == 0
+            assert pool.blocks[b].block_key is None and pool.blocks[b].uid is None
             assert pool.key_to_block[key] is owner
         elif op == "touch":
             keys = data.draw(st.lists(st.sampled_from(indexed), min_size=1, max_size=3, unique=True), label="keys")
@@ -193,7 +192,7 @@ def test_random_operations_keep_pool_consistent(num_blocks, max_cached, policy, 
                 assert pool.lookup(key, tokens, parent + 1) is None      # confirmed, not trusted
                 assert pool.lookup(key, (*tokens, 0), parent) is None
                 ids.append(b)
-            pool.touch(ids)
+            pool.hold(ids)
             model.touch(ids)
             holders.append(ids)
         elif op == "free":
@@ -228,7 +227,7 @@ def test_random_operations_keep_pool_consistent(num_blocks, max_cached, policy, 
             # unheld before the operation (evicted to make room), or released by it (max_cached_blocks)
             assert ref_before[b] == 0 or (op == "free" and model.ref[b] == 0), f"block {b} evicted while held"
             assert pool.blocks[b].block_key is None and pool.blocks[b].token_ids is None
-            assert pool.blocks[b].uid == 0 and pool.blocks[b].num_hits == 0
+            assert pool.blocks[b].uid is None and pool.blocks[b].num_hits == 0
         for key, (b, tokens, parent) in history.items():
             if key not in pool.key_to_block:  # keys are never reused, so gone for good
                 assert pool.lookup(key, tokens, parent) is None
@@ -275,7 +274,7 @@ def test_lru_evicts_least_recently_freed_first_and_a_hit_moves_to_most_recent():
     pool.check_integrity()
     assert evict_one_at_a_time(pool, keys) == [b"A", b"C", b"D", b"B"]
     for k in keys:
-        assert pool.lookup(k, tokens_of(k), 0) is None
+        assert pool.lookup(k, tokens_of(k), None) is None
     assert all(b.block_key is None and b.ref_cnt == 1 for b in pool.blocks)
 
 
@@ -354,8 +353,8 @@ def test_max_cached_blocks_keeps_the_most_recent():
     assert list(pool.free_block_ids) == [ids[b"D"], ids[b"C"]]
     for k in (b"C", b"D"):
         block = pool.blocks[ids[k]]
-        assert block.block_key is None and block.token_ids is None and block.uid == 0
-        assert pool.lookup(k, tokens_of(k), 0) is None
+        assert block.block_key is None and block.token_ids is None and block.uid is None
+        assert pool.lookup(k, tokens_of(k), None) is None
     assert pool.num_evictions == 2
     assert pool.num_free_blocks == 4
     # the free ones go first, then the cached ones (oldest first)
@@ -427,7 +426,7 @@ def test_in_use_blocks_are_never_evicted():
     assert pool.num_free_blocks == 2 and not pool.can_allocate(3)
     pool.allocate(2)
     assert pool.key_to_block == {b"A": pool.blocks[ids[b"A"]]}
-    assert pool.lookup(b"A", tokens_of(b"A"), 0) is pool.blocks[ids[b"A"]]
+    assert pool.lookup(b"A", tokens_of(b"A"), None) is pool.blocks[ids[b"A"]]
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -438,12 +437,12 @@ def test_lookup_confirms_tokens_and_parent():
     pool = BlockPool(4)
     (b,) = pool.allocate(1)
     uid = pool.register(b, b"key", [1, 2, 3], 7)
-    assert uid > 0 and pool.blocks[b].uid == uid and pool.blocks[b].num_hits == 1
+    assert uid is not None and pool.blocks[b].uid == uid and pool.blocks[b].num_hits == 1
     assert pool.lookup(b"key", [1, 2, 3], 7) is pool.blocks[b]
     assert pool.lookup(b"key", (1, 2, 3), 7) is pool.blocks[b]
     assert pool.lookup(b"key", [1, 2, 4], 7) is None
     assert pool.lookup(b"key", [1, 2], 7) is None
-    assert pool.lookup(b"key", [1, 2, 3], 0) is None
+    assert pool.lookup(b"key", [1, 2, 3], None) is None
     assert pool.lookup(b"key", [1, 2, 3], uid) is None
     assert pool.lookup(b"other", [1, 2, 3], 7) is None
 
@@ -451,31 +450,31 @@ def test_lookup_confirms_tokens_and_parent():
 def test_register_of_a_taken_key_leaves_the_block_private_and_free_on_release():
     pool = BlockPool(4)
     a, b = pool.allocate(2)
-    uid = pool.register(a, b"key", [1], 0)
-    assert pool.register(b, b"key", [9], 0) == 0
+    uid = pool.register(a, b"key", [1], None)
+    assert pool.register(b, b"key", [9], None) is None
     block = pool.blocks[b]
-    assert block.block_key is None and block.token_ids is None and block.uid == 0
+    assert block.block_key is None and block.token_ids is None and block.uid is None
     assert pool.key_to_block == {b"key": pool.blocks[a]}
-    assert pool.lookup(b"key", [9], 0) is None
+    assert pool.lookup(b"key", [9], None) is None
     pool.free([b])
     pool.check_integrity()
     assert b in pool.free_block_ids and block not in pool.evictable and pool.num_cached_blocks == 0
     pool.free([a])
-    assert pool.blocks[a] in pool.evictable and pool.lookup(b"key", [1], 0).uid == uid
+    assert pool.blocks[a] in pool.evictable and pool.lookup(b"key", [1], None).uid == uid
     # a new registration after eviction gets a fresh uid
     pool.reset_cache()
     (c,) = pool.allocate(1)
-    assert pool.register(c, b"key", [1], 0) > uid
+    assert pool.register(c, b"key", [1], None) > uid
 
 
 def test_register_requires_a_held_unkeyed_block():
     pool = BlockPool(2)
     (a,) = pool.allocate(1)
-    pool.register(a, b"k", [1], 0)
+    pool.register(a, b"k", [1], None)
     with pytest.raises(AssertionError):
-        pool.register(a, b"k2", [1], 0)   # already keyed
+        pool.register(a, b"k2", [1], None)   # already keyed
     with pytest.raises(AssertionError):
-        pool.register(1, b"k3", [1], 0)   # not held
+        pool.register(1, b"k3", [1], None)   # not held
     pool.free([a])
     with pytest.raises(AssertionError):
         pool.free([a])                     # double free
@@ -487,53 +486,49 @@ def test_register_requires_a_held_unkeyed_block():
 BS = 4
 
 
-def make_seq(tokens, salt: str | None = None, rid: str = "s") -> Sequence:
-    seq = Sequence(rid, list(tokens), SamplingParams())
-    seq.cache_salt = salt
-    return seq
+def make_seq(mgr: KVCacheManager, tokens, salt: str | None = None, use_cache: bool = True) -> CacheRequest:
+    return mgr.new_request(list(tokens), salt, use_cache)
 
 
-def admit_and_compute(mgr: KVCacheManager, seq: Sequence, running: list[Sequence] = ()) -> list[int]:
+def admit_and_compute(mgr: KVCacheManager, seq: CacheRequest, running: list[CacheRequest] = ()) -> list[int]:
     """Admit `seq` with its prefix hits, 'compute' all its tokens and publish its full blocks."""
     hits = mgr.match_prefix(seq)
-    num_new = seq.num_tokens - len(hits) * mgr.block_size
-    assert mgr.can_allocate(seq, num_new, hits)
-    mgr.allocate(seq, num_new, hits)
-    assert seq.num_computed_tokens == len(hits) * mgr.block_size
+    assert mgr.can_allocate(seq, seq.num_tokens, hits)
+    mgr.allocate(seq, seq.num_tokens, hits)
+    assert seq.num_cached_tokens == len(hits) * mgr.block_size
     assert len(seq.block_table) == -(-seq.num_tokens // mgr.block_size)
-    seq.num_computed_tokens = seq.num_tokens
-    mgr.cache_computed_blocks(seq)
+    mgr.cache_computed_blocks(seq, seq.num_tokens)
     mgr.check_integrity([*running, seq])
     return hits
 
 
-def assert_hits_are_exact(mgr: KVCacheManager, seq: Sequence, hits: list[int]) -> None:
+def assert_hits_are_exact(mgr: KVCacheManager, seq: CacheRequest, hits: list[int]) -> None:
     for i, block_id in enumerate(hits):
         assert mgr.pool.blocks[block_id].token_ids == tuple(seq.token_ids[i * BS:(i + 1) * BS])
 
 
 def test_colliding_hash_never_serves_wrong_blocks():
     mgr = KVCacheManager(32, BS, hash_fn=lambda parent, tokens, extra: b"const")
-    first = make_seq(range(1, 14), rid="first")               # 13 tokens: 3 full blocks
+    first = make_seq(mgr, range(1, 14))               # 13 tokens: 3 full blocks
     assert admit_and_compute(mgr, first) == []
     assert list(mgr.pool.key_to_block) == [b"const"]
 
     others = [list(range(101, 114)), [1, 2, 3, 4, 50, 60, 70, 80, 9, 10, 11, 12, 13], [2, 1, 3, 4] + [0] * 9]
-    for n, tokens in enumerate(others):
-        seq = make_seq(tokens, rid=f"other{n}")
+    for tokens in others:
+        seq = make_seq(mgr, tokens)
         hits = mgr.match_prefix(seq)
         assert_hits_are_exact(mgr, seq, hits)
         assert hits == ([first.block_table[0]] if tokens[:BS] == [1, 2, 3, 4] else [])
 
     # a second sequence computed under the colliding key stays private: an identical third one gets
     # no hits from it, and the first's block (other tokens) is never served
-    second = make_seq(range(101, 114), rid="second")
+    second = make_seq(mgr, range(101, 114))
     assert admit_and_compute(mgr, second) == []
     assert mgr.pool.blocks[second.block_table[0]].block_key is None
-    third = make_seq(range(101, 114), rid="third")
+    third = make_seq(mgr, range(101, 114))
     assert mgr.match_prefix(third) == []
 
-    same = make_seq(range(1, 14), rid="same")
+    same = make_seq(mgr, range(1, 14))
     first_block = first.block_table[0]
     hits = mgr.match_prefix(same)
     assert hits[:1] == [first_block]
@@ -544,17 +539,17 @@ def test_colliding_hash_never_serves_wrong_blocks():
     hits = mgr.match_prefix(same)                              # still cached after release
     assert hits[:1] == [first_block]
     assert_hits_are_exact(mgr, same, hits)
-    assert mgr.match_prefix(make_seq(range(101, 114))) == []
+    assert mgr.match_prefix(make_seq(mgr, range(101, 114))) == []
 
 
 def test_shared_prefix_matches_exactly_the_shared_blocks():
     mgr = KVCacheManager(32, BS)
     base = list(range(1, 18))                                  # 17 tokens: 4 full blocks
-    first = make_seq(base, rid="first")
+    first = make_seq(mgr, base)
     admit_and_compute(mgr, first)
     assert len(mgr.pool.key_to_block) == 4
 
-    seq = make_seq(base[:8] + [999] + base[9:], rid="second")   # differs in block 2
+    seq = make_seq(mgr, base[:8] + [999] + base[9:])   # differs in block 2
     hits = mgr.match_prefix(seq)
     assert hits == first.block_table[:2]
     assert_hits_are_exact(mgr, seq, hits)
@@ -563,84 +558,80 @@ def test_shared_prefix_matches_exactly_the_shared_blocks():
     mgr.check_integrity([first, seq])
 
     strict = KVCacheManager(32, BS, min_match_blocks=3)
-    admit_and_compute(strict, make_seq(base, rid="first"))
-    assert strict.match_prefix(make_seq(base[:8] + [999] + base[9:])) == []
-    assert len(strict.match_prefix(make_seq(base))) == 4
+    admit_and_compute(strict, make_seq(strict, base))
+    assert strict.match_prefix(make_seq(strict, base[:8] + [999] + base[9:])) == []
+    assert len(strict.match_prefix(make_seq(strict, base))) == 4
 
 
 def test_match_is_capped_so_the_last_token_is_computed():
     mgr = KVCacheManager(32, BS)
-    first = make_seq(range(1, 13), rid="first")                # exactly 3 blocks
+    first = make_seq(mgr, range(1, 13))                # exactly 3 blocks
     admit_and_compute(mgr, first)
     assert len(mgr.pool.key_to_block) == 3
-    hits = mgr.match_prefix(make_seq(range(1, 13)))
+    hits = mgr.match_prefix(make_seq(mgr, range(1, 13)))
     assert hits == first.block_table[:2]
-    assert mgr.match_prefix(make_seq(list(range(1, 13)) + [77])) == first.block_table[:3]
-    assert mgr.match_prefix(make_seq(range(1, 5))) == []       # one full block: nothing to reuse
+    assert mgr.match_prefix(make_seq(mgr, list(range(1, 13)) + [77])) == first.block_table[:3]
+    assert mgr.match_prefix(make_seq(mgr, range(1, 5))) == []       # one full block: nothing to reuse
 
 
 def test_different_salt_gives_no_hits():
     mgr = KVCacheManager(32, BS)
     tokens = list(range(1, 14))
-    admit_and_compute(mgr, make_seq(tokens, rid="plain"))
-    assert mgr.match_prefix(make_seq(tokens, salt="tenant-b")) == []
-    admit_and_compute(mgr, make_seq(tokens, salt="tenant-a", rid="a"))
-    assert len(mgr.match_prefix(make_seq(tokens, salt="tenant-a"))) == 3
-    assert mgr.match_prefix(make_seq(tokens, salt="tenant-b")) == []
-    assert len(mgr.match_prefix(make_seq(tokens))) == 3
+    admit_and_compute(mgr, make_seq(mgr, tokens))
+    assert mgr.match_prefix(make_seq(mgr, tokens, "tenant-b")) == []
+    admit_and_compute(mgr, make_seq(mgr, tokens, "tenant-a"))
+    assert len(mgr.match_prefix(make_seq(mgr, tokens, "tenant-a"))) == 3
+    assert mgr.match_prefix(make_seq(mgr, tokens, "tenant-b")) == []
+    assert len(mgr.match_prefix(make_seq(mgr, tokens))) == 3
 
 
 def test_caching_disabled_or_opted_out_gives_no_hits():
     tokens = list(range(1, 14))
     off = KVCacheManager(32, BS, enable_caching=False)
-    admit_and_compute(off, make_seq(tokens))
-    assert off.match_prefix(make_seq(tokens)) == [] and not off.pool.key_to_block
+    admit_and_compute(off, make_seq(off, tokens))
+    assert off.match_prefix(make_seq(off, tokens)) == [] and not off.pool.key_to_block
 
     mgr = KVCacheManager(32, BS)
-    admit_and_compute(mgr, make_seq(tokens))
-    seq = make_seq(tokens)
-    seq.use_cache = False
-    assert mgr.match_prefix(seq) == []
+    admit_and_compute(mgr, make_seq(mgr, tokens))
+    assert mgr.match_prefix(make_seq(mgr, tokens, use_cache=False)) == []
 
 
 def test_freed_sequence_stays_matchable_until_evicted():
     mgr = KVCacheManager(4, BS)
-    first = make_seq(range(1, 14), rid="first")                # 4 blocks: the whole pool
+    first = make_seq(mgr, range(1, 14))                # 4 blocks: the whole pool
     admit_and_compute(mgr, first)
     first_blocks = list(first.block_table)
     mgr.free(first)
     assert mgr.num_free_blocks == 4 and mgr.pool.num_cached_blocks == 3
-    again = make_seq(range(1, 14), rid="again")
+    again = make_seq(mgr, range(1, 14))
     assert admit_and_compute(mgr, again) == first_blocks[:3]
     mgr.free(again)
-    other = make_seq(range(100, 113), rid="other")            # needs the whole pool: evicts the cache
+    other = make_seq(mgr, range(100, 113))            # needs the whole pool: evicts the cache
     assert admit_and_compute(mgr, other) == []
-    assert mgr.match_prefix(make_seq(range(1, 14))) == []
+    assert mgr.match_prefix(make_seq(mgr, range(1, 14))) == []
 
 
 def test_concurrent_twins_share_one_chain():
     """Two identical sequences computed at once: the second publishes nothing twice, but its later
     blocks chain onto the first's cached ones."""
     mgr = KVCacheManager(32, BS)
-    s1, s2 = make_seq(range(1, 10), rid="s1"), make_seq(range(1, 10), rid="s2")   # 2 full blocks each
+    s1, s2 = make_seq(mgr, range(1, 10)), make_seq(mgr, range(1, 10))   # 2 full blocks each
     for seq in (s1, s2):
         assert mgr.match_prefix(seq) == []
         mgr.allocate(seq, seq.num_tokens)
     for seq in (s1, s2):
-        seq.num_computed_tokens = seq.num_tokens
-        mgr.cache_computed_blocks(seq)
+        mgr.cache_computed_blocks(seq, seq.num_tokens)
     mgr.check_integrity([s1, s2])
     assert len(mgr.pool.key_to_block) == 2
-    assert s2.block_uids == s1.block_uids and all(s1.block_uids)
+    assert s2.block_uids == s1.block_uids and None not in s1.block_uids
     assert all(mgr.pool.blocks[b].block_key is None for b in s2.block_table)
 
     s2.token_ids += [10, 11, 12]                                 # s2 decodes into its third block
-    mgr.allocate(s2, 3)
-    s2.num_computed_tokens = s2.num_tokens
-    mgr.cache_computed_blocks(s2)
+    mgr.allocate(s2, s2.num_tokens)
+    mgr.cache_computed_blocks(s2, s2.num_tokens)
     mgr.check_integrity([s1, s2])
     assert len(mgr.pool.key_to_block) == 3
-    s3 = make_seq(list(range(1, 13)) + [13], rid="s3")
+    s3 = make_seq(mgr, list(range(1, 13)) + [13])
     assert mgr.match_prefix(s3) == s1.block_table[:2] + [s2.block_table[2]]
 
     s2_private = s2.block_table[:2]

@@ -1,8 +1,10 @@
 import configparser
+from typing import get_args
 
 import pytest
 
 from kvreuse.config import (
+    PRESETS,
     CacheConfig,
     Config,
     ConfigError,
@@ -356,3 +358,47 @@ def test_presets_set_the_seed_advice_and_explicit_keys_override_them(tmp_path):
     assert (config.cache.preset, config.cache.block_size, config.cache.policy) == ("chat", 64, "lfu")
     assert error_of(None, ["cache.preset=fast"]) == (
         "config key 'cache.preset' must be one of none, chat, eval, agent, rag, got 'fast'")
+
+
+@pytest.mark.parametrize("text", ["t", "f", "y", "n", "2", ""])
+def test_only_configparser_bool_spellings_are_accepted(text):
+    assert error_of(None, [f"cache.enabled={text}"]) == (
+        f"config key 'cache.enabled' must be a boolean (true/false), got {text!r}")
+
+
+def test_preset_choices_are_the_preset_names():
+    assert get_args(CacheConfig.model_fields["preset"].annotation) == tuple(PRESETS)
+
+
+def test_suffix_settings_are_immutable_and_with_changes_revalidates():
+    settings = load_config(None, ["cache.preset=rag"]).cache.suffix
+    changed = settings.with_changes(recompute_ratio=1.0, mode="shift")
+    assert (changed.recompute_ratio, changed.mode, changed.enabled) == (1.0, "shift", True)
+    assert (settings.recompute_ratio, settings.mode) == (0.3, "blend")
+    assert settings.with_changes() == settings and hash(settings.with_changes()) == hash(settings)
+    with pytest.raises(ConfigError, match=r"^config key 'cache.suffix.recompute_ratio' must be between 0.0 and 1.0, "
+                                          r"got 1.5$"):
+        settings.with_changes(recompute_ratio=1.5)
+    with pytest.raises(ConfigError, match=r"^config key 'cache.suffix.mode' must be one of blend, shift, got 'x'$"):
+        settings.with_changes(mode="x")
+    with pytest.raises(ConfigError, match=r"^unknown config key 'cache.suffix.mdoe'; did you mean 'cache.suffix.mode'"):
+        settings.with_changes(mdoe="shift")
+    with pytest.raises(ConfigError, match=r"^config key 'cache.suffix.mode' is read-only"):
+        settings.mode = "shift"
+    assert settings.mode == "blend"
+
+
+def test_code_built_configs_are_checked_when_assigned_copied_or_built_from_dicts():
+    config = Config()
+    with pytest.raises(ConfigError, match=r"^config key 'cache.block_size' must be between 1 and 256, got 0$"):
+        config.cache.block_size = 0
+    assert config.cache.block_size == 16
+    sized = config.with_changes(cache=config.cache.with_changes(block_size=64))
+    assert (sized.cache.block_size, config.cache.block_size) == (64, 16)
+    assert sized.server == config.server and sized.server is not config.server  # a copy: no shared sections
+    with pytest.raises(ConfigError, match=r"^config key 'engine.max_num_seqs' must be >= 1, got 0$"):
+        config.engine.with_changes(max_num_seqs=0)
+    with pytest.raises(ConfigError, match=r"^config key 'cache.suffix.guard_margin' must be a number, got inf$"):
+        Config(cache={"suffix": {"guard_margin": float("inf")}})
+    with pytest.raises(ConfigError, match=r"^unknown config key 'cache.blok_size'; did you mean 'cache.block_size'"):
+        CacheConfig(blok_size=32)

@@ -128,7 +128,7 @@ def test_abort_frees_blocks(tiny_llm):
     seq = engine.add_request("A request that will be aborted", greedy(50))
     engine.step()
     engine.step()
-    assert seq.block_table
+    assert seq.kv.block_table
     engine.abort(seq.request_id)
     assert seq.finish_reason == "abort" and not engine.has_unfinished()
     engine.check_integrity()

@@ -8,12 +8,14 @@ import torch
 
 from kvreuse.bench import fidelity, workloads
 from kvreuse.config import load_config
+from kvreuse.engine import repair
 from kvreuse.llm import LLM
 from kvreuse.sampling_params import SamplingParams
 
 from .conftest import make_config
 
 DOCS = workloads.documents()
+NUM_RAG_REQUESTS = 14  # the first requests bring the documents; of 14, at least 10 reuse them
 
 
 def rag_prompt(llm: LLM, question: str, docs: list[dict]) -> list[int]:
@@ -36,24 +38,23 @@ def greedy(n: int, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=n, ignore_eos=True, **kw)
 
 
-def test_layer0_kv_of_a_shifted_block_equals_fresh_after_rerotation(tiny_model_dir):
+def test_layer0_kv_of_a_shifted_block_equals_fresh_after_rerotation(tiny_model_dir, monkeypatch):
     llm = segment_llm(tiny_model_dir, mode="shift", guard_margin=0)
     first = rag_prompt(llm, "Short question?", DOCS[:2])
     second = rag_prompt(llm, "A much longer question that moves every document by a few tokens?", DOCS[:2])
     llm.generate(first, greedy(1))
 
     captured = {}
-    runner = llm.engine.runner
-    copy = runner.copy_segments
+    copy = repair.copy_segments
 
-    def spy(seq):
-        copy(seq)
-        bs = runner.block_size
-        positions = seq.segment_plan.positions()
-        slots = torch.tensor([seq.block_table[p // bs] * bs + p % bs for p in positions])
-        kv = runner.kv_cache[0].view(2, -1, *runner.kv_cache.shape[-2:])          # layer 0: [2, slots, Hkv, D]
-        captured.update(positions=positions, k=kv[0, slots].clone(), v=kv[1, slots].clone(), plan=seq.segment_plan)
-    runner.copy_segments = spy
+    def spy(model, kv_cache, req):
+        copy(model, kv_cache, req)
+        bs = kv_cache.shape[3]
+        positions = req.segment_plan.positions()
+        slots = torch.tensor([req.block_table[p // bs] * bs + p % bs for p in positions])
+        kv = kv_cache[0].view(2, -1, *kv_cache.shape[-2:])                           # layer 0: [2, slots, Hkv, D]
+        captured.update(positions=positions, k=kv[0, slots].clone(), v=kv[1, slots].clone(), plan=req.segment_plan)
+    monkeypatch.setattr(repair, "copy_segments", spy)
     out = llm.generate(second, greedy(1))[0]
     assert out.usage.reused_tokens > 0 and out.usage.shifted_tokens > 0
     assert any(run.start % llm.engine.block_size != run.blocks[0].position % llm.engine.block_size
@@ -71,7 +72,7 @@ def test_layer0_kv_of_a_shifted_block_equals_fresh_after_rerotation(tiny_model_d
 
 @pytest.fixture(scope="module")
 def real_segment_llm() -> LLM:
-    """The real model with segment reuse on; tests change cache.suffix.* with fidelity.suffix_settings."""
+    """The real model with segment reuse on; tests change cache.suffix.* with fidelity.reuse_settings."""
     return fidelity.fidelity_llm(["engine.num_kv_blocks=512"])
 
 
@@ -79,7 +80,7 @@ def real_segment_llm() -> LLM:
 def test_full_recompute_reproduces_exact_greedy_output(real_segment_llm):
     llm = real_segment_llm
     llm.engine.kv_manager.pool.reset_cache()
-    with fidelity.suffix_settings(llm, recompute_ratio=1.0, guard_margin=0.0):
+    with fidelity.reuse_settings(llm, recompute_ratio=1.0, guard_margin=0.0):
         llm.generate(rag_prompt(llm, "Which module sorts?", DOCS[:3]), greedy(1))
         for question, docs in [("What does document [2] describe?", [DOCS[1], DOCS[0], DOCS[2]]),
                                ("Name a function from document [1].", DOCS[:3])]:
@@ -100,13 +101,9 @@ def test_rag_reuse_halves_prefill_work_against_prefix_only(real_segment_llm):
     outputs = {}
     for name, enabled in (("blend", True), ("prefix", False)):
         llm.engine.kv_manager.pool.reset_cache()
-        with fidelity.suffix_settings(llm, guard_margin=0.0):
-            llm.engine.kv_manager.enable_segments = enabled
-            try:
-                llm.generate(first, greedy(1))
-                outputs[name] = llm.generate(second, greedy(1))[0]
-            finally:
-                llm.engine.kv_manager.enable_segments = True
+        with fidelity.reuse_settings(llm, enabled=enabled, guard_margin=0.0):
+            llm.generate(first, greedy(1))
+            outputs[name] = llm.generate(second, greedy(1))[0]
     blended, prefix = outputs["blend"], outputs["prefix"]
     work = lambda o: o.usage.computed_prompt_tokens + o.usage.recomputed_tokens
     assert blended.usage.reused_tokens > 0 and prefix.usage.reused_tokens == 0
@@ -132,8 +129,8 @@ def test_approximate_blocks_never_satisfy_an_exact_prefix_match(tiny_model_dir):
 def first_reused_position(llm: LLM, prompt: list[int]) -> int:
     """Where the plan the scheduler would make for `prompt` now starts reusing segments."""
     manager = llm.engine.kv_manager
-    seq = llm.engine.make_sequence(prompt, greedy(1))
-    return manager.match_segments(seq, len(manager.match_prefix(seq))).runs[0].start
+    req = llm.engine.make_sequence(prompt, greedy(1)).kv
+    return manager.match_segments(req, len(manager.match_prefix(req))).runs[0].start
 
 
 @pytest.mark.slow
@@ -154,16 +151,19 @@ def test_the_widest_guard_margin_guards_everything_and_margin_zero_nothing(real_
 @pytest.mark.slow
 def test_fidelity_on_the_builtin_rag_workload_meets_the_stated_thresholds_under_the_rag_preset(real_segment_llm):
     rag = load_config(None, ["cache.preset=rag"]).cache.suffix
-    with fidelity.suffix_settings(real_segment_llm, **vars(rag)):
-        report = fidelity.fidelity_report(num_requests=10, modes=["blend", "shift"], progress=lambda _: None,
-                                          llm=real_segment_llm, continuation=8)
+    with fidelity.reuse_settings(real_segment_llm, **rag.model_dump()):
+        report = fidelity.fidelity_report(num_requests=NUM_RAG_REQUESTS, modes=["blend", "shift"],
+                                          progress=lambda _: None, llm=real_segment_llm, continuation=8)
     blend, shift = report["modes"]["blend"], report["modes"]["shift"]
-    assert blend["requests_with_reuse"] >= 3
-    # Thresholds from README "Segment reuse" (top-1 >= 0.9, KL <= 0.03), measured with `kvreuse fidelity` on 24
-    # requests; 10 here for time, where one flip among the ~8 that reuse is 0.875: at most one is allowed.
-    assert blend["top1_agreement"] >= 1 - 1 / blend["requests_with_reuse"]
-    assert blend["mean_kl"] <= 0.03
-    assert shift["top1_agreement"] is not None and shift["mean_kl"] is not None  # reported beside it
+    # The thresholds of README "Segment reuse" (top-1 >= 0.9, KL <= 0.03), on at least 10 reusing requests: top-1
+    # moves in steps of 1/n, so only from n = 10 on does one flip stay within 0.9 and a second one fall below it:
+    # the test then resolves the stated threshold, neither stricter (fewer requests) nor looser than it.
+    assert blend["requests_with_reuse"] >= 10, blend
+    assert blend["top1_agreement"] >= 0.9, blend
+    assert blend["mean_kl"] <= 0.03, blend
+    # The repair is what buys the fidelity: unrepaired shift reuse of the same requests is further off.
+    assert shift["requests_with_reuse"] == blend["requests_with_reuse"]
+    assert shift["mean_kl"] > blend["mean_kl"], (shift, blend)
 
 
 def test_prompts_reusing_segments_share_one_forward_and_full_recompute_stays_exact(tiny_model_dir):
@@ -188,8 +188,8 @@ def spy_batches(llm: LLM) -> list[tuple[int, int]]:
     runner, seen = llm.engine.runner, []
     run = runner.run
 
-    def spy(seqs, suffix):
-        seen.append((len(seqs), sum(s.segment_plan is not None for s in seqs)))
-        return run(seqs, suffix)
+    def spy(seqs, reuse):
+        seen.append((len(seqs), sum(s.kv.segment_plan is not None for s in seqs)))
+        return run(seqs, reuse)
     runner.run = spy
     return seen

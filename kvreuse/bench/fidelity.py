@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import statistics
 from contextlib import contextmanager
-from dataclasses import replace
 
 from kvreuse.bench import workloads
 from kvreuse.bench.metrics import fidelity_metrics
 from kvreuse.config import load_config
+from kvreuse.kvcache.accounting import ReuseRecord
 from kvreuse.llm import LLM
 from kvreuse.sampling_params import SamplingParams
 
@@ -30,17 +30,14 @@ MODES = {
 
 
 @contextmanager
-def suffix_settings(llm: LLM, **overrides):
-    """Temporarily change `cache.suffix.*` of a running engine (the runner reads them per request)."""
-    config, manager = llm.engine.config.cache, llm.engine.kv_manager
-    original = config.suffix
-    config.suffix = replace(original, **overrides)
-    manager.enable_segments = manager.enable_caching and config.suffix.enabled
+def reuse_settings(llm: LLM, **changes):
+    """Run a block with the engine's segment reuse settings (`cache.suffix.*`) changed, then restore them."""
+    original = llm.engine.reuse
+    llm.engine.set_reuse(original.with_changes(**changes))
     try:
         yield
     finally:
-        config.suffix = original
-        manager.enable_segments = manager.enable_caching and original.enabled
+        llm.engine.set_reuse(original)
 
 
 def run(llm: LLM, conversations: list[list[dict]], suffix_overrides: dict, continuation: int = CONTINUATION) -> dict:
@@ -48,21 +45,20 @@ def run(llm: LLM, conversations: list[list[dict]], suffix_overrides: dict, conti
     llm.engine.kv_manager.pool.reset_cache()
     params = SamplingParams(max_tokens=continuation, keep_first_logits=True, ignore_eos=True)
     pairs = []  # (exact, with reuse) outputs per request
-    with suffix_settings(llm, **suffix_overrides):
+    with reuse_settings(llm, **suffix_overrides):
         for messages in conversations:
             pairs.append((llm.chat(messages, params, use_cache=False)[0], llm.chat(messages, params)[0]))
     reusing = [(e, a) for e, a in pairs if a.usage.reused_tokens]
     fidelity = (fidelity_metrics([a for _, a in reusing], [e for e, _ in reusing]) if reusing
                 else dict.fromkeys(("top1_agreement", "mean_kl", "mean_match_len")))
-    total = lambda key: sum(getattr(a.usage, key) for _, a in pairs)
+    total = sum((a.usage for _, a in pairs), ReuseRecord())
     return {
         "requests": len(pairs), "requests_with_reuse": len(reusing),
         "median_ttft_ms": statistics.median(a.ttft_s for _, a in pairs) * 1000,
         "median_ttft_ms_exact": statistics.median(e.ttft_s for e, _ in pairs) * 1000,
         **fidelity,
-        "guarded_requests": total("guarded"),
-        **{key: total(key) for key in ("prompt_tokens", "cached_tokens", "reused_tokens", "recomputed_tokens",
-                                       "computed_prompt_tokens", "prefill_work_tokens")},
+        **total.as_dict(),
+        "prefill_work_tokens": total.prefill_work_tokens,
     }
 
 
@@ -77,7 +73,7 @@ def fidelity_report(num_requests: int = 24, seed: int = 0, modes: list[str] | No
     llm = llm or fidelity_llm(overrides)
     conversations = workloads.WORKLOADS[workload](num_requests, seed=seed)
     report = {"workload": workload, "requests": num_requests, "seed": seed, "continuation_tokens": continuation,
-              "block_size": llm.engine.block_size, "suffix": vars(llm.engine.config.cache.suffix), "modes": {}}
+              "block_size": llm.engine.block_size, "suffix": llm.engine.reuse.model_dump(), "modes": {}}
     for name in modes or list(MODES):
         report["modes"][name] = run(llm, conversations, MODES[name], continuation)
         progress(f"{name}: {report['modes'][name]}")

@@ -8,15 +8,14 @@ from collections.abc import Sequence
 
 import torch
 
+from kvreuse.kvcache.accounting import ReuseRecord
+from kvreuse.kvcache.tokens import common_prefix_length
+
 
 def kl_divergence(exact_logits: torch.Tensor, approx_logits: torch.Tensor) -> float:
     p = torch.log_softmax(exact_logits.double(), -1)
     q = torch.log_softmax(approx_logits.double(), -1)
     return float((p.exp() * (p - q)).sum())
-
-
-def match_length(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -53,5 +52,11 @@ def fidelity_metrics(outputs: Sequence, exact: Sequence) -> dict:
     return {
         "top1_agreement": statistics.mean(int(o.first_logits.argmax() == e.first_logits.argmax()) for o, e in pairs),
         "mean_kl": statistics.mean(kl_divergence(e.first_logits, o.first_logits) for o, e in pairs),
-        "mean_match_len": statistics.mean(match_length(e.token_ids, o.token_ids) for o, e in pairs),
+        "mean_match_len": statistics.mean(common_prefix_length(e.token_ids, o.token_ids) for o, e in pairs),
     }
+
+
+def reuse_metrics(reuse: ReuseRecord) -> dict:
+    """A run's reuse record, field by field, and the rates and prefill work derived from it."""
+    return {**reuse.as_dict(), "prefill_tokens_computed": reuse.prefill_work_tokens,
+            "exact_hit_rate": reuse.hit_rate, "approximate_hit_rate": reuse.approximate_hit_rate}

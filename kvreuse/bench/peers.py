@@ -18,9 +18,11 @@ from pathlib import Path
 
 import torch
 
-from kvreuse.bench.metrics import fidelity_metrics, serving_metrics
+from kvreuse.bench.metrics import fidelity_metrics, reuse_metrics, serving_metrics
 from kvreuse.bench.workloads import LiveReplies
 from kvreuse.engine.stats import peak_rss_bytes
+from kvreuse.kvcache.accounting import ReuseRecord
+from kvreuse.kvcache.tokens import common_prefix_length
 from kvreuse.model.loader import ModelLoadError, resolve_model_path
 
 SYSTEM = "hf-transformers"
@@ -57,10 +59,6 @@ def _cache_bytes(cache) -> int:
     # Storage, not view sizes: a cropped cache still holds the tensors it was sliced from.
     return sum(t.untyped_storage().nbytes() for layer in cache.layers if layer.is_initialized
                for t in (layer.keys, layer.values))
-
-
-def _common_prefix(a: tuple[int, ...], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 class HFPeer:
@@ -114,9 +112,9 @@ class HFPeer:
         start = time.perf_counter()
         cache, reused = DynamicCache(config=self.model.config), 0
         if prompt_caches:
-            best = max(prompt_caches, key=lambda ids: _common_prefix(ids, prompt))
+            best = max(prompt_caches, key=lambda ids: common_prefix_length(ids, prompt))
             # At least one prompt token is computed: its logits give the first output token.
-            reused = min(_common_prefix(best, prompt), len(prompt) - 1)
+            reused = min(common_prefix_length(best, prompt), len(prompt) - 1)
             if reused > 0:
                 prompt_caches.move_to_end(best)
                 cache = copy.deepcopy(prompt_caches[best])  # the stored cache must stay whole for later prompts
@@ -135,16 +133,13 @@ class HFPeer:
 
 
 def _result(outputs: list[HFOutput], duration: float, peak_kv: int, exact: list | None) -> dict:
-    total_in = sum(o.prompt_tokens for o in outputs)
-    cached = sum(o.cached_tokens for o in outputs)
+    # HF reuses exact prefixes only: no segments, no repair, no guard.
+    reuse = sum((ReuseRecord.planned(o.prompt_tokens, o.cached_tokens) for o in outputs), ReuseRecord())
     result = {
         "system": SYSTEM,
         **serving_metrics([o.ttft_s for o in outputs], [o.total_s for o in outputs],
-                          [len(o.token_ids) for o in outputs], duration, total_in),
-        "prefill_tokens_computed": total_in - cached,
-        "exact_hit_rate": cached / total_in if total_in else 0.0,
-        "approximate_hit_rate": 0.0,  # HF reuses exact prefixes only
-        "guarded_requests": None,     # there is no fidelity guard to trip
+                          [len(o.token_ids) for o in outputs], duration, reuse.prompt_tokens),
+        **reuse_metrics(reuse),
         "peak_kv_bytes": peak_kv, "peak_rss_bytes": peak_rss_bytes(),
     }
     if exact is not None:

@@ -9,15 +9,15 @@ pyplot, so importing this module changes no global backend or figure state.
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from kvreuse.analyze import load_tokenizer, render, replay
+from kvreuse.analyze import load_tokenizer, render
 from kvreuse.bench import workloads
 from kvreuse.config import Config
+from kvreuse.kvcache.simulate import simulate
 
 TTFT_PNG = "scenario_ttft.png"
 HIT_RATE_PNG = "hit_rate_vs_block_size.png"
@@ -103,7 +103,7 @@ def block_size_sweep(scenarios: list[str], block_sizes: list[int], num_requests:
     config = config or Config()
     tokenizer, fingerprint = load_tokenizer(config)
     # The engine sizes its pool from a memory budget, so smaller blocks mean more of them: hold the capacity in
-    # tokens fixed at the configured block size's (4096 blocks when unset, as replay() assumes), so the curves
+    # tokens fixed at the configured block size's (4096 blocks when unset, as analyze assumes), so the curves
     # show the block grid and not the pool size.
     capacity_tokens = (config.engine.num_kv_blocks or 4096) * config.cache.block_size
     cached_tokens = config.cache.max_blocks * config.cache.block_size
@@ -113,15 +113,13 @@ def block_size_sweep(scenarios: list[str], block_sizes: list[int], num_requests:
                        for p in workloads.WORKLOADS[name](num_requests)]
         rates: dict[str, list[float]] = {"exact": [], "segment": [], "with_segments": []}
         for block_size in block_sizes:
-            sized = dataclasses.replace(
-                config, cache=dataclasses.replace(config.cache, block_size=block_size,
-                                                  max_blocks=cached_tokens // block_size),
-                engine=dataclasses.replace(config.engine, num_kv_blocks=max(1, capacity_tokens // block_size)))
-            exact = replay(token_lists, sized, fingerprint, segments=False)
-            both = replay(token_lists, sized, fingerprint, segments=True)
+            cache = config.cache.with_changes(block_size=block_size, max_blocks=cached_tokens // block_size)
+            num_blocks = max(1, capacity_tokens // block_size)
+            exact = simulate(token_lists, cache, fingerprint, num_blocks, enable_segments=False)
+            both = simulate(token_lists, cache, fingerprint, num_blocks, enable_segments=True)
             rates["exact"].append(exact.hit_rate)
-            rates["segment"].append(both.segment_rate)
-            rates["with_segments"].append(both.hit_rate + both.segment_rate)
+            rates["segment"].append(both.approximate_hit_rate)
+            rates["with_segments"].append(both.hit_rate + both.approximate_hit_rate)
         sweep["scenarios"][name] = rates
     return sweep
 

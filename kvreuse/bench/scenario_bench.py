@@ -17,8 +17,8 @@ from collections.abc import Callable
 from tqdm import tqdm
 
 from kvreuse.bench import workloads
-from kvreuse.bench.fidelity import suffix_settings
-from kvreuse.bench.metrics import fidelity_metrics, serving_metrics
+from kvreuse.bench.fidelity import reuse_settings
+from kvreuse.bench.metrics import fidelity_metrics, reuse_metrics, serving_metrics
 from kvreuse.config import Config
 from kvreuse.engine.stats import EngineStats, peak_rss_bytes
 from kvreuse.llm import LLM
@@ -66,17 +66,15 @@ def run_mode(llm: LLM, conversations: list[list[dict]], mode: str, max_tokens: i
     engine.stats = EngineStats()
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, keep_first_logits=True)
     start = time.perf_counter()
-    with suffix_settings(llm, **MODES[mode]):
+    with reuse_settings(llm, **MODES[mode]):
         outputs = send_all(llm, conversations, params, mode != "no-cache", concurrency, bar or tqdm(disable=True))
     duration = time.perf_counter() - start
-    stats = engine.stats_snapshot()
+    reuse = engine.stats.reuse
     result = {
         **serving_metrics([o.ttft_s for o in outputs], [o.total_s for o in outputs],
-                          [o.usage.completion_tokens for o in outputs], duration, stats["prompt_tokens"]),
-        "prefill_tokens_computed": stats["prefill_work_tokens"],
-        "exact_hit_rate": stats["hit_rate"], "approximate_hit_rate": stats["approximate_hit_rate"],
-        "guarded_requests": stats["guarded_requests"],
-        "peak_kv_bytes": stats["peak_kv_bytes_in_use"], "peak_rss_bytes": peak_rss_bytes(),
+                          [o.usage.completion_tokens for o in outputs], duration, reuse.prompt_tokens),
+        **reuse_metrics(reuse),
+        "peak_kv_bytes": engine.stats_snapshot()["peak_kv_bytes_in_use"], "peak_rss_bytes": peak_rss_bytes(),
     }
     if exact is not None:
         result.update(fidelity_metrics(outputs, exact))
@@ -109,7 +107,7 @@ def run(configs: dict[str, Config], num_requests: int, max_tokens: int, concurre
         in_flight = concurrency or SCENARIO_CONCURRENCY[scenario]
         report["configs"][scenario] = {"preset": config.cache.preset, "block_size": config.cache.block_size,
                                        "policy": config.cache.policy, "normalize_input": config.cache.normalize_input,
-                                       "suffix": vars(config.cache.suffix), "concurrency": in_flight}
+                                       "suffix": config.cache.suffix.model_dump(), "concurrency": in_flight}
         conversations = workloads.WORKLOADS[scenario](num_requests)
         # One untimed request first, so no mode pays for first-call allocations and kernel selection.
         llm.chat(conversations[0], SamplingParams(max_tokens=2), use_cache=False)

@@ -5,15 +5,18 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from dataclasses import replace
 
 import torch
 
-from kvreuse.config import Config
-from kvreuse.engine.model_runner import ModelRunner
+from kvreuse.config import Config, SuffixConfig
+from kvreuse.engine.model_runner import ModelRunner, kv_bytes_per_block
 from kvreuse.engine.output import RequestOutput
+from kvreuse.engine.repair import RepairOutcome
 from kvreuse.engine.scheduler import Scheduler
 from kvreuse.engine.sequence import Sequence
 from kvreuse.engine.stats import EngineStats
+from kvreuse.kvcache.accounting import ReuseRecord
 from kvreuse.kvcache.manager import KVCacheManager
 from kvreuse.kvcache.normalize import normalize_text
 from kvreuse.model.llama import Llama
@@ -60,14 +63,14 @@ class LLMEngine:
         del weights
 
         self.block_size = config.cache.block_size
-        num_blocks = config.engine.num_kv_blocks or self._blocks_for_memory(config.engine.kv_cache_memory_mb)
+        self.bytes_per_block = kv_bytes_per_block(self.model_args, self.block_size, self.dtype)
+        num_blocks = config.engine.num_kv_blocks or max(1, config.engine.kv_cache_memory_mb * 2**20
+                                                        // self.bytes_per_block)
         self.runner = ModelRunner(model, num_blocks, self.block_size, self.dtype, self.device)
-        cache = config.cache
-        self.kv_manager = KVCacheManager(
-            num_blocks, self.block_size, enable_caching=cache.enabled, max_cached_blocks=cache.max_blocks,
-            policy=cache.policy, min_match_blocks=cache.min_match_blocks, fingerprint=self.fingerprint,
-            enable_segments=cache.suffix.enabled,
-        )
+        self.kv_manager = KVCacheManager.from_config(config.cache, num_blocks, self.fingerprint)
+        self.reuse = config.cache.suffix  # segment reuse settings: immutable, replaced only by set_reuse
+        # Sampling of requests that bring no seed of their own draws from here: a run is reproducible.
+        self.generator = torch.Generator().manual_seed(config.engine.seed)
         self.stats = EngineStats()
         self.scheduler = Scheduler(self.kv_manager, config.engine.max_num_seqs, config.engine.max_num_batched_tokens)
         self.num_kv_blocks = num_blocks
@@ -75,10 +78,10 @@ class LLMEngine:
         self.sequences: dict[str, Sequence] = {}
         self._request_counter = itertools.count()
 
-    def _blocks_for_memory(self, megabytes: int) -> int:
-        a = self.model_args
-        bytes_per_block = a.num_layers * 2 * self.block_size * a.num_kv_heads * a.head_dim * self.dtype.itemsize
-        return max(1, megabytes * 2**20 // bytes_per_block)
+    def set_reuse(self, settings: SuffixConfig) -> None:
+        """Segment reuse settings (`cache.suffix.*`) for the requests scheduled from now on."""
+        self.reuse = settings
+        self.kv_manager.enable_segments = self.kv_manager.enable_caching and settings.enabled
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -114,7 +117,9 @@ class LLMEngine:
             raise RequestError("prompt is empty")
         self.check_fits(len(token_ids), params.max_tokens)
         request_id = request_id or f"req-{next(self._request_counter)}"
-        return Sequence(request_id, token_ids, params, cache_salt=cache_salt, use_cache=use_cache)
+        seq = Sequence(request_id, self.kv_manager.new_request(list(token_ids), cache_salt, use_cache), params)
+        seq.generator = seq.generator or self.generator
+        return seq
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
         needed = num_prompt_tokens + max_tokens
@@ -156,16 +161,15 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
-        token_ids = self.runner.run(batch.seqs, self.config.cache.suffix)
-        for seq in batch.seqs:
-            self.kv_manager.release_sources(seq)  # reused K/V are copied into the sequence's own blocks now
+        token_ids, outcomes = self.runner.run(batch.seqs, self.reuse)
         now = time.perf_counter()
         self.stats.record_step(self.kv_manager, batch.num_prefill_tokens)
         updated = []
         for seq, token_id in zip(batch.seqs, token_ids, strict=True):
+            self._account(seq, outcomes.get(seq.request_id))
             seq.num_computed_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
-            self.kv_manager.cache_computed_blocks(seq)
+            self.kv_manager.cache_computed_blocks(seq.kv, seq.num_computed_tokens)
             if token_id is None:
                 continue
             seq.token_ids.append(token_id)
@@ -174,6 +178,22 @@ class LLMEngine:
             self._check_finished(seq, token_id, now)
             updated.append(seq)
         return updated
+
+    def _account(self, seq: Sequence, outcome: RepairOutcome | None) -> None:
+        """After a sequence's step: its reuse record (once, from its first admission's plan and the repair), and
+        the plan's sources let go (their K/V are copied into the sequence's own blocks now)."""
+        kv = seq.kv
+        if seq.reuse is None:
+            plan = kv.segment_plan
+            seq.reuse = ReuseRecord.planned(seq.num_prompt_tokens, kv.num_cached_tokens,
+                                            plan.num_tokens if plan else 0, plan.num_shifted_tokens if plan else 0)
+            if outcome is not None:
+                seq.reuse = replace(seq.reuse, recomputed_tokens=outcome.num_recomputed_tokens,
+                                    discarded_tokens=outcome.num_discarded_tokens,
+                                    guarded_requests=int(outcome.guarded))
+        if outcome is not None and outcome.exact:
+            kv.num_exact_tokens = None  # every reused token was recomputed: the whole KV is exact
+        self.kv_manager.release_sources(kv)
 
     def _check_finished(self, seq: Sequence, token_id: int, now: float) -> None:
         params = seq.params
@@ -192,17 +212,19 @@ class LLMEngine:
             self.scheduler.finish(seq, reason)
             self.sequences.pop(seq.request_id, None)
             self.stats.record_finished(seq)
-            logger.info("cache-hit request=%s prompt=%d cached=%d reused=%d (shifted=%d) recomputed=%d computed=%d "
-                        "guarded=%s completion=%d ttft_ms=%.1f finish=%s hit_rate_total=%.3f", seq.request_id,
-                        seq.num_prompt_tokens, seq.num_cached_tokens, seq.num_reused_tokens, seq.num_shifted_tokens,
-                        seq.num_recomputed_tokens, seq.num_computed_prompt_tokens, seq.guarded,
-                        seq.num_completion_tokens, seq.ttft_s * 1000, reason, self.stats.hit_rate)
+            reuse = " ".join(f"{k}={v}" for k, v in seq.reuse_or_planned.as_dict().items())
+            logger.info("cache-hit request=%s %s completion=%d ttft_ms=%.1f finish=%s hit_rate_total=%.3f",
+                        seq.request_id, reuse, seq.num_completion_tokens, (seq.ttft_s or 0) * 1000, reason,
+                        self.stats.reuse.hit_rate)
 
     def output(self, seq: Sequence) -> RequestOutput:
         return RequestOutput.from_sequence(seq)
 
     def stats_snapshot(self) -> dict:
-        return self.stats.snapshot(self.kv_manager, self.runner.bytes_per_block)
+        """Engine state and accounting as one flat dict: the only view of the engine that metrics and logs read."""
+        return {**self.stats.snapshot(self.kv_manager, self.bytes_per_block),
+                "num_requests_running": len(self.scheduler.running),
+                "num_requests_waiting": len(self.scheduler.waiting)}
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

@@ -23,10 +23,6 @@ class SchedulerOutput:
     seqs: list[Sequence]
 
     @property
-    def num_tokens(self) -> int:
-        return sum(s.num_scheduled_tokens for s in self.seqs)
-
-    @property
     def num_prefill_tokens(self) -> int:
         """Scheduled tokens that are not decodes (prompt chunks, and recomputation after a preemption)."""
         return sum(s.num_scheduled_tokens for s in self.seqs if s.is_prefilling)
@@ -57,25 +53,25 @@ class Scheduler:
                 scheduled.append(seq)
                 budget -= seq.num_scheduled_tokens
         num_prefilling = sum(s.is_prefilling for s in scheduled)
+        kv = self.kv_manager
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            hits = self.kv_manager.match_prefix(seq)
-            plan = self.kv_manager.match_segments(seq, len(hits))
-            if self.kv_manager.gains_by_waiting(seq, hits, plan, scheduled):
+            hits = kv.match_prefix(seq.kv)
+            plan = kv.match_segments(seq.kv, len(hits))
+            publishing = [(s.kv, s.num_computed_tokens + s.num_scheduled_tokens) for s in scheduled]
+            if kv.gains_by_waiting(seq.kv, hits, plan, publishing):
                 break  # blocks it shares with this step's prompts are reusable from the next step on
-            num_tokens = seq.num_tokens - len(hits) * self.kv_manager.block_size
+            num_cached_tokens = len(hits) * kv.block_size
+            num_tokens = seq.num_tokens - num_cached_tokens
             if plan is None:
                 num_tokens = min(num_tokens, budget)
             elif num_prefilling and num_tokens > budget:
                 break  # a prompt that reuses segments is repaired in one forward, whole
-            if not self.kv_manager.can_allocate(seq, num_tokens, hits, plan):
+            if not kv.can_allocate(seq.kv, num_cached_tokens + num_tokens, hits, plan):
                 break  # strict arrival order: nobody overtakes the head of the queue
             self.waiting.popleft()
-            self.kv_manager.allocate(seq, num_tokens, hits, plan)
-            if seq.num_preemptions == 0:
-                seq.num_cached_tokens = seq.num_computed_tokens
-                seq.num_reused_tokens = plan.num_tokens if plan else 0
-                seq.num_shifted_tokens = plan.num_shifted_tokens if plan else 0
+            kv.allocate(seq.kv, num_cached_tokens + num_tokens, hits, plan)
+            seq.num_computed_tokens = num_cached_tokens
             seq.num_scheduled_tokens = num_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -87,18 +83,19 @@ class Scheduler:
     def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
         """Allocate room for `num_tokens` of a running sequence, preempting the youngest running
         sequences as needed; False if `seq` itself had to be preempted."""
-        while not self.kv_manager.can_allocate(seq, num_tokens):
+        needed = seq.num_computed_tokens + num_tokens
+        while not self.kv_manager.can_allocate(seq.kv, needed):
             victim = self.running[-1]
             self.preempt(victim)
             if victim is seq:
                 return False
-        self.kv_manager.allocate(seq, num_tokens)
+        self.kv_manager.allocate(seq.kv, needed)
         seq.num_scheduled_tokens = num_tokens
         return True
 
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.kv_manager.free(seq)
+        self.kv_manager.free(seq.kv)
         seq.num_computed_tokens = 0
         seq.num_scheduled_tokens = 0
         seq.num_preemptions += 1
@@ -110,13 +107,16 @@ class Scheduler:
         """Retire a sequence (finished or aborted) wherever it is and free its blocks."""
         if seq in self.running:
             self.running.remove(seq)
-            self.kv_manager.free(seq)
+            self.kv_manager.free(seq.kv)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
     def check_integrity(self) -> None:
-        self.kv_manager.check_integrity(self.running)
+        self.kv_manager.check_integrity([s.kv for s in self.running])
+        bs = self.kv_manager.block_size
+        for seq in self.running:
+            assert len(seq.kv.block_table) * bs >= seq.num_computed_tokens, f"{seq.request_id} has a short table"
         for seq in self.waiting:
-            assert not seq.block_table, f"waiting {seq.request_id} holds blocks"
+            assert not seq.kv.block_table, f"waiting {seq.request_id} holds blocks"

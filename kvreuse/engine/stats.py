@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import resource
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from kvreuse.engine.sequence import Sequence
+from kvreuse.kvcache.accounting import ReuseRecord
 from kvreuse.kvcache.manager import KVCacheManager
 
 
@@ -19,14 +20,7 @@ def peak_rss_bytes() -> int:
 @dataclass
 class EngineStats:
     num_requests: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0            # exact prefix hits
-    reused_tokens: int = 0            # approximate segment hits
-    shifted_tokens: int = 0           # of those, moved to another position
-    recomputed_tokens: int = 0        # reused tokens recomputed by the repair
-    guarded_requests: int = 0         # requests the fidelity guard recomputed exactly
-    discarded_tokens: int = 0         # token work of the approximate passes the guard threw away
-    computed_prompt_tokens: int = 0   # prompt tokens computed fresh
+    reuse: ReuseRecord = field(default_factory=ReuseRecord)  # summed over finished requests
     completion_tokens: int = 0
     prefill_tokens_run: int = 0       # tokens run through prefill steps, recomputation after preemption included
     num_preemptions: int = 0
@@ -42,42 +36,23 @@ class EngineStats:
 
     def record_finished(self, seq: Sequence) -> None:
         self.num_requests += 1
-        self.prompt_tokens += seq.num_prompt_tokens
-        self.cached_tokens += seq.num_cached_tokens
-        self.reused_tokens += seq.num_reused_tokens
-        self.shifted_tokens += seq.num_shifted_tokens
-        self.recomputed_tokens += seq.num_recomputed_tokens
-        self.guarded_requests += seq.guarded
-        self.discarded_tokens += seq.num_discarded_tokens
-        self.computed_prompt_tokens += seq.num_computed_prompt_tokens
+        self.reuse += seq.reuse_or_planned
         self.completion_tokens += seq.num_completion_tokens
         self.num_preemptions += seq.num_preemptions
-
-    @property
-    def hit_rate(self) -> float:
-        """Exact hit tokens / prompt tokens."""
-        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-    @property
-    def approximate_hit_rate(self) -> float:
-        """Reused tokens not recomputed / prompt tokens."""
-        return (self.reused_tokens - self.recomputed_tokens) / self.prompt_tokens if self.prompt_tokens else 0.0
-
-    @property
-    def prefill_work_tokens(self) -> int:
-        """Token work of prefills: fresh + recomputed + the approximate passes the guard threw away."""
-        return self.computed_prompt_tokens + self.recomputed_tokens + self.discarded_tokens
 
     def snapshot(self, kv: KVCacheManager, bytes_per_block: int) -> dict:
         """Everything as one flat dict (for logs, `--json` summaries and metrics)."""
         pool = kv.pool
         cached = pool.num_cached_blocks
         in_use = pool.num_used_blocks
+        counters = asdict(self)
+        del counters["reuse"]
         return {
-            **asdict(self),
-            "hit_rate": round(self.hit_rate, 4),
-            "approximate_hit_rate": round(self.approximate_hit_rate, 4),
-            "prefill_work_tokens": self.prefill_work_tokens,
+            **counters,
+            **self.reuse.as_dict(),
+            "hit_rate": round(self.reuse.hit_rate, 4),
+            "approximate_hit_rate": round(self.reuse.approximate_hit_rate, 4),
+            "prefill_work_tokens": self.reuse.prefill_work_tokens,
             "blocks_total": pool.num_blocks,
             "blocks_in_use": in_use,
             "blocks_cached": cached,

@@ -11,14 +11,14 @@ class KVCacheBlock:
     ref_cnt: int = 0                          # requests holding this block
     block_key: bytes | None = None            # prefix-chain key, set once the block is fully computed
     token_ids: tuple[int, ...] | None = None  # its tokens, to confirm a key hit
-    uid: int = 0                              # identity of the cached contents, never reused
-    parent_uid: int = 0                       # uid of the block before it in its sequence (0: first block)
+    uid: int | None = None                    # identity of the published contents, never reused; None: unpublished
+    parent_uid: int | None = None             # uid of the block before it in its sequence; None: the first block
     num_hits: int = 0                         # times reused (LFU)
     last_access: int = 0                      # pool tick of the last allocate / hit / free (LRU among equals)
     position: int = 0                         # absolute position of its first token when it was computed
     extra_key: bytes = b""                    # fingerprint, block size, salt of the request that computed it
 
     def reset(self) -> None:
-        self.block_key = self.token_ids = None
-        self.uid = self.parent_uid = self.num_hits = self.position = 0
+        self.block_key = self.token_ids = self.uid = self.parent_uid = None
+        self.num_hits = self.position = 0
         self.extra_key = b""

@@ -62,8 +62,8 @@ class BlockPool:
             block_ids.append(block.block_id)
         return block_ids
 
-    def touch(self, block_ids: Sequence[int]) -> None:
-        """A request reuses these cached blocks: hold them, so they cannot be evicted."""
+    def hold(self, block_ids: Sequence[int]) -> None:
+        """A request reuses these blocks: take a reference to each (a cached one stops being evictable)."""
         tick = next(self._tick)
         for block_id in block_ids:
             block = self.blocks[block_id]
@@ -100,21 +100,22 @@ class BlockPool:
         return block
 
     # --- the cache index -----------------------------------------------------------------------------
-    def lookup(self, key: bytes, token_ids: Sequence[int], parent_uid: int) -> KVCacheBlock | None:
-        """The cached block for `key`, confirmed by its tokens and its predecessor, else None."""
+    def lookup(self, key: bytes, token_ids: Sequence[int], parent_uid: int | None) -> KVCacheBlock | None:
+        """The cached block for `key`, confirmed by its tokens and its predecessor's uid (None: it is a
+        first block), else None."""
         block = self.key_to_block.get(key)
         if block is None or block.parent_uid != parent_uid or block.token_ids != tuple(token_ids):
             return None
         return block
 
-    def register(self, block_id: int, key: bytes, token_ids: Sequence[int], parent_uid: int,
-                 position: int = 0, extra_key: bytes = b"") -> int:
-        """Publish an exactly computed block under `key`. Returns its uid, or 0 if the key is already
+    def register(self, block_id: int, key: bytes, token_ids: Sequence[int], parent_uid: int | None,
+                 position: int = 0, extra_key: bytes = b"") -> int | None:
+        """Publish an exactly computed block under `key`. Returns its uid, or None if the key is already
         taken (the same block computed twice concurrently, or a hash collision): it stays private."""
         block = self.blocks[block_id]
         assert block.ref_cnt > 0 and block.block_key is None, f"block {block_id} cannot be registered"
         if key in self.key_to_block:
-            return 0
+            return None
         block.block_key, block.token_ids, block.parent_uid = key, tuple(token_ids), parent_uid
         block.position, block.extra_key = position, extra_key
         block.uid = next(self._uids)

@@ -13,8 +13,6 @@ from collections.abc import Callable, Sequence
 
 BlockHashFn = Callable[[bytes, Sequence[int], bytes], bytes]
 
-ROOT_KEY = b""
-
 
 def extra_keys(fingerprint: str, block_size: int, salt: str | None) -> bytes:
     """The per-request part of every key. Length-prefixed, so ("ab", "c") and ("a", "bc") differ."""
@@ -28,12 +26,3 @@ def sha256_block_key(parent_key: bytes, token_ids: Sequence[int], extra: bytes) 
     digest.update(extra)
     return digest.digest()
 
-
-def chain_keys(token_ids: Sequence[int], block_size: int, extra: bytes, num_blocks: int,
-               hash_fn: BlockHashFn = sha256_block_key, parent_key: bytes = ROOT_KEY) -> list[bytes]:
-    """Keys of the first `num_blocks` full blocks of `token_ids`, each chained to the one before."""
-    keys = []
-    for i in range(num_blocks):
-        parent_key = hash_fn(parent_key, token_ids[i * block_size:(i + 1) * block_size], extra)
-        keys.append(parent_key)
-    return keys

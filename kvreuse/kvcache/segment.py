@@ -6,7 +6,7 @@ window, at every token offset (a document moved by a number of tokens that is no
 block_size lands on another block grid), from the tail backwards as the seed describes; hits are
 confirmed token by token and extended backwards to maximal runs of consecutive cached blocks.
 
-Reused K/V is approximate beyond layer 0 (the cached block attended to other text); see blend.py.
+Reused K/V is approximate beyond layer 0 (the cached block attended to other text); engine/repair.py repairs it.
 """
 
 from __future__ import annotations
@@ -98,9 +98,6 @@ class SegmentIndex:
         for key, entries in self._blocks.items():
             for block in entries.values():
                 assert self._key(block) == key, f"block {block.block_id} indexed under a stale key"
-
-    def __len__(self) -> int:
-        return sum(len(v) for v in self._blocks.values())
 
     @staticmethod
     def _key(block: KVCacheBlock) -> tuple[bytes, int]:

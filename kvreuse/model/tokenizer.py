@@ -51,10 +51,6 @@ class Tokenizer:
             shutil.rmtree(tmp, ignore_errors=True)
         return cls(tokenizer)
 
-    @property
-    def vocab_size(self) -> int:
-        return len(self.hf)
-
     def encode(self, text: str) -> list[int]:
         return self._backend.encode(text, add_special_tokens=True).ids
 

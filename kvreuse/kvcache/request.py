@@ -1,0 +1,32 @@
+"""What the KV cache knows about one request. The engine's Sequence owns one; the cache never sees the Sequence."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvreuse.kvcache.segment import SegmentPlan
+
+
+@dataclass
+class CacheRequest:
+    token_ids: list[int]              # prompt + completion so far (the Sequence reads and extends this list)
+    extra_key: bytes                  # model fingerprint + block size + salt: part of every key of this request
+    use_cache: bool = True            # False: this request neither reuses nor publishes KV
+    block_table: list[int] = field(default_factory=list)   # physical block of each logical block
+    block_keys: list[bytes] = field(default_factory=list)  # chain keys of the full blocks, computed as needed
+    # Identity (pool uid) of each published full block, in order; None: private (not published, or its chain broke).
+    block_uids: list[int | None] = field(default_factory=list)
+    num_cached_tokens: int = 0        # tokens the last admission took from the exact prefix cache
+    segment_plan: SegmentPlan | None = None  # cached segments to copy in; dropped once copied
+    # K/V from this position on attended to reused (approximate) K/V and are never published; None: all exact.
+    num_exact_tokens: int | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def num_publishable_tokens(self, num_computed_tokens: int) -> int:
+        """Of the first `num_computed_tokens`, how many hold exact K/V."""
+        if self.num_exact_tokens is None:
+            return num_computed_tokens
+        return min(num_computed_tokens, self.num_exact_tokens)

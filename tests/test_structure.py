@@ -1,0 +1,64 @@
+"""The shape the code keeps: the KV cache stands alone, engine and server functions stay small, and the reuse
+counters are named in one place (ReuseRecord) and rendered everywhere from it."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from kvreuse.bench.metrics import reuse_metrics
+from kvreuse.kvcache.accounting import ReuseRecord
+
+PACKAGE = Path(__file__).resolve().parent.parent / "kvreuse"
+MAX_FUNCTION_LINES = 60
+
+
+def imported_modules(path: Path) -> set[str]:
+    modules = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            modules.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            modules.add(node.module)
+    return modules
+
+
+@pytest.mark.parametrize("path", sorted((PACKAGE / "kvcache").glob("*.py")), ids=lambda p: p.name)
+def test_the_kv_cache_imports_nothing_from_the_layers_above_it(path):
+    above = ("kvreuse.engine", "kvreuse.server", "kvreuse.bench", "kvreuse.cli", "kvreuse.llm", "kvreuse.analyze")
+    assert not {m for m in imported_modules(path) if m.startswith(above)}
+
+
+@pytest.mark.parametrize("package", ["engine", "server"])
+def test_engine_and_server_functions_stay_small(package):
+    long = []
+    for path in sorted((PACKAGE / package).glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    long.append(f"{path.name}:{node.name} ({length} lines)")
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {long}"
+
+
+def test_records_add_up_field_by_field_and_keep_their_invariants():
+    a = ReuseRecord.planned(100, num_cached_tokens=32, num_reused_tokens=48, num_shifted_tokens=16)
+    b = ReuseRecord(prompt_tokens=10, computed_prompt_tokens=10, guarded_requests=1)
+    total = a + b
+    assert total.prompt_tokens == 110 and total.computed_prompt_tokens == 30 and total.guarded_requests == 1
+    assert total.hit_rate == pytest.approx(32 / 110)
+    with pytest.raises(AssertionError):
+        ReuseRecord(prompt_tokens=10, cached_tokens=4)              # 4 + 0 + 0 != 10
+
+
+def test_every_counter_has_its_own_prometheus_name():
+    names = [metric for _, metric, _ in ReuseRecord.metrics()]
+    assert len(set(names)) == len(ReuseRecord.field_names()) == len(names)
+
+
+def test_the_bench_rows_carry_every_field_of_the_record():
+    row = reuse_metrics(ReuseRecord.planned(50, 16, 16))
+    assert set(ReuseRecord.field_names()) <= set(row)
+    assert row["prefill_tokens_computed"] == 18 and row["exact_hit_rate"] == pytest.approx(16 / 50)
