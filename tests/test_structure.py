@@ -9,7 +9,12 @@ from pathlib import Path
 import pytest
 
 from kvreuse.bench.metrics import reuse_metrics
+from kvreuse.engine.output import RequestOutput, Usage
 from kvreuse.kvcache.accounting import ReuseRecord
+from kvreuse.server.metrics import Metrics
+from kvreuse.server.usage import usage
+
+from .server_process import Metrics as Scrape
 
 PACKAGE = Path(__file__).resolve().parent.parent / "kvreuse"
 MAX_FUNCTION_LINES = 60
@@ -62,3 +67,27 @@ def test_the_bench_rows_carry_every_field_of_the_record():
     row = reuse_metrics(ReuseRecord.planned(50, 16, 16))
     assert set(ReuseRecord.field_names()) <= set(row)
     assert row["prefill_tokens_computed"] == 18 and row["exact_hit_rate"] == pytest.approx(16 / 50)
+
+
+def finished_output() -> RequestOutput:
+    record = ReuseRecord(prompt_tokens=100, cached_tokens=32, reused_tokens=48, shifted_tokens=16,
+                         recomputed_tokens=12, discarded_tokens=3, computed_prompt_tokens=20, guarded_requests=1)
+    return RequestOutput("r", "text", [1, 2], "stop", Usage(**record.as_dict(), completion_tokens=2), 0.1, 0.2, 0)
+
+
+def test_the_usage_json_carries_exactly_the_record_fields():
+    body = usage(finished_output())
+    assert body["prompt_tokens"] == 100 and body["completion_tokens"] == 2 and body["total_tokens"] == 102
+    details = body["prompt_tokens_details"]
+    assert set(details) == set(ReuseRecord.field_names()) - {"prompt_tokens"}
+    assert (details["cached_tokens"], details["shifted_tokens"], details["guarded_requests"]) == (32, 16, 1)
+
+
+def test_prometheus_counts_every_field_of_the_record_under_its_own_name():
+    metrics = Metrics("m")
+    out = finished_output()
+    metrics.observe_finished(out)
+    metrics.observe_finished(out)
+    scrape = Scrape.parse(metrics.exposition().decode())
+    for name, metric, _ in ReuseRecord.metrics():
+        assert scrape.get(f"{metric}_total", model_name="m") == 2 * getattr(out.usage, name), metric

@@ -93,24 +93,6 @@ class AsyncEngine:
         self._commands.put(("stop", None, None))
         self._thread.join(timeout)
 
-    def call(self, fn: Callable[[LLMEngine], object], timeout: float = 30.0):
-        """Run `fn(engine)` on the engine thread between steps and return its result (blocking)."""
-        done = threading.Event()
-        box: dict = {}
-
-        def job(engine):
-            try:
-                box["result"] = fn(engine)
-            except BaseException as exc:  # handed back to the caller
-                box["error"] = exc
-            done.set()
-        self._commands.put(("call", job, None))
-        if not done.wait(timeout):
-            raise TimeoutError("the engine thread did not answer")
-        if "error" in box:
-            raise box["error"]
-        return box.get("result")
-
     # --- engine thread -------------------------------------------------------------------------------
     def _run(self) -> None:
         try:
@@ -143,8 +125,6 @@ class AsyncEngine:
                     self._finish_stream(arg, self.engine.output(seq))
                     if self.on_step:  # the gauges must show the freed blocks even if nothing steps again
                         self.on_step(self.engine)
-            elif kind == "call":
-                arg(self.engine)
             elif kind == "stop":
                 self._stopping = True
             try:

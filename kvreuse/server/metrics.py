@@ -5,10 +5,12 @@ Each app gets its own registry: no global state, several engines can live in one
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvreuse.engine.engine import LLMEngine
 from kvreuse.engine.output import RequestOutput
+from kvreuse.engine.stats import peak_rss_bytes
+from kvreuse.kvcache.accounting import ReuseRecord
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
 LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
@@ -21,9 +23,10 @@ class Metrics:
         r = self.registry
         self.prefix_cache_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
                                             labels, registry=r)
-        self.prefix_cache_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache",
-                                         labels, registry=r)
-        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of finished requests", labels, registry=r)
+        # One counter per field of the reuse record, named in its metadata (vllm:prompt_tokens,
+        # vllm:prefix_cache_hits, kvreuse:reused_prompt_tokens, ...).
+        self.reuse = {name: Counter(metric, help_text, labels, registry=r)
+                      for name, metric, help_text in ReuseRecord.metrics()}
         self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens", labels, registry=r)
         self.request_success = Counter("vllm:request_success", "Finished requests", labels + ["finished_reason"],
                                        registry=r)
@@ -35,15 +38,6 @@ class Metrics:
                               registry=r)
         self.running = Gauge("vllm:num_requests_running", "Requests in the running batch", labels, registry=r)
         self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled", labels, registry=r)
-        self.computed = Counter("kvreuse:computed_prompt_tokens", "Prompt tokens computed fresh", labels, registry=r)
-        self.reused = Counter("kvreuse:reused_prompt_tokens", "Prompt tokens from approximate segment reuse",
-                              labels, registry=r)
-        self.recomputed = Counter("kvreuse:recomputed_prompt_tokens", "Reused tokens recomputed by the repair",
-                                  labels, registry=r)
-        self.discarded = Counter("kvreuse:discarded_prompt_tokens",
-                                 "Token work of approximate passes the fidelity guard threw away", labels, registry=r)
-        self.guarded = Counter("kvreuse:guarded_requests", "Requests the fidelity guard recomputed exactly",
-                               labels, registry=r)
         self.evictions = Gauge("kvreuse:cache_evictions", "Cached blocks evicted so far", labels + ["policy"],
                                registry=r)
         self.cached_blocks = Gauge("kvreuse:cached_blocks", "Unreferenced cached KV blocks kept for reuse", labels,
@@ -53,34 +47,32 @@ class Metrics:
         self.peak_rss = Gauge("kvreuse:peak_rss_bytes", "Peak resident memory of the server process", labels,
                               registry=r)
         self.model_name = model_name
-        for metric in (self.prefix_cache_queries, self.prefix_cache_hits, self.prompt_tokens, self.generation_tokens,
-                       self.computed, self.reused, self.recomputed, self.kv_usage, self.running, self.waiting):
+        for metric in (self.prefix_cache_queries, *self.reuse.values(), self.generation_tokens, self.kv_usage,
+                       self.running, self.waiting):
             metric.labels(model_name)  # exported as 0 from the start, not only after the first request
 
     def observe_step(self, engine: LLMEngine) -> None:
-        """Gauges, from the engine thread after each step."""
-        m = self.model_name
-        pool = engine.kv_manager.pool
-        in_use = pool.num_used_blocks
-        self.kv_usage.labels(m).set(in_use / pool.num_blocks)
-        self.running.labels(m).set(len(engine.scheduler.running))
-        self.waiting.labels(m).set(len(engine.scheduler.waiting))
-        self.cached_blocks.labels(m).set(pool.num_cached_blocks)
-        self.evictions.labels(m, pool.evictable.name).set(pool.num_evictions)
-        self.peak_kv_bytes.labels(m).set(engine.stats.peak_blocks_in_use * engine.runner.bytes_per_block)
+        """Gauges, from the engine thread after each step (and after an abort frees blocks)."""
+        m, s = self.model_name, engine.stats_snapshot()
+        self.kv_usage.labels(m).set(s["blocks_in_use"] / s["blocks_total"])
+        self.running.labels(m).set(s["num_requests_running"])
+        self.waiting.labels(m).set(s["num_requests_waiting"])
+        self.cached_blocks.labels(m).set(s["blocks_cached"])
+        self.evictions.labels(m, s["eviction_policy"]).set(s["evictions"])
+        self.peak_kv_bytes.labels(m).set(s["peak_kv_bytes_in_use"])
+
+    def exposition(self) -> bytes:
+        """The Prometheus text format of every metric, for a `/metrics` scrape."""
+        # Peak RSS is read at scrape time rather than per step: it is the process's, not the engine's.
+        self.peak_rss.labels(self.model_name).set(peak_rss_bytes())
+        return generate_latest(self.registry)
 
     def observe_finished(self, out: RequestOutput) -> None:
         m, u = self.model_name, out.usage
         self.prefix_cache_queries.labels(m).inc(u.prompt_tokens)
-        self.prefix_cache_hits.labels(m).inc(u.cached_tokens)
-        self.prompt_tokens.labels(m).inc(u.prompt_tokens)
+        for name, counter in self.reuse.items():
+            counter.labels(m).inc(getattr(u, name))
         self.generation_tokens.labels(m).inc(u.completion_tokens)
-        self.computed.labels(m).inc(u.computed_prompt_tokens)
-        self.reused.labels(m).inc(u.reused_tokens)
-        self.recomputed.labels(m).inc(u.recomputed_tokens)
-        self.discarded.labels(m).inc(u.discarded_tokens)
-        if u.guarded:
-            self.guarded.labels(m).inc()
         self.request_success.labels(m, out.finish_reason or "abort").inc()
         if out.ttft_s is not None:
             self.ttft.labels(m).observe(out.ttft_s)

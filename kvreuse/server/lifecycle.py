@@ -1,0 +1,71 @@
+"""`kvreuse serve`: load, warm up, announce readiness on stdout, serve, and drain on SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import re
+import signal
+from pathlib import Path
+
+import uvicorn
+
+from kvreuse.config import Config
+from kvreuse.engine.engine import LLMEngine
+from kvreuse.sampling_params import SamplingParams
+from kvreuse.server.app import create_app
+from kvreuse.server.auth import load_api_keys
+
+
+def serve(config: Config, *, served_model_name: str | None = None, log_level: str = "warning") -> int:
+    """Serve `config`'s model over HTTP until SIGTERM or SIGINT; returns the exit code (0 once drained).
+    `served_model_name` is the model id clients use (default: the weights file name without its
+    quantization suffix). Raises ConfigError for a bad API key file, ModelLoadError for bad weights."""
+    api_keys = load_api_keys(config.server.api_keys_file) if config.server.api_keys_file else None
+    engine = LLMEngine(config)
+    warm_up(engine)
+    model_name = served_model_name or model_name_of(engine.model_path)
+    app = create_app(engine, model_name, api_keys)
+    description = (f"model={model_name} max_model_len={engine.max_model_len} "
+                   f"kv_capacity={engine.kv_capacity_tokens} tokens ({engine.num_kv_blocks} blocks x "
+                   f"{engine.block_size}) prefix_caching={'on' if config.cache.enabled else 'off'} "
+                   f"auth={'api-keys' if api_keys else 'off'}")
+    server = DrainingServer(uvicorn.Config(app, host=config.server.host, port=config.server.port,
+                                           log_level=log_level.lower(),
+                                           timeout_graceful_shutdown=config.server.drain_timeout_s),
+                            description)
+    # uvicorn re-raises the signal that stopped it once it has drained; a drained server exits 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    server.run()
+    return 0
+
+
+def warm_up(engine: LLMEngine) -> None:
+    """One tiny request through the engine, so the first client's does not pay for lazy initialization."""
+    engine.add_request("warm up", SamplingParams(max_tokens=2), use_cache=False)
+    while engine.has_unfinished():
+        engine.step()
+
+
+def model_name_of(weights: Path) -> str:
+    """The id a weights file is served as: SmolLM2-135M-Instruct.Q4_1.gguf -> SmolLM2-135M-Instruct."""
+    return re.sub(r"(\.(Q\d\w*|F16|F32|BF16))?\.gguf$", "", weights.name)
+
+
+class DrainingServer(uvicorn.Server):
+    """A uvicorn server that prints `kvreuse ready: URL DESCRIPTION` once it accepts connections and,
+    on a shutdown signal, has the app refuse new requests (503) while in-flight ones finish."""
+
+    def __init__(self, config: uvicorn.Config, description: str):
+        super().__init__(config)
+        self.description = description
+
+    async def startup(self, sockets=None):
+        await super().startup(sockets)
+        if self.started:
+            # The bound address, not the configured one: port 0 picks a free port.
+            host, port = self.servers[0].sockets[0].getsockname()[:2]
+            print(f"kvreuse ready: http://{host}:{port}/v1 {self.description}", flush=True)
+
+    def handle_exit(self, sig, frame):
+        self.config.app.state.kvreuse.draining = True
+        super().handle_exit(sig, frame)

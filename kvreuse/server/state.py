@@ -1,0 +1,37 @@
+"""What every route shares: the engine, its thread, the metrics and the server's settings.
+
+One `ServerState` lives on `app.state.kvreuse`; routes reach it through the `get_state` dependency (tests can
+swap it with `app.dependency_overrides[get_state]`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from kvreuse.engine.engine import LLMEngine
+from kvreuse.server.async_engine import AsyncEngine
+from kvreuse.server.metrics import Metrics
+from kvreuse.server.protocol import now
+
+
+@dataclass
+class ServerState:
+    engine: LLMEngine
+    async_engine: AsyncEngine
+    metrics: Metrics
+    model_name: str
+    api_keys: dict[str, str] | None  # key -> tenant; None: no authentication
+    draining: bool = False  # set on SIGTERM: new requests get 503 while in-flight ones finish
+    ready: bool = False     # the engine thread runs
+    created: int = field(default_factory=now)
+
+
+async def get_state(request: Request) -> ServerState:
+    """Dependency: the ServerState of the app serving this request."""
+    return request.app.state.kvreuse
+
+
+StateDep = Annotated[ServerState, Depends(get_state)]  # a route parameter of this type receives the state
