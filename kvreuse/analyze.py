@@ -10,20 +10,17 @@ near-duplicate prompts first diverge.
 
 from __future__ import annotations
 
-import json
 import re
 import statistics
 from collections import Counter
-from dataclasses import dataclass, field
-from pathlib import Path
 
 from kvreuse.config import Config
-from kvreuse.engine.sequence import Sequence
-from kvreuse.kvcache.manager import KVCacheManager
+from kvreuse.kvcache.accounting import ReuseRecord
 from kvreuse.kvcache.normalize import normalize_text
+from kvreuse.kvcache.simulate import simulate
+from kvreuse.kvcache.tokens import common_prefix_length
 from kvreuse.model.loader import file_sha256, resolve_model_path
 from kvreuse.model.tokenizer import Tokenizer
-from kvreuse.sampling_params import SamplingParams
 
 DYNAMIC_FIELDS = {
     "timestamp": re.compile(r"\b\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}(:\d{2}(\.\d+)?)?(Z|[+-]\d{2}:?\d{2})?\b"
@@ -36,42 +33,6 @@ DYNAMIC_FIELDS = {
 }
 
 
-@dataclass
-class Replay:
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    reused_tokens: int = 0
-    per_prompt: list[tuple[int, int, int]] = field(default_factory=list)  # (prompt, cached, reused)
-
-    @property
-    def hit_rate(self) -> float:
-        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-    @property
-    def segment_rate(self) -> float:
-        return self.reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-
-def read_prompts(path: str) -> list[str | list[dict]]:
-    """JSONL of {"prompt": str} or {"messages": [...]}; plain text lines are taken as prompts too."""
-    prompts: list[str | list[dict]] = []
-    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            prompts.append(line)
-            continue
-        if isinstance(record, dict) and isinstance(record.get("prompt"), str):
-            prompts.append(record["prompt"])
-        elif isinstance(record, dict) and isinstance(record.get("messages"), list):
-            prompts.append(record["messages"])
-        else:
-            raise ValueError(f'{path}, line {number}: expected {{"prompt": str}} or {{"messages": [...]}}')
-    return prompts
-
-
 def render(tokenizer: Tokenizer, prompt: str | list[dict], normalize: bool) -> str:
     fix = normalize_text if normalize else (lambda text: text)
     if isinstance(prompt, str):
@@ -79,42 +40,10 @@ def render(tokenizer: Tokenizer, prompt: str | list[dict], normalize: bool) -> s
     return tokenizer.apply_chat_template([{**m, "content": fix(m.get("content") or "")} for m in prompt])
 
 
-def replay(token_lists: list[list[int]], config: Config, fingerprint: str, segments: bool) -> Replay:
-    """Run the prompts through a KVCacheManager as the engine would, one after another."""
-    cache = config.cache
-    num_blocks = config.engine.num_kv_blocks or 4096
-    manager = KVCacheManager(num_blocks, cache.block_size, enable_caching=cache.enabled,
-                             max_cached_blocks=cache.max_blocks, policy=cache.policy,
-                             min_match_blocks=cache.min_match_blocks, fingerprint=fingerprint,
-                             enable_segments=segments)
-    result = Replay()
-    for i, token_ids in enumerate(token_lists):
-        seq = Sequence(f"p{i}", token_ids, SamplingParams(max_tokens=1))
-        hits = manager.match_prefix(seq)
-        plan = manager.match_segments(seq, len(hits))
-        num_new = seq.num_tokens - len(hits) * cache.block_size
-        if not manager.can_allocate(seq, num_new, hits, plan):
-            manager.pool.reset_cache()
-            hits, plan = [], None
-            num_new = seq.num_tokens
-            if not manager.can_allocate(seq, num_new):
-                continue  # larger than the whole pool: the engine would refuse it too
-        manager.allocate(seq, num_new, hits, plan)
-        cached, reused = seq.num_computed_tokens, plan.num_tokens if plan else 0
-        manager.release_sources(seq)
-        seq.num_computed_tokens = seq.num_tokens
-        manager.cache_computed_blocks(seq)
-        manager.free(seq)
-        result.prompt_tokens += seq.num_tokens
-        result.cached_tokens += cached
-        result.reused_tokens += reused
-        result.per_prompt.append((seq.num_tokens, cached, reused))
-    return result
-
-
-def common_prefix(a: str, b: str) -> int:
-    n = min(len(a), len(b))
-    return next((i for i in range(n) if a[i] != b[i]), n)
+def replay(token_lists: list[list[int]], config: Config, fingerprint: str, segments: bool) -> ReuseRecord:
+    """The prompts through the engine's cache as configured (4096 blocks if the pool is sized by memory)."""
+    return simulate(token_lists, config.cache, fingerprint, config.engine.num_kv_blocks or 4096,
+                    enable_segments=segments)
 
 
 def find_dynamic_fields(texts: list[str]) -> list[dict]:
@@ -143,8 +72,8 @@ def divergences(texts: list[str], tokenizer: Tokenizer) -> list[dict]:
     """For each prompt, the earlier prompt sharing the longest text prefix, and where they part."""
     rows = []
     for i, text in enumerate(texts[1:], start=1):
-        j = max(range(i), key=lambda k: common_prefix(texts[k], text))
-        at = common_prefix(texts[j], text)
+        j = max(range(i), key=lambda k: common_prefix_length(texts[k], text))
+        at = common_prefix_length(texts[j], text)
         rows.append({"prompt": i, "closest_earlier": j, "diverges_at_char": at,
                      "diverges_at_token": len(tokenizer.encode(text[:at])),
                      "fraction": round(at / max(1, len(text)), 3),
@@ -177,8 +106,8 @@ def analyze(prompts: list[str | list[dict]], config: Config) -> dict:
         "block_size": config.cache.block_size, "normalize_input": normalize,
         "segment_reuse": config.cache.suffix.enabled,
         "hit_rate": round(as_configured.hit_rate, 4),
-        "segment_rate": round(as_configured.segment_rate, 4),
-        "hit_rate_with_segment_reuse": round(with_segments.hit_rate + with_segments.segment_rate, 4),
+        "segment_rate": round(as_configured.approximate_hit_rate, 4),
+        "hit_rate_with_segment_reuse": round(with_segments.hit_rate + with_segments.approximate_hit_rate, 4),
         "hit_rate_normalized": round(normalized.hit_rate, 4), "hit_rate_raw": round(raw.hit_rate, 4),
         "dynamic_fields": fields,
         "median_divergence_fraction": statistics.median(r["fraction"] for r in splits) if splits else None,

@@ -1,23 +1,56 @@
-"""Command line: `kvreuse generate` (and, as they land, serve / bench / analyze)."""
+"""Command line: `kvreuse generate`, `serve`, `bench scenario|engine|prefix|replay`, `fidelity`, `analyze`."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
-import re
 import sys
 from pathlib import Path
 
 from kvreuse.bench.workloads import WORKLOADS
 from kvreuse.config import PRESETS, Config, ConfigError, load_config
 from kvreuse.model.loader import ModelLoadError
+from kvreuse.prompts_file import PromptRecord, PromptsFileError, read_prompts_file
 
 EXIT_USAGE = 2
+
+# The vLLM-style shorthand flags, by argparse dest, and the config key each sets. Each command has some of them.
+SHORTHANDS = {
+    "model": "model.path",
+    "device": "model.device",
+    "dtype": "model.dtype",
+    "block_size": "cache.block_size",
+    "max_model_len": "server.max_tokens",
+    "enable_prefix_caching": "cache.enabled",
+    "preset": "cache.preset",
+    "host": "server.host",
+    "port": "server.port",
+    "api_keys": "server.api_keys_file",
+}
 
 
 class InputError(ValueError):
     pass
+
+
+def config_overrides(args: argparse.Namespace) -> list[str]:
+    """The --set assignments, then the shorthand flags given, so a flag wins over --set for the same key."""
+    given = ((key, getattr(args, dest, None)) for dest, key in SHORTHANDS.items())
+    return [*args.overrides, *(f"{key}={value}" for key, value in given if value is not None)]
+
+
+def build_config(args: argparse.Namespace) -> Config:
+    """Shorthand flags > --set > the --config file > defaults."""
+    return load_config(args.config, config_overrides(args))
+
+
+def _shorthand(dest: str) -> str:
+    return f"shorthand for --set {SHORTHANDS[dest]}="
+
+
+def _log_level_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO (per-request cache-hit log), WARNING")
 
 
 def _common_flags(parser: argparse.ArgumentParser) -> None:
@@ -25,64 +58,47 @@ def _common_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override one config key; repeatable; wins over the file")
     parser.add_argument("--model", help="a Llama-family .gguf file or Hugging Face directory (default: embedded)")
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], help="shorthand for --set model.device=")
-    parser.add_argument("--dtype", choices=["auto", "fp32", "bf16"], help="shorthand for --set model.dtype=")
-    parser.add_argument("--block-size", type=int, help="shorthand for --set cache.block_size=")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], help=_shorthand("device"))
+    parser.add_argument("--dtype", choices=["auto", "fp32", "bf16"], help=_shorthand("dtype"))
+    parser.add_argument("--block-size", type=int, help=_shorthand("block_size"))
     parser.add_argument("--preset", choices=list(PRESETS),
-                        help="scenario preset (shorthand for --set cache.preset=); explicit keys override it")
-    parser.add_argument("--max-model-len", type=int, help="shorthand for --set server.max_tokens= (context limit)")
+                        help=f"scenario preset ({_shorthand('preset')}); explicit keys override it")
+    parser.add_argument("--max-model-len", type=int, help=f"{_shorthand('max_model_len')} (context limit)")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
-                        help="shorthand for --set cache.enabled=")
-    parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO (per-request cache-hit log), WARNING")
+                        help=_shorthand("enable_prefix_caching"))
+    _log_level_flag(parser)
 
 
-def build_overrides(args: argparse.Namespace) -> list[str]:
-    """--set assignments, then the shorthand flags (which win)."""
-    shorthands = {"model.path": args.model, "model.device": args.device, "model.dtype": args.dtype,
-                  "cache.block_size": args.block_size, "server.max_tokens": args.max_model_len,
-                  "cache.enabled": args.enable_prefix_caching, "cache.preset": args.preset}
-    return list(args.overrides) + [f"{k}={v}" for k, v in shorthands.items() if v is not None]
-
-
-def build_config(args: argparse.Namespace) -> Config:
-    """CLI flags > --set > config file > defaults."""
-    return load_config(args.config, build_overrides(args))
-
-
-def read_requests(path: str) -> list[dict]:
-    """JSONL lines of {"prompt": str} or {"messages": [...]}, with optional max_tokens and temperature."""
-    requests = []
+def _positive_int(text: str) -> int:
+    problem = argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
     try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except OSError as exc:
-        raise InputError(f"cannot read --input {path}: {exc.strerror}") from exc
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise InputError(f"{path}, line {number}: not valid JSON ({exc.msg})") from exc
-        if not isinstance(record, dict) or ("prompt" in record) == ("messages" in record):
-            raise InputError(f'{path}, line {number}: expected an object with exactly one of "prompt" or "messages"')
-        if "prompt" in record and not (isinstance(record["prompt"], str) and record["prompt"]):
-            raise InputError(f'{path}, line {number}: "prompt" must be a non-empty string')
-        if "messages" in record and not _valid_messages(record["messages"]):
-            raise InputError(f'{path}, line {number}: "messages" must be a non-empty list of '
-                             '{"role": str, "content": str} objects')
-        unknown = set(record) - {"prompt", "messages", "max_tokens", "temperature"}
-        if unknown:
-            raise InputError(f"{path}, line {number}: unknown field(s) {', '.join(sorted(unknown))}; "
-                             "allowed: prompt, messages, max_tokens, temperature")
-        record["line"] = number
-        requests.append(record)
-    return requests
+        value = int(text)
+    except ValueError:
+        raise problem from None
+    if value < 1:
+        raise problem
+    return value
 
 
-def _valid_messages(messages) -> bool:
-    return (isinstance(messages, list) and bool(messages)
-            and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                    for m in messages))
+def _scenario_name(text: str) -> str:
+    # A type check, not `choices`: argparse (3.11) rejects an empty nargs="*" list against choices.
+    if text not in (*WORKLOADS, "all"):
+        raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {', '.join([*WORKLOADS, 'all'])})")
+    return text
+
+
+def _chosen_scenarios(names: list[str]) -> list[str]:
+    return list(WORKLOADS) if not names or "all" in names else list(dict.fromkeys(names))
+
+
+def _progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _argument_prompts(prompts: list[str], chat: bool) -> list[PromptRecord]:
+    if chat:
+        return [PromptRecord(line=i, messages=[{"role": "user", "content": p}]) for i, p in enumerate(prompts, 1)]
+    return [PromptRecord(line=i, prompt=p) for i, p in enumerate(prompts, 1)]
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -91,12 +107,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from kvreuse.sampling_params import SamplingParams
 
     config = build_config(args)
-    if args.input:
-        requests = read_requests(args.input)
-    else:
-        key = "messages" if args.chat else "prompt"
-        requests = [{key: [{"role": "user", "content": p}] if args.chat else p, "line": i}
-                    for i, p in enumerate(args.prompts, start=1)]
+    requests = read_prompts_file(args.input) if args.input else _argument_prompts(args.prompts, args.chat)
     if not requests:
         raise InputError("nothing to generate: give prompts as arguments or --input FILE.jsonl")
 
@@ -104,11 +115,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     default_max = args.max_tokens or config.server.default_max_tokens
     prompts, params = [], []
     for r in requests:
-        where = f"{args.input}, line {r['line']}" if args.input else f"prompt {r['line']}"
+        where = f"{args.input}, line {r.line}" if args.input else f"prompt {r.line}"
         try:
-            p = SamplingParams(max_tokens=r.get("max_tokens", default_max),
-                               temperature=r.get("temperature", args.temperature), seed=args.seed)
-            prompt = llm.engine.render_chat(r["messages"]) if "messages" in r else r["prompt"]
+            p = SamplingParams(max_tokens=default_max if r.max_tokens is None else r.max_tokens,
+                               temperature=args.temperature if r.temperature is None else r.temperature,
+                               seed=args.seed)
+            prompt = llm.engine.render_chat(r.messages) if r.messages is not None else r.prompt
         except ValueError as exc:
             raise InputError(f"{where}: {exc}") from exc
         prompts.append(prompt)
@@ -143,153 +155,89 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import signal
+    from kvreuse.server.lifecycle import serve
 
-    import uvicorn
+    return serve(build_config(args), served_model_name=args.served_model_name, log_level=args.log_level)
 
-    from kvreuse.engine.engine import LLMEngine
-    from kvreuse.sampling_params import SamplingParams
-    from kvreuse.server.api_keys import load_api_keys
-    from kvreuse.server.app import create_app
 
-    for flag, key in ((args.host, "server.host"), (args.port, "server.port"), (args.api_keys, "server.api_keys_file")):
-        if flag is not None:
-            args.overrides.append(f"{key}={flag}")
-    config = build_config(args)
-    api_keys = load_api_keys(config.server.api_keys_file) if config.server.api_keys_file else None
-    engine = LLMEngine(config)
-    engine.add_request("warm up", SamplingParams(max_tokens=2), use_cache=False)
-    while engine.has_unfinished():
-        engine.step()
-    # "SmolLM2-135M-Instruct.Q4_1.gguf" is served as "SmolLM2-135M-Instruct".
-    model_name = args.served_model_name or re.sub(r"(\.(Q\d\w*|F16|F32|BF16))?\.gguf$", "", engine.model_path.name)
-    app = create_app(engine, model_name, api_keys)
+def _publish(name: str, report: dict, table: str, out: str | None) -> int:
+    from kvreuse.bench.commands import write_report
 
-    class Server(uvicorn.Server):
-        async def startup(self, sockets=None):
-            await super().startup(sockets)
-            if self.started:
-                host, port = self.servers[0].sockets[0].getsockname()[:2]
-                print(f"kvreuse ready: http://{host}:{port}/v1 model={model_name} max_model_len={engine.max_model_len} "
-                      f"kv_capacity={engine.kv_capacity_tokens} tokens ({engine.num_kv_blocks} blocks x "
-                      f"{engine.block_size}) prefix_caching={'on' if config.cache.enabled else 'off'} "
-                      f"auth={'api-keys' if api_keys else 'off'}", flush=True)
-
-        def handle_exit(self, sig, frame):
-            app.state.kvreuse.draining = True  # new requests get 503 while in-flight ones finish
-            super().handle_exit(sig, frame)
-
-    server = Server(uvicorn.Config(app, host=config.server.host, port=config.server.port,
-                                   log_level=args.log_level.lower(),
-                                   timeout_graceful_shutdown=config.server.drain_timeout_s))
-    # uvicorn re-raises the signal that stopped it once it has drained; a drained server exits 0.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: None)
-    server.run()
+    print(table)
+    if out:
+        write_report(Path(out), name, report, table)
     return 0
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    import importlib
+def cmd_bench_scenario(args: argparse.Namespace) -> int:
+    from kvreuse.bench import commands, scenario_bench
 
-    progress = lambda line: print(line, file=sys.stderr, flush=True)
-    if args.concurrency is not None and args.concurrency < 1:
-        raise InputError(f"--concurrency must be >= 1, got {args.concurrency}")
-    scenarios = list(WORKLOADS) if args.scenario in (None, "all") else [args.scenario]
+    scenarios = _chosen_scenarios(args.scenarios)
     num_requests = args.requests or (4 if args.quick else 24)
     max_tokens = args.max_tokens or (4 if args.quick else 16)
-    if args.url:
-        from kvreuse.bench import replay as suite
-
-        name, report = "replay", bench_url(args, scenarios, num_requests, max_tokens)
-    elif args.scenario:
-        from kvreuse.bench import scenario_bench as suite
-
-        name = "scenario"
-        report = suite.run({s: scenario_config(args, s) for s in scenarios}, num_requests, max_tokens,
-                           args.concurrency, peers=not args.no_peers, progress=progress)
-    else:
-        name = args.suite
-        suite = importlib.import_module(f"kvreuse.bench.{name}_bench")
-        kwargs = {"include_bf16": not args.no_bf16} if args.suite == "engine" else {}
-        report = suite.run(repeats=args.repeats, progress=progress, **kwargs)
-    table = suite.markdown(report)
+    overrides = config_overrides(args)
+    configs = {s: commands.scenario_config(s, args.config, overrides) for s in scenarios}
+    report = scenario_bench.run(configs, num_requests, max_tokens, args.concurrency, peers=not args.no_peers,
+                                progress=_progress)
+    table = scenario_bench.markdown(report)
     print(table)
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        if name == "scenario":
-            from kvreuse.bench import plots
-
-            report["block_size_sweep"] = plots.block_size_sweep(scenarios, list(plots.DEFAULT_BLOCK_SIZES),
-                                                                num_requests, scenario_config(args, "none"))
-            for path in plots.write_plots(report, report["block_size_sweep"], out):
-                print(f"wrote {path}", file=sys.stderr)
-        (out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
-        (out / f"{name}.md").write_text(table + "\n")
-        print(f"wrote {out / name}.json and .md", file=sys.stderr)
+        commands.write_scenario_plots(Path(args.out), report, scenarios, num_requests,
+                                      commands.scenario_config("none", args.config, overrides))
+        commands.write_report(Path(args.out), "scenario", report, table)
     return 0
 
 
-def scenario_config(args: argparse.Namespace, scenario: str) -> Config:
-    """The config a scenario runs under: its own preset unless --preset names one (explicit keys still win)."""
-    preset = [] if args.preset else [f"cache.preset={scenario if scenario in PRESETS else 'none'}"]
-    return load_config(args.config, preset + build_overrides(args))  # the modes switch segment reuse per run
+def cmd_bench_engine(args: argparse.Namespace) -> int:
+    from kvreuse.bench import engine_bench
+
+    report = engine_bench.run(repeats=args.repeats, include_bf16=not args.no_bf16, progress=_progress)
+    return _publish("engine", report, engine_bench.markdown(report), args.out)
 
 
-def bench_url(args: argparse.Namespace, scenarios: list[str], num_requests: int, max_tokens: int) -> dict:
-    from tqdm import tqdm
+def cmd_bench_prefix(args: argparse.Namespace) -> int:
+    from kvreuse.bench import prefix_bench
 
-    from kvreuse.bench import replay, workloads
+    report = prefix_bench.run(repeats=args.repeats, progress=_progress)
+    return _publish("prefix", report, prefix_bench.markdown(report), args.out)
 
-    report = {"suite": "replay", "url": args.url, "requests": num_requests, "max_tokens": max_tokens,
-              "scenarios": {}}
-    for scenario in scenarios:
-        conversations = workloads.WORKLOADS[scenario](num_requests)
-        with tqdm(total=len(conversations), desc=f"{scenario} @ {args.url}", unit="req", leave=False,
-                  disable=None) as bar:  # no bar when stderr is not a terminal
-            try:
-                report["scenarios"][scenario] = replay.run(
-                    args.url, conversations, model=args.served_model, max_tokens=max_tokens,
-                    concurrency=args.concurrency, request_rate=args.request_rate, api_key=args.api_key,
-                    progress=bar.update)
-            except (RuntimeError, ValueError) as exc:
-                raise InputError(str(exc)) from exc
-    return report
+
+def cmd_bench_replay(args: argparse.Namespace) -> int:
+    from kvreuse.bench import replay
+
+    try:
+        report = replay.run_scenarios(args.url, _chosen_scenarios(args.scenarios), args.requests, args.max_tokens,
+                                      model=args.served_model, concurrency=args.concurrency,
+                                      request_rate=args.request_rate, api_key=args.api_key)
+    except (RuntimeError, ValueError) as exc:
+        raise InputError(str(exc)) from exc
+    return _publish("replay", report, replay.markdown(report), args.out)
 
 
 def cmd_fidelity(args: argparse.Namespace) -> int:
     from kvreuse.bench import fidelity
 
-    overrides = list(args.overrides) + ([f"cache.block_size={args.block_size}"] if args.block_size else [])
     report = fidelity.fidelity_report(num_requests=args.requests, seed=args.seed, modes=args.modes,
-                                      overrides=overrides, progress=lambda line: print(line, file=sys.stderr),
-                                      continuation=args.continuation, workload=args.workload)
+                                      overrides=config_overrides(args), progress=_progress,
+                                      continuation=args.continuation, workload=args.workload,
+                                      config_file=args.config)
     print(json.dumps(report, indent=2) if args.json else fidelity.markdown(report))
     return 0
 
 
 def cmd_analyze(args: argparse.Namespace) -> int:
-    from kvreuse.analyze import analyze, read_prompts, text_report
+    from kvreuse.analyze import analyze, text_report
 
     config = build_config(args)
-    try:
-        prompts = read_prompts(args.prompts_file)
-    except OSError as exc:
-        raise InputError(f"cannot read {args.prompts_file}: {exc.strerror}") from exc
-    except ValueError as exc:
-        raise InputError(str(exc)) from exc
-    if not prompts:
+    records = read_prompts_file(args.prompts_file)
+    if not records:
         raise InputError(f"{args.prompts_file}: no prompts")
-    report = analyze(prompts, config)
+    report = analyze([r.text_or_messages for r in records], config)
     print(json.dumps(report, indent=2, ensure_ascii=False) if args.json else text_report(report))
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvreuse", description="LLM inference built around KV-cache reuse")
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def _add_generate(sub) -> None:
     gen = sub.add_parser("generate", help="generate completions offline")
     _common_flags(gen)
     gen.add_argument("prompts", nargs="*", help="prompts (plain text; with --chat, user messages)")
@@ -302,39 +250,88 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--batch", action="store_true", help="submit all requests at once (continuous batching)")
     gen.set_defaults(func=cmd_generate)
 
+
+def _add_serve(sub) -> None:
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     _common_flags(serve)
-    serve.add_argument("--host", help="shorthand for --set server.host= (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, help="shorthand for --set server.port= (default 8000; 0 = any free port)")
-    serve.add_argument("--api-keys", help="file of API keys -> tenants (shorthand for --set server.api_keys_file=)")
+    serve.add_argument("--host", help=f"{_shorthand('host')} (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help=f"{_shorthand('port')} (default 8000; 0 = any free port)")
+    serve.add_argument("--api-keys", help=f"file of API keys -> tenants ({_shorthand('api_keys')})")
     serve.add_argument("--served-model-name", help="model id clients use (default: the weights file name)")
     serve.set_defaults(func=cmd_serve)
 
-    bench = sub.add_parser("bench", help="benchmarks: engine and prefix suites (medians of interleaved runs), "
-                                         "scenarios in-process or against a server (--url)")
-    _common_flags(bench)
-    bench.add_argument("--scenario", choices=[*WORKLOADS, "all"],
-                       help="the seed's scenarios (prefix: SGLang's generated-shared-prefix) in modes no-cache, "
-                            "prefix, shift, blend, each under its own preset unless --preset is given")
-    bench.add_argument("--quick", action="store_true", help="scenario: 4 requests x 4 tokens (a smoke run)")
-    bench.add_argument("--requests", type=int, help="scenario: requests per scenario (default 24)")
-    bench.add_argument("--max-tokens", type=int, help="scenario: completion tokens per request (default 16)")
-    bench.add_argument("--suite", choices=["engine", "prefix"], default="prefix",
-                       help="engine: cold prefill and decode vs HF transformers / llama.cpp; "
-                            "prefix: cold vs warm TTFT of a 2048-token prompt")
-    bench.add_argument("--repeats", type=int, default=3, help="measured rounds (after one warm-up round)")
-    bench.add_argument("--no-bf16", action="store_true", help="engine suite: skip HF bf16 (slow without AVX512-BF16)")
-    bench.add_argument("--concurrency", type=int, help="requests in flight (scenario default 1, --url: no cap)")
-    bench.add_argument("--no-peers", action="store_true", help="scenario: skip the HF transformers peer")
-    bench.add_argument("--url", help="replay the scenario(s) against an OpenAI-compatible server at this root URL")
-    bench.add_argument("--request-rate", type=float, default=float("inf"),
-                       help="--url: Poisson arrivals per second (default inf: all at once)")
-    bench.add_argument("--served-model", help="--url: model name to send (default: the first of GET /v1/models)")
-    bench.add_argument("--api-key", default="EMPTY", help="--url: bearer token")
-    bench.add_argument("--out", help="directory for <suite>.json and <suite>.md (scenario: and PNG plots)")
-    bench.set_defaults(func=cmd_bench)
 
+def _scenario_names(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("scenarios", nargs="*", type=_scenario_name, metavar="SCENARIO",
+                        help=f"{', '.join(WORKLOADS)} or all (default: all; prefix is SGLang's "
+                             "generated-shared-prefix)")
+
+
+def _out_flag(parser: argparse.ArgumentParser, name: str, extra: str = "") -> None:
+    parser.add_argument("--out", metavar="DIR", help=f"directory for {name}.json and {name}.md{extra}")
+
+
+def _add_bench(sub) -> None:
+    bench = sub.add_parser("bench", help="benchmarks: scenarios in-process or against a server, engine and "
+                                         "prefix suites", description="Benchmarks. Each subcommand prints a "
+                                         "Markdown table; --out DIR also writes it and the JSON report.")
+    suites = bench.add_subparsers(dest="suite", required=True, metavar="SUITE")
+
+    scenario = suites.add_parser("scenario", help="the seed's scenarios in-process, in modes no-cache, prefix, "
+                                                  "shift, blend, beside HF transformers",
+                                 description="The seed's scenarios in modes no-cache, prefix, shift, blend, each "
+                                             "under its own preset unless --preset is given, beside HF "
+                                             "transformers on the same weights; fidelity against no-cache.")
+    _common_flags(scenario)
+    _scenario_names(scenario)
+    scenario.add_argument("--quick", action="store_true", help="4 requests x 4 tokens (a smoke run)")
+    scenario.add_argument("--requests", type=_positive_int, help="requests per scenario (default 24; --quick: 4)")
+    scenario.add_argument("--max-tokens", type=_positive_int,
+                          help="completion tokens per request (default 16; --quick: 4)")
+    scenario.add_argument("--concurrency", type=_positive_int,
+                          help="requests in flight (default: each scenario's own; eval is a batch job)")
+    scenario.add_argument("--no-peers", action="store_true", help="skip the HF transformers peers")
+    _out_flag(scenario, "scenario", ", and PNG plots (TTFT per mode, hit rate against block_size)")
+    scenario.set_defaults(func=cmd_bench_scenario)
+
+    engine = suites.add_parser("engine", help="cold prefill and decode vs HF transformers / llama.cpp, "
+                                              "medians of interleaved rounds")
+    engine.add_argument("--repeats", type=_positive_int, default=3, help="measured rounds (after one warm-up round)")
+    engine.add_argument("--no-bf16", action="store_true", help="skip HF bf16 (slow without AVX512-BF16)")
+    _out_flag(engine, "engine")
+    _log_level_flag(engine)
+    engine.set_defaults(func=cmd_bench_engine)
+
+    prefix = suites.add_parser("prefix", help="cold vs warm TTFT of a 2048-token prompt sharing 1984 tokens")
+    prefix.add_argument("--repeats", type=_positive_int, default=3, help="measured rounds (after one warm-up round)")
+    _out_flag(prefix, "prefix")
+    _log_level_flag(prefix)
+    prefix.set_defaults(func=cmd_bench_prefix)
+
+    replay = suites.add_parser("replay", help="the scenarios replayed against an OpenAI-compatible server",
+                               description="The scenarios replayed over HTTP, streaming, against any "
+                                           "OpenAI-compatible server (ours, vLLM, llama.cpp); keys as "
+                                           "`vllm bench serve` names them.")
+    replay.add_argument("url", metavar="URL", help="the server's root URL (with or without /v1)")
+    _scenario_names(replay)
+    replay.add_argument("--requests", type=_positive_int, default=24, help="requests per scenario (default 24)")
+    replay.add_argument("--max-tokens", type=_positive_int, default=16,
+                        help="completion tokens per request (default 16)")
+    replay.add_argument("--concurrency", type=_positive_int, help="requests in flight (default: no cap)")
+    replay.add_argument("--request-rate", type=float, default=float("inf"),
+                        help="Poisson arrivals per second (default inf: all at once)")
+    replay.add_argument("--served-model", help="model name to send (default: the first of GET /v1/models)")
+    replay.add_argument("--api-key", default="EMPTY", help="bearer token")
+    _out_flag(replay, "replay")
+    _log_level_flag(replay)
+    replay.set_defaults(func=cmd_bench_replay)
+
+
+def _add_fidelity(sub) -> None:
     fid = sub.add_parser("fidelity", help="segment reuse against exact recompute on a built-in workload")
+    # --config sits under fidelity's own settings (fp32, 4096-token context, segment reuse on); --set and the
+    # shorthand flags win over both.
+    _common_flags(fid)
     fid.add_argument("--requests", type=int, default=24, help="requests (default 24)")
     fid.add_argument("--seed", type=int, default=0, help="workload seed")
     fid.add_argument("--workload", choices=list(WORKLOADS), default="rag",
@@ -344,27 +341,35 @@ def main(argv: list[str] | None = None) -> int:
     fid.add_argument("--modes", nargs="+", choices=["prefix-only", "shift-noguard", "shift", "blend-noguard",
                                                     "blend", "blend-1.0"], help="default: all")
     fid.add_argument("--continuation", type=int, default=32, help="greedy tokens compared per request")
-    fid.add_argument("--block-size", type=int, help="shorthand for --set cache.block_size=")
-    fid.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                     help="e.g. cache.suffix.recompute_ratio=0.3, cache.suffix.guard_margin=0")
     fid.add_argument("--json", action="store_true", help="the whole report as JSON")
-    fid.add_argument("--log-level", default="WARNING")
     fid.set_defaults(func=cmd_fidelity)
 
+
+def _add_analyze(sub) -> None:
     ana = sub.add_parser("analyze", help="why is the hit rate low? diagnose a prompt log without running the model")
     _common_flags(ana)
     ana.add_argument("prompts_file", help='JSONL: {"prompt": ...} or {"messages": [...]} per line')
     ana.add_argument("--json", action="store_true", help="the report as JSON")
     ana.set_defaults(func=cmd_analyze)
 
-    args = parser.parse_args(argv)
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvreuse", description="LLM inference built around KV-cache reuse")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_generate, _add_serve, _add_bench, _add_fidelity, _add_analyze):
+        add(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
     except ConfigError as exc:
         print(f"kvreuse: config error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except InputError as exc:
+    except (InputError, PromptsFileError) as exc:
         print(f"kvreuse: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except ModelLoadError as exc:

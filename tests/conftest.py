@@ -1,8 +1,16 @@
-"""Shared fixtures: the real embedded model (loaded once) and a tiny random-weight Llama in HF format."""
+"""Shared fixtures: the real embedded model (loaded once) and a tiny random-weight Llama in HF format; and the
+`slow` marker, kept honest.
+
+`slow` marks every test that loads the real embedded model, so `pytest -m "not slow"` is a fast development
+subset (`make test` runs everything). Tests using a fixture in REAL_MODEL_FIXTURES are marked here; any other
+test that loads the embedded model's weights without the marker fails, naming itself (see
+`_embedded_model_guard`). Loading only the tokenizer (`real_tokenizer`) is fast and needs no marker.
+"""
 
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 import torch
@@ -10,11 +18,95 @@ from safetensors.torch import save_file
 
 from kvreuse.config import Config, load_config
 from kvreuse.llm import LLM
+from kvreuse.model import loader
 from kvreuse.model.loader import embedded_model_path, file_sha256
 from kvreuse.model.tokenizer import Tokenizer
 
+# Fixtures that load the real embedded model, in this process or in a `kvreuse serve` subprocess (which the guard
+# below cannot see): every test using one, directly or through another fixture, is marked slow.
+REAL_MODEL_FIXTURES = frozenset({
+    "real_llm",             # conftest.py
+    "real_segment_llm",     # test_segment_reuse.py
+    "real_server",          # test_server.py (subprocess)
+})
+
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 4096}
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if REAL_MODEL_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
+# --- the guard: loading the embedded model's weights outside a slow test fails that test -------------------------
+_running: list[pytest.Item] = []          # the test being set up, run or torn down
+_violations: dict[str, str] = {}          # nodeid -> what it loaded (checked again after the test, see below)
+_lock = threading.Lock()
+_FAILED = pytest.StashKey[bool]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    _running.append(item)
+    try:
+        return (yield)
+    finally:
+        _running.remove(item)
+
+
+def _check_may_load(what: str) -> None:
+    item = _running[-1] if _running else None
+    if item is None or item.get_closest_marker("slow") is not None:
+        return
+    message = (f"{item.nodeid} loads the real embedded model ({what}) but is not marked slow: mark it "
+               f"@pytest.mark.slow, or use the tiny model (tiny_model_dir / tiny_llm), so that "
+               f"`pytest -m \"not slow\"` stays fast")
+    with _lock:
+        _violations.setdefault(item.nodeid, message)
+    pytest.fail(message, pytrace=False)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _embedded_model_guard():
+    """Installed before any other session fixture (autouse, session scope), so that a session fixture loading the
+    model during an unmarked test's setup is caught too. It wraps our GGUF loader (the embedded model is the only
+    GGUF it is given in tests) and gguf's dequantize (transformers' `from_pretrained(gguf_file=...)` weights; its
+    tokenizer loading reads only the vocabulary and never dequantizes)."""
+    import gguf
+
+    original_load_gguf, original_dequantize = loader._load_gguf, gguf.dequantize
+    embedded = embedded_model_path()
+
+    def load_gguf(path, *args, **kwargs):
+        if path.resolve() == embedded.resolve():
+            _check_may_load(f"kvreuse.model.loader.load_weights({path.name})")
+        return original_load_gguf(path, *args, **kwargs)
+
+    def dequantize(*args, **kwargs):
+        _check_may_load("GGUF weights dequantized, e.g. transformers from_pretrained(gguf_file=...)")
+        return original_dequantize(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(loader, "_load_gguf", load_gguf)
+        mp.setattr(gguf, "dequantize", dequantize)
+        yield
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """A test whose load was caught but whose failure was swallowed (a broad `except`, another thread) fails too."""
+    report = yield
+    if report.when in ("call", "teardown"):
+        with _lock:
+            message = _violations.pop(item.nodeid, None)
+        if message is not None and report.passed and not item.stash.get(_FAILED, False):
+            report.outcome, report.longrepr = "failed", message
+    elif report.failed:
+        item.stash[_FAILED] = True
+    return report
 
 
 def make_config(**overrides) -> Config:

@@ -52,7 +52,7 @@ def test_predicted_hit_rate_matches_what_the_engine_measures(tiny_model_dir, dyn
     llm = LLM(config)
     for messages in log:
         llm.chat(messages, SamplingParams(max_tokens=1))
-    measured = llm.engine.stats.hit_rate
+    measured = llm.engine.stats.reuse.hit_rate
     assert abs(predicted - measured) <= 0.03, (predicted, measured)
     if not dynamic_first:
         assert predicted > 0.5

@@ -294,6 +294,7 @@ def test_padded_query_rows_are_safe():
     # output_index picks exactly the real rows, in batch order.
     assert meta.output_index.tolist() == [b * 23 + j for b, n in enumerate(query_lens) for j in range(n)]
     case.run_schedule(starts, query_lens)
-    out, _ = case.step([0, 1, 2, 3], starts, query_lens)
+    # Run again over the same pool: the padded rows still leave every real row equal to dense attention.
+    out, ranges = case.step([0, 1, 2, 3], starts, query_lens)
     assert out.shape[0] == sum(query_lens)
-    assert not torch.isnan(out).any()
+    case.check([0, 1, 2, 3], out, ranges)

@@ -24,7 +24,7 @@ def keyed_pool(num_blocks: int, keys: list[bytes], max_cached_blocks: int | None
     ids = pool.allocate(len(keys))
     key_to_id = {}
     for block_id, key in zip(ids, keys, strict=True):
-        assert pool.register(block_id, key, tokens_of(key), None) is not None
+        assert pool.register(block_id, key, tokens_of(key), None) == pool.blocks[block_id].uid is not None
         key_to_id[key] = block_id
     pool.check_integrity()
     return pool, key_to_id
@@ -210,7 +210,7 @@ def test_random_operations_keep_pool_consistent(num_blocks, max_cached, policy, 
             for b in ids:
                 held[b] += 1
         assert [blk.ref_cnt for blk in pool.blocks] == held == model.ref
-        assert all(blk.ref_cnt >= 0 for blk in pool.blocks)
+        assert pool.num_used_blocks == sum(count > 0 for count in held)
         assert list(pool.free_block_ids) == list(model.free)
         assert {blk.block_id for blk in pool.blocks if blk in pool.evictable} == set(model.evictable)
         assert {k: blk.block_id for k, blk in pool.key_to_block.items()} == {
@@ -437,7 +437,7 @@ def test_lookup_confirms_tokens_and_parent():
     pool = BlockPool(4)
     (b,) = pool.allocate(1)
     uid = pool.register(b, b"key", [1, 2, 3], 7)
-    assert uid is not None and pool.blocks[b].uid == uid and pool.blocks[b].num_hits == 1
+    assert uid == 1 and pool.blocks[b].uid == uid and pool.blocks[b].num_hits == 1   # the pool's first uid
     assert pool.lookup(b"key", [1, 2, 3], 7) is pool.blocks[b]
     assert pool.lookup(b"key", (1, 2, 3), 7) is pool.blocks[b]
     assert pool.lookup(b"key", [1, 2, 4], 7) is None

@@ -3,6 +3,8 @@ tokens as our engine, and exact prefix reuse through copied caches."""
 
 from __future__ import annotations
 
+import pytest
+
 from kvreuse.bench import workloads
 from kvreuse.bench.peers import HFPeer
 from kvreuse.bench.scenario_bench import run_mode
@@ -37,6 +39,9 @@ def test_hf_prefix_reuse_skips_prefill_and_changes_no_token(tiny_model_dir):
     reused, reused_outputs = peer.run(conversations, MAX_TOKENS, prefix_reuse=True, exact=plain_outputs)
 
     assert reused["exact_hit_rate"] > 0
+    assert reused["exact_hit_rate"] == pytest.approx(
+        sum(o.cached_tokens for o in reused_outputs) / reused["total_input_tokens"])
+    assert plain["exact_hit_rate"] == 0
     assert reused["prefill_tokens_computed"] < plain["prefill_tokens_computed"] == plain["total_input_tokens"]
     assert reused["prefill_tokens_computed"] + sum(o.cached_tokens for o in reused_outputs) == \
         reused["total_input_tokens"]

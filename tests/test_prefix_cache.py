@@ -135,7 +135,10 @@ def test_stats_split_and_hit_rate(tiny_model_dir):
     assert s["cached_tokens"] == 4 * BS
     assert s["cached_tokens"] + s["computed_prompt_tokens"] == s["prompt_tokens"]
     assert s["hit_rate"] == pytest.approx(4 * BS / (2 * len(prompt)), abs=1e-4)
-    assert s["peak_kv_bytes_in_use"] > 0 and s["peak_rss_bytes"] > 0
+    # One request at a time: the prompt and the two completion tokens fed back (the last one never is).
+    assert s["peak_blocks_in_use"] == -(-(len(prompt) + 2) // BS)
+    assert s["peak_kv_bytes_in_use"] == s["peak_blocks_in_use"] * llm.engine.bytes_per_block
+    assert s["peak_rss_bytes"] > 100 * 2**20    # a Python process with torch and a model loaded
 
 
 @pytest.mark.parametrize(("a", "b"), [

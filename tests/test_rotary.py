@@ -122,3 +122,54 @@ def test_cos_sin_casts_to_requested_dtype(rope):
     ref_cos, ref_sin = at(rope, [0, 5])
     torch.testing.assert_close(cos.float(), ref_cos, atol=1e-2, rtol=0)
     torch.testing.assert_close(sin.float(), ref_sin, atol=1e-2, rtol=0)
+
+
+# --- rotate_by: moving already-rotated keys, forwards and backwards ------------------------------------------------
+def rotated_at(rope: RotaryEmbedding, x: torch.Tensor, positions: list[int]) -> torch.Tensor:
+    return apply_rotary(x, *at(rope, positions))
+
+
+@pytest.mark.parametrize("p,d", [(0, 5), (10, 7), (40, -40), (100, -3), (127, -100), (64, -1), (9, 0)])
+def test_rotate_by_equals_rotating_at_the_new_position(rope, p, d):
+    # Negative deltas move a key to an earlier position (a segment that moved towards the start of the prompt).
+    gen = torch.Generator().manual_seed(100 + p)
+    x = torch.randn(3, 4, HEAD_DIM, generator=gen)
+    moved = rope.rotate_by(rotated_at(rope, x, [p] * 3), torch.tensor([d] * 3))
+    torch.testing.assert_close(moved, rotated_at(rope, x, [p + d] * 3), atol=1e-5, rtol=0)
+
+
+def test_rotate_by_per_token_deltas_of_both_signs(rope):
+    gen = torch.Generator().manual_seed(5)
+    ps = [3, 50, 50, 120, 7, 0]
+    qs = [0, 20, 90, 121, 7, 64]
+    x = torch.randn(len(ps), 2, HEAD_DIM, generator=gen)
+    deltas = torch.tensor([q - p for p, q in zip(ps, qs, strict=True)])
+    assert (deltas < 0).any() and (deltas > 0).any() and (deltas == 0).any()
+    moved = rope.rotate_by(rotated_at(rope, x, ps), deltas)
+    torch.testing.assert_close(moved, rotated_at(rope, x, qs), atol=1e-5, rtol=0)
+
+
+def test_rotate_by_a_leading_batch_dimension(rope):
+    # k may carry leading dimensions ([..., T, Hkv, D]), e.g. layers stacked in front.
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(2, 3, 4, HEAD_DIM, generator=gen)
+    deltas = torch.tensor([-2, 0, 9])
+    moved = rope.rotate_by(x, deltas)
+    for layer in range(2):
+        torch.testing.assert_close(moved[layer], rope.rotate_by(x[layer], deltas), atol=0, rtol=0)
+
+
+@settings(max_examples=30, deadline=None)
+@given(deltas=st.lists(st.integers(-128, 128), min_size=1, max_size=6), seed=st.integers(0, 2**31 - 1))
+def test_rotate_by_then_back_is_the_identity(rope, deltas, seed):
+    x = torch.rand(len(deltas), 2, HEAD_DIM, generator=torch.Generator().manual_seed(seed)) * 2 - 1
+    d = torch.tensor(deltas)
+    torch.testing.assert_close(rope.rotate_by(rope.rotate_by(x, d), -d), x, atol=1e-5, rtol=0)
+    torch.testing.assert_close(rope.rotate_by(rope.rotate_by(x, -d), d), x, atol=1e-5, rtol=0)
+
+
+def test_rotate_by_zero_is_the_identity_and_keeps_dtype(rope):
+    x = torch.randn(4, 2, HEAD_DIM, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    out = rope.rotate_by(x, torch.zeros(4, dtype=torch.long))
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, x)

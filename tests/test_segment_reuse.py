@@ -73,7 +73,7 @@ def test_layer0_kv_of_a_shifted_block_equals_fresh_after_rerotation(tiny_model_d
 @pytest.fixture(scope="module")
 def real_segment_llm() -> LLM:
     """The real model with segment reuse on; tests change cache.suffix.* with fidelity.reuse_settings."""
-    return fidelity.fidelity_llm(["engine.num_kv_blocks=512"])
+    return LLM(fidelity.fidelity_config(["engine.num_kv_blocks=512"]))
 
 
 @pytest.mark.slow

@@ -283,10 +283,8 @@ class TestMetrics:
     def test_gauges_and_format(self, tiny_server, http):
         r = http.get(f"{tiny_server.root}/metrics")
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
-        scrape = Metrics.parse(r.text)
-        for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
-            assert scrape.get(gauge, model_name=tiny_server.model) >= 0
-        assert 0 <= scrape.get("vllm:kv_cache_usage_perc", model_name=tiny_server.model) <= 1
+        Metrics.parse(r.text)  # every line parses
+        scrape = wait_idle(tiny_server)  # and the gauges read 0 once nothing runs
         assert scrape.get("kvreuse:peak_rss_bytes", model_name=tiny_server.model) > 0
         assert re.search(r"^# TYPE vllm:prompt_tokens(_total)? counter$", r.text, re.M)
 

@@ -55,7 +55,7 @@ def test_scenario_bench_quick_writes_valid_json_with_every_key_and_plots(tiny_mo
     from kvreuse.cli import main
 
     # guard_margin 0: a random-weight model's first tokens are all near-ties, which the guard would recompute.
-    assert main(["bench", "--scenario", "eval", "--quick", "--model", tiny_model_dir, "--out", str(tmp_path),
+    assert main(["bench", "scenario", "eval", "--quick", "--model", tiny_model_dir, "--out", str(tmp_path),
                  "--concurrency", "2", "--set", "cache.suffix.guard_margin=0"]) == 0
     report = json.loads((tmp_path / "scenario.json").read_text())
     modes = report["scenarios"]["eval"]

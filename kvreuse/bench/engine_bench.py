@@ -1,4 +1,4 @@
-"""`kvreuse bench --suite engine`: cold prefill and decode throughput against peers on the same weights.
+"""`kvreuse bench engine`: cold prefill and decode throughput against peers on the same weights.
 
 Systems, each with caching off so every prefill is cold: kvreuse (fp32), Hugging Face transformers
 (fp32 and bf16) on the same GGUF, and llama-cpp-python on the same GGUF when it is installed. Runs are

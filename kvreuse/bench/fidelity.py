@@ -13,7 +13,7 @@ from contextlib import contextmanager
 
 from kvreuse.bench import workloads
 from kvreuse.bench.metrics import fidelity_metrics
-from kvreuse.config import load_config
+from kvreuse.config import Config, load_config
 from kvreuse.kvcache.accounting import ReuseRecord
 from kvreuse.llm import LLM
 from kvreuse.sampling_params import SamplingParams
@@ -62,15 +62,17 @@ def run(llm: LLM, conversations: list[list[dict]], suffix_overrides: dict, conti
     }
 
 
-def fidelity_llm(overrides: list[str] = ()) -> LLM:
-    return LLM(load_config(None, ["model.dtype=fp32", "server.max_tokens=4096", "cache.suffix.enabled=true",
-                                  *overrides]))
+def fidelity_config(overrides: list[str] = (), config_file: str | None = None) -> Config:
+    """The config of fidelity runs: fp32, a 4096-token context and segment reuse on, over `config_file`;
+    `overrides` (section.key=value) win over both."""
+    return load_config(config_file, ["model.dtype=fp32", "server.max_tokens=4096", "cache.suffix.enabled=true",
+                                     *overrides])
 
 
 def fidelity_report(num_requests: int = 24, seed: int = 0, modes: list[str] | None = None,
                     overrides: list[str] = (), progress=print, llm: LLM | None = None,
-                    continuation: int = CONTINUATION, workload: str = "rag") -> dict:
-    llm = llm or fidelity_llm(overrides)
+                    continuation: int = CONTINUATION, workload: str = "rag", config_file: str | None = None) -> dict:
+    llm = llm or LLM(fidelity_config(overrides, config_file))
     conversations = workloads.WORKLOADS[workload](num_requests, seed=seed)
     report = {"workload": workload, "requests": num_requests, "seed": seed, "continuation_tokens": continuation,
               "block_size": llm.engine.block_size, "suffix": llm.engine.reuse.model_dump(), "modes": {}}

@@ -1,4 +1,4 @@
-"""Peers for `kvreuse bench --scenario`: Hugging Face transformers on the same weights as our engine.
+"""Peers for `kvreuse bench scenario`: Hugging Face transformers on the same weights as our engine.
 
 `HFPeer` sends a scenario's conversations one after another, rendered with the tokenizer's own chat template,
 and decodes greedily for exactly `max_tokens` tokens in an explicit forward loop so TTFT and TPOT are timed

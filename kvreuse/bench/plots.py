@@ -1,4 +1,4 @@
-"""PNG plots for `kvreuse bench --scenario`: TTFT per cache mode per scenario, and hit rate against block_size.
+"""PNG plots for `kvreuse bench scenario`: TTFT per cache mode per scenario, and hit rate against block_size.
 
 The TTFT chart draws a scenario report as it is (any mode names, including peers such as "hf"). The hit-rate
 sweep runs no model: like `kvreuse analyze`, it replays each scenario's prompts through the real cache manager,
@@ -39,7 +39,7 @@ def _save(fig: Figure, path) -> Path:
 def ttft_plot(report: dict, path) -> Path:
     """Grouped bars of mean TTFT (ms) per scenario (x) and mode (one bar each), with a whisker up to p99 TTFT.
 
-    `report` is a `kvreuse bench --scenario` report: {"scenarios": {scenario: {mode: result}}, ...} where a
+    `report` is a `kvreuse bench scenario` report: {"scenarios": {scenario: {mode: result}}, ...} where a
     result has mean_ttft_ms and p99_ttft_ms. Modes are taken in first-seen order; a mode missing from a
     scenario leaves a gap. Returns the PNG's path.
     """

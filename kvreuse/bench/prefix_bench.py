@@ -1,4 +1,4 @@
-"""`kvreuse bench --suite prefix`: TTFT of a cold 2048-token prompt against a second request that shares
+"""`kvreuse bench prefix`: TTFT of a cold 2048-token prompt against a second request that shares
 its first 1984 tokens, interleaved cold, warm, cold, warm ... in one engine."""
 
 from __future__ import annotations

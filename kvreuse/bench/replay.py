@@ -1,4 +1,4 @@
-"""`kvreuse bench --url URL`: replay a scenario against any OpenAI-compatible server (ours, vLLM, llama.cpp).
+"""`kvreuse bench replay URL`: replay a scenario against any OpenAI-compatible server (ours, vLLM, llama.cpp).
 
 As `vllm bench serve` does it: each conversation is one streaming POST /v1/chat/completions (greedy, ignore_eos,
 a fixed max_tokens), sent all at once or as a seeded Poisson process, with at most `concurrency` in flight;
@@ -18,9 +18,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
+from tqdm import tqdm
 
 from kvreuse.bench.metrics import serving_metrics, summary_ms
-from kvreuse.bench.workloads import LiveReplies
+from kvreuse.bench.workloads import WORKLOADS, LiveReplies
 
 CONNECT_TIMEOUT_S = 10.0
 # Long, since a queued request may wait minutes for its first chunk; only a server silent this long fails it.
@@ -204,8 +205,22 @@ def run(url: str, conversations: list[list[dict]], *, model: str | None = None, 
     }
 
 
+def run_scenarios(url: str, scenarios: list[str], num_requests: int, max_tokens: int, **options) -> dict:
+    """`run` on each scenario's workload of `num_requests` conversations, with a progress bar per scenario;
+    `options` are run's keyword arguments. Returns {"suite": "replay", "url", "requests", "max_tokens",
+    "scenarios": {scenario: run(...)}}."""
+    report = {"suite": "replay", "url": url, "requests": num_requests, "max_tokens": max_tokens, "scenarios": {}}
+    for scenario in scenarios:
+        conversations = WORKLOADS[scenario](num_requests)
+        with tqdm(total=len(conversations), desc=f"{scenario} @ {url}", unit="req", leave=False,
+                  disable=None) as bar:  # no bar when stderr is not a terminal
+            report["scenarios"][scenario] = run(url, conversations, max_tokens=max_tokens, progress=bar.update,
+                                                **options)
+    return report
+
+
 def markdown(report: dict) -> str:
-    """A `kvreuse bench --url` report ({"scenarios": {name: run(...)}}) as a Markdown table."""
+    """A `kvreuse bench replay` report ({"scenarios": {name: run(...)}}) as a Markdown table."""
     lines = ["| scenario | completed | failed | mean TTFT ms | p99 TTFT ms | mean TPOT ms | req/s | output tok/s | "
              "cached tokens |", "|---" * 9 + "|"]
     fmt = lambda v, spec: "-" if v is None else format(v, spec)

@@ -1,4 +1,4 @@
-"""`kvreuse bench --scenario chat|eval|agent|rag|prefix|all`: the seed's scenarios in every cache mode, one process.
+"""`kvreuse bench scenario [chat eval agent rag prefix]`: the seed's scenarios in every cache mode, one process.
 
 Each scenario runs under its own engine config (its preset, by default). Modes: no-cache (every prompt
 computed), prefix (exact prefix caching), shift and blend (prefix + segment reuse), and blend-noguard where the

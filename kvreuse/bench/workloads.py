@@ -212,5 +212,5 @@ def shared_prefix(num_requests: int = 24, prompts_per_group: int = 6, seed: int 
     return generated_shared_prefix(num_groups, prompts_per_group, seed)[:num_requests]
 
 
-# The scenarios of `kvreuse bench --scenario`, in report order.
+# The scenarios of `kvreuse bench scenario`, in report order.
 WORKLOADS = {"chat": chat, "eval": batch_eval, "agent": agent, "rag": rag, "prefix": shared_prefix}

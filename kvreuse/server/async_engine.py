@@ -27,7 +27,6 @@ IDLE_WAIT_S = 0.5
 class Delta:
     """New text of one request since the last delta; `output` is set on the last one."""
     text: str
-    num_tokens: int
     output: RequestOutput | None = None
 
     @property
@@ -40,7 +39,6 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     sent_chars: int = 0
-    sent_tokens: int = 0
 
 
 class EngineDeadError(RuntimeError):
@@ -137,13 +135,10 @@ class AsyncEngine:
             stream = self._streams.get(seq.request_id)
             if stream is None:
                 continue
-            if seq.is_finished:
-                text, num_tokens = seq.output_text, seq.num_completion_tokens
-            else:
-                text, num_tokens = _stable_prefix(seq.output_text, seq.params.stop), seq.num_completion_tokens
+            text = seq.output_text if seq.is_finished else _stable_prefix(seq.output_text, seq.params.stop)
             if len(text) > stream.sent_chars or seq.is_finished:
-                delta = Delta(text[stream.sent_chars:], num_tokens - stream.sent_tokens)
-                stream.sent_chars, stream.sent_tokens = max(stream.sent_chars, len(text)), num_tokens
+                delta = Delta(text[stream.sent_chars:])
+                stream.sent_chars = max(stream.sent_chars, len(text))
                 stream.loop.call_soon_threadsafe(stream.queue.put_nowait, delta)
             if seq.is_finished:
                 self._finish_stream(seq.request_id, self.engine.output(seq))
@@ -153,10 +148,11 @@ class AsyncEngine:
         if stream is None:
             return
         self._num_finished += 1
+        final = Delta("", output) if output else None  # None tells the consumer the engine died
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, final)
+        # After the reply is on its way: a failing callback must not leave its client waiting forever.
         if output is not None and self.on_finish:
             self.on_finish(output)
-        final = Delta("", 0, output) if output else None  # None tells the consumer the engine died
-        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, final)
 
 
 def _stable_prefix(text: str, stops: list[str]) -> str:

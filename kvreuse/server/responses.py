@@ -65,7 +65,7 @@ async def collect(state: ServerState, seq: Sequence, deltas: asyncio.Queue,
         try:
             delta: Delta | None = await asyncio.wait_for(deltas.get(), DISCONNECT_POLL_S)
         except TimeoutError:
-            delta = Delta("", 0)
+            delta = Delta("")
         if loop.time() >= next_check:  # on a timer: deltas arrive every step while it generates
             next_check = loop.time() + DISCONNECT_POLL_S
             if await request.is_disconnected():
