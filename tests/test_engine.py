@@ -134,3 +134,14 @@ def test_abort_frees_blocks(tiny_llm):
     assert seq.finish_reason == "abort" and not engine.has_unfinished()
     engine.check_integrity()
     assert engine.kv_manager.num_free_blocks == engine.num_kv_blocks
+
+
+def test_engine_seed_makes_unseeded_sampling_reproducible(tiny_model_dir):
+    def sampled(seed: int) -> list[list[int]]:
+        llm = LLM(make_config(model__path=tiny_model_dir, model__dtype="fp32", engine__num_kv_blocks=64,
+                              engine__seed=seed))
+        params = SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)   # no per-request seed
+        return [o.token_ids for o in llm.generate(["Once upon a time", "The cache"], params)]
+
+    assert sampled(7) == sampled(7)
+    assert sampled(7) != sampled(8)
