@@ -64,6 +64,10 @@ class ServerConfig(_Section):
     api_keys_file: str = ""
     default_max_tokens: int = Field(256, ge=1)
     drain_timeout_s: int = Field(30, ge=0)
+    max_body_mb: int = Field(4, ge=1)             # larger request bodies get 413 before they are read whole
+    max_queue_per_tenant: int = Field(64, ge=1)   # with API keys: one tenant's share of max_queue
+    max_stop_strings: int = Field(16, ge=1)       # stop strings per request
+    max_stop_chars: int = Field(256, ge=1)        # characters per stop string
 
 
 class SuffixConfig(_Section):

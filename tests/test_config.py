@@ -48,6 +48,10 @@ ALL_CHANGED = Config(
         api_keys_file="/etc/kvreuse/keys 100%.txt",
         default_max_tokens=17,
         drain_timeout_s=5,
+        max_body_mb=8,
+        max_queue_per_tenant=2,
+        max_stop_strings=4,
+        max_stop_chars=32,
     ),
     cache=CacheConfig(
         enabled=False,
@@ -161,7 +165,7 @@ def test_config_to_ini_writes_every_key():
         "suffix.enabled", "suffix.mode", "suffix.recompute_ratio", "suffix.head_tokens",
         "suffix.guard_margin",
     }
-    assert len(parser["server"]) == 8 and len(parser["model"]) == 3 and len(parser["engine"]) == 5
+    assert len(parser["server"]) == 12 and len(parser["model"]) == 3 and len(parser["engine"]) == 5
 
 
 def test_seed_round_trips_after_overrides(tmp_path):
