@@ -120,7 +120,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             p = SamplingParams(max_tokens=default_max if r.max_tokens is None else r.max_tokens,
                                temperature=args.temperature if r.temperature is None else r.temperature,
                                seed=args.seed)
-            prompt = llm.engine.render_chat(r.messages) if r.messages is not None else r.prompt
+            prompt = llm.engine.tokenize_chat(r.messages) if r.messages is not None else r.prompt
         except ValueError as exc:
             raise InputError(f"{where}: {exc}") from exc
         prompts.append(prompt)

@@ -31,7 +31,8 @@ class LLM:
 
     def chat(self, conversations: list[dict] | Seq[list[dict]],
              params: SamplingParams | Seq[SamplingParams] | None = None, **cache_options) -> list[RequestOutput]:
-        """One conversation (a list of {"role", "content"}) or several, rendered with the model's chat template."""
+        """One conversation (a list of {"role", "content"}) or several, under the model's chat template; text inside a
+        message stays text (`LLMEngine.tokenize_chat`), unlike special-token text in a `generate` prompt."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        return self.generate([self.engine.render_chat(m) for m in conversations], params, **cache_options)
+        return self.generate([self.engine.tokenize_chat(m) for m in conversations], params, **cache_options)

@@ -4,6 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+SEED_RANGE = (-2**63, 2**64)  # what torch.Generator.manual_seed takes
+
+
+class InvalidSamplingParam(ValueError):
+    """A sampling setting out of its range; `field` names it."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
 
 @dataclass
 class SamplingParams:
@@ -25,10 +35,12 @@ class SamplingParams:
             (isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "an integer >= 0 (0 disables it)"),
             (0 < self.top_p <= 1, "top_p", "a number in (0, 1]"),
             (all(isinstance(s, str) and s for s in self.stop), "stop", "a list of non-empty strings"),
+            (self.seed is None or (isinstance(self.seed, int) and SEED_RANGE[0] <= self.seed < SEED_RANGE[1]),
+             "seed", "an integer in [-2**63, 2**64)"),
         ]
         for ok, name, allowed in checks:
             if not ok:
-                raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
+                raise InvalidSamplingParam(name, f"{name} must be {allowed}, got {getattr(self, name)!r}")
 
     @property
     def greedy(self) -> bool:

@@ -190,3 +190,37 @@ def read_stream(response: httpx.Response, stop_after_text_chunks: int | None = N
             break
         assert len(chunks) < max_events, "runaway stream"
     return {"text": "".join(text), "finish_reason": finish, "usage": usage, "done": done, "chunks": chunks}
+
+
+def start_long_requests(server: Server, max_tokens: int, timeout: float,
+                        read_events: Callable[[httpx.Response], object],
+                        include_usage: bool = False) -> tuple[dict, list[threading.Thread]]:
+    """A long plain completion and a long chat stream (greedy, ignore_eos), each on a thread of its own, started.
+    The returned dict gets "plain" (the httpx response) and "streamed" ((status, read_events(response))), or the
+    exception either raised, for the test's thread to report."""
+    results: dict = {}
+    common = {"model": server.model, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+
+    def plain() -> None:
+        try:
+            with http_client(timeout) as client:
+                results["plain"] = client.post(f"{server.base_url}/completions",
+                                               json={**common, "prompt": "Keep going:"})
+        except Exception as exc:
+            results["plain"] = exc
+
+    def streamed() -> None:
+        body = {**common, "messages": [{"role": "user", "content": "Talk."}], "stream": True}
+        if include_usage:
+            body["stream_options"] = {"include_usage": True}
+        try:
+            with http_client(timeout) as client, client.stream("POST", f"{server.base_url}/chat/completions",
+                                                             json=body) as r:
+                results["streamed"] = (r.status_code, read_events(r))
+        except Exception as exc:
+            results["streamed"] = exc
+
+    workers = [threading.Thread(target=fn, daemon=True) for fn in (plain, streamed)]
+    for worker in workers:
+        worker.start()
+    return results, workers

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+from kvreuse.engine.detokenizer import detokenize
 from kvreuse.engine.engine import RequestError
+from kvreuse.engine.sequence import Sequence
+from kvreuse.kvcache.request import CacheRequest
 from kvreuse.llm import LLM
 from kvreuse.sampling_params import SamplingParams
 
@@ -145,3 +150,101 @@ def test_engine_seed_makes_unseeded_sampling_reproducible(tiny_model_dir):
 
     assert sampled(7) == sampled(7)
     assert sampled(7) != sampled(8)
+
+
+# --- stop strings checked incrementally (issue 12, finding 10) -------------------------------------------------
+MULTIBYTE = "héllo wörld, naïve café: 日本語のテキスト, Ελληνικά, русский, emoji 🙂🚀👩‍👩‍👧 and ∑∞≠ math"
+
+
+def test_each_step_decodes_only_its_new_tokens_and_a_little_context(tiny_llm, monkeypatch):
+    tokenizer = tiny_llm.engine.tokenizer
+    decode, lengths = tokenizer.decode, []
+
+    def spy(token_ids, *args, **kwargs):
+        lengths.append(len(token_ids))
+        return decode(token_ids, *args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "decode", spy)
+    params = SamplingParams(max_tokens=150, ignore_eos=True, stop=["a stop string that never appears"])
+    out = tiny_llm.generate("Once upon a time", params)[0]
+    monkeypatch.undo()
+    assert out.usage.completion_tokens == 150 and out.text == tokenizer.decode(out.token_ids)
+    # Before: every step decoded the whole completion so far (150 tokens at the end, 11,325 in all).
+    assert max(lengths) <= 8 and sum(lengths) <= 4 * 150, (max(lengths), sum(lengths))
+
+
+@pytest.fixture(scope="module")
+def scripted_llm(tiny_model_dir):
+    """The tiny engine whose forward is replaced by a script: each request's completion is given, so that any
+    token sequence (partial UTF-8 characters included) runs through the engine's own finishing code."""
+    llm = LLM(make_config(model__path=tiny_model_dir, model__dtype="fp32", engine__num_kv_blocks=64))
+    script: dict[str, list[int]] = {}
+
+    def run(seqs, reuse):
+        return [script[s.request_id][s.num_completion_tokens] if s.num_computed_tokens + s.num_scheduled_tokens
+                == s.num_tokens else None for s in seqs], {}
+
+    llm.engine.runner.run = run
+    llm.script = script
+    return llm
+
+
+def whole_decode_finish(tokenizer, completion: list[int], stops: list[str]) -> tuple[str, int]:
+    """Today's rule, the reference: after each token decode the whole completion, cut at the earliest stop."""
+    text = ""
+    for i in range(1, len(completion) + 1):
+        text = tokenizer.decode(completion[:i])
+        cut = min((j for j in (text.find(s) for s in stops) if j >= 0), default=-1)
+        if cut >= 0:
+            return text[:cut], i
+    return text, len(completion)
+
+
+def multibyte_token_ids(tokenizer) -> list[int]:
+    return sorted(set(tokenizer.encode(MULTIBYTE)))
+
+
+@given(data=st.data())
+@settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+def test_incremental_stops_cut_where_whole_decoding_cut(scripted_llm, data):
+    tokenizer, engine = scripted_llm.tokenizer, scripted_llm.engine
+    vocab = len(tokenizer.hf)
+    token = st.one_of(st.integers(0, vocab - 1), st.sampled_from(multibyte_token_ids(tokenizer)))
+    completion = data.draw(st.lists(token, min_size=1, max_size=30), label="completion")
+    text = tokenizer.decode(completion)
+    stops = []
+    for _ in range(data.draw(st.integers(0, 3), label="number of stops")):
+        start = data.draw(st.integers(0, max(0, len(text) - 1)), label="stop start")
+        stop = text[start:start + data.draw(st.integers(1, 6), label="stop length")]
+        if stop and "\ufffd" not in stop:   # see the README: a stop string never matches half a character
+            stops.append(stop)
+    stops.append("a stop that is not there")
+    seq = engine.add_request([1, 2, 3], SamplingParams(max_tokens=len(completion), ignore_eos=True, stop=stops))
+    scripted_llm.script[seq.request_id] = completion
+    while engine.has_unfinished():
+        engine.step()
+    expected_text, expected_tokens = whole_decode_finish(tokenizer, completion, stops)
+    assert (seq.output_text, seq.num_completion_tokens) == (expected_text, expected_tokens)
+    assert seq.finish_reason == ("stop" if expected_tokens < len(completion) or expected_text != text else "length")
+
+
+def completions(tokenizer) -> st.SearchStrategy[list[int]]:
+    """Random token ids (any of the vocabulary, byte fragments of multi-byte characters among them), or the
+    tokens of random text, cut at any point."""
+    token = st.one_of(st.integers(0, len(tokenizer.hf) - 1), st.sampled_from(multibyte_token_ids(tokenizer)))
+    return st.one_of(st.lists(token, max_size=40), st.text(max_size=40).map(lambda t: tokenizer.encode(t)[:40]))
+
+
+@given(data=st.data())
+@settings(max_examples=300, deadline=None, derandomize=True)
+def test_incremental_detokenization_equals_whole_decoding_at_every_token(real_tokenizer, data):
+    completion = data.draw(completions(real_tokenizer), label="completion")
+    seq = Sequence("r", CacheRequest([5, 6], b""), SamplingParams())
+    pending = ""
+    for i, token_id in enumerate(completion):
+        seq.token_ids.append(token_id)
+        pending = detokenize(real_tokenizer, seq)
+        whole = real_tokenizer.decode(completion[:i + 1])
+        assert seq.output_text + pending == whole
+        assert not seq.output_text.endswith("\ufffd")      # a partial character is held back, never streamed
+    assert seq.output_text + pending == real_tokenizer.decode(completion)

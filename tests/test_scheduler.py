@@ -25,9 +25,17 @@ def step(scheduler: Scheduler) -> list[tuple[str, int]]:
     """Schedule, then do what the engine does after a forward (with token 0 as every sample); returns
     (request id, scheduled tokens) of the step."""
     scheduled = [(s.request_id, s.num_scheduled_tokens) for s in scheduler.schedule().seqs]
+    after_forward(scheduler)
+    return scheduled
+
+
+def after_forward(scheduler: Scheduler) -> None:
+    """The engine's postprocess of a step (sources of segment plans are let go once copied), then the integrity
+    check."""
     for seq in list(scheduler.running):
         if not seq.num_scheduled_tokens:
             continue
+        scheduler.kv_manager.release_sources(seq.kv)
         seq.num_computed_tokens += seq.num_scheduled_tokens
         seq.num_scheduled_tokens = 0
         scheduler.kv_manager.cache_computed_blocks(seq.kv, seq.num_computed_tokens)
@@ -36,7 +44,6 @@ def step(scheduler: Scheduler) -> list[tuple[str, int]]:
             if seq.num_completion_tokens >= seq.params.max_tokens:
                 scheduler.finish(seq, "length")
     scheduler.check_integrity()
-    return scheduled
 
 
 def test_one_budget_per_step_is_spent_in_arrival_order_and_chunks_the_rest():
@@ -106,3 +113,44 @@ def test_a_prompt_does_not_wait_for_blocks_of_another_tenant():
     for name in ("a", "b"):
         scheduler.add(Sequence(name, kv.new_request(shared + [7], cache_salt=name), SamplingParams(max_tokens=2)))
     assert step(scheduler) == [("a", 13), ("b", 13)]
+
+
+# --- liveness with segment reuse (issue 12, finding 1) ------------------------------------------------------------
+def segment_scheduler(num_blocks: int, budget: int = 64) -> Scheduler:
+    return Scheduler(KVCacheManager(num_blocks, BS, enable_segments=True), 8, budget)
+
+
+def run_until_finished(scheduler: Scheduler, seqs: list[Sequence], max_steps: int) -> int:
+    """Steps until every one of `seqs` has finished; returns how many it took, failing past `max_steps`."""
+    for steps in range(1, max_steps + 1):
+        step(scheduler)
+        if all(s.is_finished for s in seqs):
+            return steps
+    stuck = [(s.request_id, s.status.value) for s in seqs if not s.is_finished]
+    raise AssertionError(f"not finished after {max_steps} steps: {stuck}")
+
+
+def test_a_prompt_whose_reuse_can_never_fit_the_pool_is_admitted_with_less_reuse_and_nobody_waits_forever():
+    scheduler = segment_scheduler(num_blocks=20)
+    document = list(range(100, 140))                      # 10 blocks, published once computed
+    run_until_finished(scheduler, [add(scheduler, "doc", document, max_tokens=1)], max_steps=5)
+    # 76 tokens = 19 blocks of its own, plus the 9 cached document blocks it would copy from: 28 > 20 blocks.
+    # Before the fix it stayed at the head of the queue forever, and the short request behind it too.
+    long = add(scheduler, "intro+doc", list(range(500, 536)) + document, max_tokens=1)
+    short = add(scheduler, "short", [7, 8, 9], max_tokens=1)
+    assert [s.request_id for s in scheduler.schedule().seqs] == ["intro+doc"]
+    # With less reuse: the one source block that fits beside its own 19, the document's last (tail first).
+    assert len(long.kv.segment_plan.source_block_ids) == 1 and long.kv.segment_plan.runs[0].start == 68
+    after_forward(scheduler)
+    run_until_finished(scheduler, [long, short], max_steps=4)
+    kv = scheduler.kv_manager
+    assert kv.num_free_blocks == 20 and not scheduler.has_unfinished()
+
+
+def test_reuse_that_fits_once_the_pool_drains_is_kept_rather_than_dropped():
+    scheduler = segment_scheduler(num_blocks=32)
+    document = list(range(100, 140))
+    run_until_finished(scheduler, [add(scheduler, "doc", document, max_tokens=1)], max_steps=5)
+    seq = add(scheduler, "intro+doc", list(range(500, 536)) + document, max_tokens=3)   # 19 + 9 <= 32 blocks
+    scheduler.schedule()
+    assert len(seq.kv.segment_plan.source_block_ids) == 9 and seq.kv.segment_plan.runs[0].start == 36

@@ -22,7 +22,16 @@ import pytest
 
 from kvreuse.sampling_params import SamplingParams
 
-from .server_process import Metrics, Server, http_client, read_stream, sse_events, start_server, stop
+from .server_process import (
+    Metrics,
+    Server,
+    http_client,
+    read_stream,
+    sse_events,
+    start_long_requests,
+    start_server,
+    stop,
+)
 
 BLOCK_SIZE = 16  # cache.block_size default: prefix-cache hits come in whole blocks
 SYSTEM = ("You are a concise assistant for the city library of Port Elling. You answer questions about opening "
@@ -318,8 +327,8 @@ BAD_INPUTS = [
     ("image-part", "/chat/completions",
      {"model": M, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      400, ["only text content parts"], "messages"),
-    ("empty-prompt", "/completions", {"model": M, "prompt": ""}, 400, ["prompt must not be empty"], None),
-    ("two-prompts", "/completions", {"model": M, "prompt": ["a", "b"]}, 400, ["one prompt per request"], None),
+    ("empty-prompt", "/completions", {"model": M, "prompt": ""}, 400, ["prompt must not be empty"], "prompt"),
+    ("two-prompts", "/completions", {"model": M, "prompt": ["a", "b"]}, 400, ["one prompt per request"], "prompt"),
     ("token-out-of-vocab", "/completions", {"model": M, "prompt": [1, 10_000_000]}, 400,
      ["prompt token ids", "integers in [0, "], "prompt"),
     ("unknown-model", "/completions", {"model": "no-such-model", "prompt": "hi"}, 404,
@@ -336,14 +345,14 @@ BAD_INPUTS = [
      ["cache_salt", "string"], "cache_salt"),
     ("use_cache-not-bool", "/completions", {"model": M, "prompt": "hi", "use_cache": "perhaps"}, 400,
      ["use_cache"], "use_cache"),
-    ("n-2", "/completions", {"model": M, "prompt": "hi", "n": 2}, 400, ["n > 1 is not supported"], None),
+    ("n-2", "/completions", {"model": M, "prompt": "hi", "n": 2}, 400, ["n > 1 is not supported"], "n"),
     ("logprobs", "/chat/completions",
      {"model": M, "messages": [{"role": "user", "content": "hi"}], "logprobs": True}, 400,
-     ["logprobs are not supported"], None),
+     ["logprobs are not supported"], "logprobs"),
     ("tools", "/chat/completions",
      {"model": M, "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400,
-     ["tools are not supported"], None),
-    ("empty-stop", "/completions", {"model": M, "prompt": "hi", "stop": ["x", ""]}, 400, ["stop strings"], None),
+     ["tools are not supported"], "tools"),
+    ("empty-stop", "/completions", {"model": M, "prompt": "hi", "stop": ["x", ""]}, 400, ["stop strings"], "stop"),
 ]
 
 
@@ -679,9 +688,11 @@ class TestTenants:
                       headers={"Authorization": "Bearer key-alpha-123"})
         assert r.status_code == 200, r.text
 
-    def test_health_and_metrics_need_no_key(self, keyed_server, http):
+    def test_health_needs_no_key_and_metrics_does(self, keyed_server, http):  # issue 12, finding 5
         assert http.get(f"{keyed_server.root}/health").status_code == 200
-        assert http.get(f"{keyed_server.root}/metrics").status_code == 200
+        assert_error(http.get(f"{keyed_server.root}/metrics"), 401, "API key")
+        keyed = http.get(f"{keyed_server.root}/metrics", headers={"Authorization": "Bearer key-beta-456"})
+        assert keyed.status_code == 200
 
 
 # --- 6. backpressure -------------------------------------------------------------------------------------
@@ -801,30 +812,7 @@ class TestTruncation:
 def test_sigterm_refuses_new_requests_finishes_in_flight_ones_and_exits_0(tmp_path_factory, tiny_model_dir):
     max_tokens = 800  # seconds on the tiny model
     with serve(tmp_path_factory, "sigterm", *tiny_args(tiny_model_dir)) as server:
-        results: dict = {}
-        common = {"model": server.model, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-
-        def plain() -> None:
-            try:
-                with http_client(120.0) as client:
-                    results["plain"] = client.post(f"{server.base_url}/completions",
-                                                   json={**common, "prompt": "Keep going:"})
-            except Exception as exc:  # reported by the main thread
-                results["plain"] = exc
-
-        def streamed() -> None:
-            body = {**common, "messages": [{"role": "user", "content": "Talk."}], "stream": True,
-                    "stream_options": {"include_usage": True}}
-            try:
-                with http_client(120.0) as client, client.stream("POST", f"{server.base_url}/chat/completions",
-                                                                 json=body) as r:
-                    results["streamed"] = (r.status_code, read_stream(r))
-            except Exception as exc:
-                results["streamed"] = exc
-
-        workers = [threading.Thread(target=fn, daemon=True) for fn in (plain, streamed)]
-        for worker in workers:
-            worker.start()
+        results, workers = start_long_requests(server, max_tokens, 120.0, read_stream, include_usage=True)
         wait_running(server, 2)
         server.process.send_signal(signal.SIGTERM)
         time.sleep(0.3)  # let the signal land

@@ -49,7 +49,7 @@ def send_all(llm: LLM, conversations: list[list[dict]], params: SamplingParams, 
     while pending or in_flight:
         while pending and len(in_flight) < concurrency:
             messages = pending.pop()
-            seq = engine.add_request(engine.render_chat(replies.fill(messages)), params, use_cache=use_cache)
+            seq = engine.add_request(engine.tokenize_chat(replies.fill(messages)), params, use_cache=use_cache)
             seqs.append(seq)
             in_flight[seq.request_id] = messages
         for seq in engine.step():

@@ -10,6 +10,7 @@ from dataclasses import replace
 import torch
 
 from kvreuse.config import Config, SuffixConfig
+from kvreuse.engine.detokenizer import detokenize, find_stop, stop_search_start
 from kvreuse.engine.model_runner import ModelRunner, kv_bytes_per_block
 from kvreuse.engine.output import RequestOutput
 from kvreuse.engine.repair import RepairOutcome
@@ -21,7 +22,7 @@ from kvreuse.kvcache.manager import KVCacheManager
 from kvreuse.kvcache.normalize import normalize_text
 from kvreuse.model.llama import Llama
 from kvreuse.model.loader import load_weights
-from kvreuse.model.tokenizer import Tokenizer
+from kvreuse.model.tokenizer import ChatText, Tokenizer, check_unicode
 from kvreuse.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -30,7 +31,12 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 class RequestError(ValueError):
-    """A request the engine refuses; the message names the field and the limit."""
+    """A request the engine refuses; the message names the field and the limit. `field` is the request field it is
+    about (prompt, messages, stop, cache_salt), `code` a machine-readable reason (context_length_exceeded) or None."""
+
+    def __init__(self, message: str, field: str = "prompt", code: str | None = None):
+        super().__init__(message)
+        self.field, self.code = field, code
 
 
 def resolve_device(name: str) -> torch.device:
@@ -91,17 +97,50 @@ class LLMEngine:
         return normalize_text(text) if self.config.cache.normalize_input else text
 
     def render_chat(self, messages: list[dict]) -> str:
-        """The prompt text for a conversation; with normalize_input, each message is normalized first."""
+        """The prompt text for a conversation (what `tokenize_chat` tokenizes); with normalize_input, each message
+        is normalized first."""
+        return self._chat_text(messages).text
+
+    def _chat_text(self, messages: list[dict]) -> ChatText:
         messages = [{**m, "content": self.normalize(m["content"])} if isinstance(m.get("content"), str) else m
                     for m in messages]
-        return self.tokenizer.apply_chat_template(messages)
+        return self.tokenizer.render_chat(messages)
+
+    def tokenize_chat(self, messages: list[dict]) -> list[int]:
+        """The prompt tokens of a conversation under the chat template: only the template's own markers become
+        special tokens; text inside a message is text, so it cannot forge a role or end a turn. RequestError
+        (field `messages`) for invalid Unicode and for a prompt too long by its character count alone."""
+        chat = self._chat_text(messages)
+        self._check_text(chat.text, "messages")
+        return self.tokenizer.encode_chat(chat)
 
     def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
+        """The tokens of a raw prompt: a text is the caller's whole text (special-token text in it is the special
+        token; a conversation goes through `tokenize_chat`), token ids are checked against the vocabulary.
+        RequestError (field `prompt`) for invalid Unicode and for a text too long by its character count alone."""
         if isinstance(prompt, str):
-            return self.tokenizer.encode(self.normalize(prompt))
+            text = self.normalize(prompt)
+            self._check_text(text, "prompt")
+            return self.tokenizer.encode(text)
         if not all(isinstance(t, int) and 0 <= t < self.model_args.vocab_size for t in prompt):
             raise RequestError(f"prompt token ids must be integers in [0, {self.model_args.vocab_size})")
         return list(prompt)
+
+    def _check_text(self, text: str, field: str) -> None:
+        """Before tokenizing: valid Unicode, and not so many characters that the tokens alone fill the context.
+        Tokenizing costs about a second and hundreds of MB per million characters; these checks, one scan."""
+        try:
+            check_unicode(text)
+        except ValueError as exc:
+            raise RequestError(f"{field}: {exc}", field) from None
+        least = self.tokenizer.min_tokens(text)
+        if least >= self.max_model_len:  # not even one completion token would fit
+            rendered = " (rendered with the chat template)" if field == "messages" else ""
+            raise RequestError(
+                f"{field}: {len(text):,} characters{rendered} need at least {least:,} tokens (no token of this model "
+                f"covers more than {self.tokenizer.max_token_chars} characters), which leaves no room for a "
+                f"completion within the context limit of {self.max_model_len} tokens (server.max_tokens)", field,
+                "context_length_exceeded")
 
     def make_sequence(self, prompt: str | list[int], params: SamplingParams | None = None,
                       request_id: str | None = None, *, cache_salt: str | None = None,
@@ -109,9 +148,15 @@ class LLMEngine:
         """Tokenize and validate a request without touching engine state (safe from any thread); raises
         RequestError naming the problem. Requests with different `cache_salt` never share KV;
         `use_cache=False` opts out of reuse."""
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise RequestError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
+        if cache_salt is not None:
+            if not isinstance(cache_salt, str):
+                raise RequestError(f"cache_salt must be a string, got {type(cache_salt).__name__}", "cache_salt")
+            try:
+                check_unicode(cache_salt)  # it is hashed as UTF-8
+            except ValueError as exc:
+                raise RequestError(f"cache_salt: {exc}", "cache_salt") from None
         params = params or SamplingParams(max_tokens=self.config.server.default_max_tokens)
+        self._check_stops(params.stop)
         token_ids = self.tokenize_prompt(prompt)
         if not token_ids:
             raise RequestError("prompt is empty")
@@ -121,12 +166,23 @@ class LLMEngine:
         seq.generator = seq.generator or self.generator
         return seq
 
+    def _check_stops(self, stops: list[str]) -> None:
+        # Every step searches the new text for every stop string: their number and length bound that work.
+        limits = self.config.server
+        if len(stops) > limits.max_stop_strings:
+            raise RequestError(f"stop: {len(stops)} stop strings, at most {limits.max_stop_strings} allowed "
+                               f"(server.max_stop_strings)", "stop")
+        longest = max(map(len, stops), default=0)
+        if longest > limits.max_stop_chars:
+            raise RequestError(f"stop: a stop string of {longest} characters, at most {limits.max_stop_chars} "
+                               f"allowed (server.max_stop_chars)", "stop")
+
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
         needed = num_prompt_tokens + max_tokens
         if needed > self.max_model_len:
             raise RequestError(
                 f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {needed} tokens exceeds "
-                f"the context limit of {self.max_model_len} tokens (server.max_tokens)"
+                f"the context limit of {self.max_model_len} tokens (server.max_tokens)", code="context_length_exceeded"
             )
         if needed > self.kv_capacity_tokens:
             raise RequestError(
@@ -157,15 +213,30 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[Sequence]:
-        """One forward. Returns the sequences that produced a token or finished in it."""
-        batch = self.scheduler.schedule()
-        if not batch.seqs:
-            return []
-        token_ids, outcomes = self.runner.run(batch.seqs, self.reuse)
+        """One forward. Returns the sequences that produced a token or finished in it.
+
+        An exception inside the step fails only the sequences of that step: they finish with finish_reason
+        "error" and the exception in `error`, their blocks are freed, and the engine goes on with the rest. Only
+        if its state is then inconsistent (`check_integrity` fails) does the exception leave `step`."""
+        batch, updated = None, []
+        try:
+            batch = self.scheduler.schedule()
+            if batch.seqs:
+                self._run(batch.seqs, batch.num_prefill_tokens, updated)
+        except Exception as exc:
+            # Scheduling itself failed: every sequence it may have touched (all but those still waiting) is the step's.
+            waiting = {id(s) for s in self.scheduler.waiting}
+            touched = batch.seqs if batch is not None else [s for s in self.sequences.values() if id(s) not in waiting]
+            updated += [s for s in self._fail(touched, exc) if all(s is not u for u in updated)]
+        return updated
+
+    def _run(self, seqs: list[Sequence], num_prefill_tokens: int, updated: list[Sequence]) -> None:
+        """The forward and its postprocess; appends to `updated` as it goes, so that if it raises, the sequences
+        that already finished are still reported."""
+        token_ids, outcomes = self.runner.run(seqs, self.reuse)
         now = time.perf_counter()
-        self.stats.record_step(self.kv_manager, batch.num_prefill_tokens)
-        updated = []
-        for seq, token_id in zip(batch.seqs, token_ids, strict=True):
+        self.stats.record_step(self.kv_manager, num_prefill_tokens)
+        for seq, token_id in zip(seqs, token_ids, strict=True):
             self._account(seq, outcomes.get(seq.request_id))
             seq.num_computed_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
@@ -177,7 +248,21 @@ class LLMEngine:
                 seq.first_token_time = now
             self._check_finished(seq, token_id, now)
             updated.append(seq)
-        return updated
+
+    def _fail(self, seqs: list[Sequence], exc: Exception) -> list[Sequence]:
+        """Finish the unfinished of `seqs` with finish_reason "error" and free their blocks; returns them. Like
+        aborted requests, they are not added to the stats."""
+        failed = [s for s in seqs if not s.is_finished]
+        logger.error("a step failed; failing its %d request(s): %s", len(failed),
+                     " ".join(s.request_id for s in failed), exc_info=exc)
+        now = time.perf_counter()
+        for seq in failed:
+            seq.error = f"the engine failed while computing this request: {type(exc).__name__}: {exc}"
+            seq.finish_time = now
+            self.scheduler.finish(seq, "error")
+            self.sequences.pop(seq.request_id, None)
+        self.check_integrity()  # blocks published by earlier steps were computed whole: the cache stays valid
+        return failed
 
     def _account(self, seq: Sequence, outcome: RepairOutcome | None) -> None:
         """After a sequence's step: its reuse record (once, from its first admission's plan and the repair), and
@@ -196,18 +281,24 @@ class LLMEngine:
         self.kv_manager.release_sources(kv)
 
     def _check_finished(self, seq: Sequence, token_id: int, now: float) -> None:
+        """Detokenize the new token (incrementally) and finish on EOS, a stop string, max_tokens or the context
+        limit. Stops are searched only where the new text can complete one, with the same result as searching
+        the whole text every step (see detokenizer.py)."""
         params = seq.params
         reason = None
         if not params.ignore_eos and token_id in self.tokenizer.eos_token_ids:
             reason = "stop"
-        text = self.tokenizer.decode(seq.completion_token_ids)
-        cut = min((i for i in (text.find(s) for s in params.stop) if i >= 0), default=-1)
+        search_from = stop_search_start(len(seq.output_text), params.stop)
+        pending = detokenize(self.tokenizer, seq)    # a character still cut short, if any
+        text = seq.output_text + pending
+        cut = find_stop(text, params.stop, search_from) if params.stop else -1
         if cut >= 0:
             text, reason = text[:cut], "stop"
-        seq.output_text = text
-        if reason is None and (seq.num_completion_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len):
+        elif reason is None and (seq.num_completion_tokens >= params.max_tokens
+                                 or seq.num_tokens >= self.max_model_len):
             reason = "length"
         if reason is not None:
+            seq.output_text = text  # what decoding the whole completion gives, a cut-short character as U+FFFD
             seq.finish_time = now
             self.scheduler.finish(seq, reason)
             self.sequences.pop(seq.request_id, None)

@@ -29,17 +29,20 @@ class RequestOutput:
     total_s: float | None
     num_preemptions: int
     first_logits: object = None   # torch.Tensor [vocab] when SamplingParams.keep_first_logits
+    error: str | None = None      # set when finish_reason is "error": the step computing it raised this
 
     @classmethod
     def from_sequence(cls, seq: Sequence) -> RequestOutput:
         total = None if seq.finish_time is None else seq.finish_time - seq.arrival_time
         usage = Usage(**seq.reuse_or_planned.as_dict(), completion_tokens=seq.num_completion_tokens)
         return cls(seq.request_id, seq.output_text, seq.completion_token_ids, seq.finish_reason, usage,
-                   seq.ttft_s, total, seq.num_preemptions, seq.first_logits)
+                   seq.ttft_s, total, seq.num_preemptions, seq.first_logits, seq.error)
 
     def to_json(self) -> dict:
         """Flat record, as `kvreuse generate --json` prints it."""
         record = asdict(self)
         record.pop("first_logits")
+        if record["error"] is None:  # only failed requests carry it
+            record.pop("error")
         record.update(record.pop("usage"))
         return record

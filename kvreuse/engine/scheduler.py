@@ -104,12 +104,13 @@ class Scheduler:
         self.num_preemptions += 1
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """Retire a sequence (finished or aborted) wherever it is and free its blocks."""
+        """Retire a sequence (finished, aborted or failed) wherever it is and free its blocks."""
         if seq in self.running:
             self.running.remove(seq)
-            self.kv_manager.free(seq.kv)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        # Also when it is in neither: a step that failed while admitting it may have left it holding blocks.
+        self.kv_manager.free(seq.kv)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 

@@ -31,8 +31,11 @@ class Sequence:
     num_scheduled_tokens: int = 0     # tokens this step computes
     num_preemptions: int = 0
     reuse: ReuseRecord | None = None  # how the prompt was obtained; set after the request's first step
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
-    output_text: str = ""
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" (a step failed; see `error`)
+    error: str | None = None          # why, when finish_reason is "error"
+    output_text: str = ""             # confirmed text: never ends in half a character (see detokenizer.py)
+    prefix_offset: int = 0            # completion tokens [prefix_offset, read_offset): context of the next decode
+    read_offset: int = 0              # completion tokens whose text is in output_text
     first_token_time: float | None = None
     finish_time: float | None = None
     generator: torch.Generator | None = None

@@ -79,12 +79,19 @@ class KVCacheManager:
 
     def match_segments(self, req: CacheRequest, num_prefix_blocks: int) -> SegmentPlan | None:
         """Cached runs inside the part of `req` that its exact prefix does not cover, leaving the last
-        token to be computed; None if there are none or segment reuse is off."""
+        token to be computed; None if there are none or segment reuse is off. The plan's sources are held
+        beside the request's own blocks until they are copied, so it is cut (tail first) to what fits in the
+        whole pool with them: a plan that could never fit would keep its request out forever, and strict
+        arrival order would keep out everyone behind it."""
         if not (self.enable_segments and req.use_cache):
             return None
         runs = self.segments.find_runs(req.token_ids, num_prefix_blocks * self.block_size, req.num_tokens - 1,
                                        req.extra_key, self.min_match_blocks)
-        return SegmentPlan(runs) if runs else None
+        if not runs:
+            return None
+        room = self.pool.num_blocks - -(-req.num_tokens // self.block_size)
+        plan = SegmentPlan(runs)
+        return plan if len(set(plan.source_block_ids)) <= room else plan.tail(room, self.min_match_blocks)
 
     def gains_by_waiting(self, req: CacheRequest, hits: list[int], plan: SegmentPlan | None,
                          publishing: Sequence[tuple[CacheRequest, int]]) -> bool:

@@ -69,6 +69,26 @@ class SegmentPlan:
     def positions(self) -> list[int]:
         return [r.start + i for r in self.runs for i in range(r.num_tokens)]
 
+    def tail(self, max_sources: int, min_blocks: int) -> SegmentPlan | None:
+        """The plan cut to its last blocks, at most `max_sources` distinct source blocks (runs were found tail
+        first, and the later reuse starts, the more of the prompt stays exact); a run cut below `min_blocks`
+        blocks is dropped. None if nothing is left."""
+        kept: list[SegmentRun] = []
+        sources: set[int] = set()
+        for run in reversed(self.runs):
+            num_kept = 0
+            for block in reversed(run.blocks):
+                if block.block_id not in sources and len(sources) >= max_sources:
+                    break
+                sources.add(block.block_id)
+                num_kept += 1
+            if num_kept >= max(1, min_blocks):
+                blocks = run.blocks[len(run.blocks) - num_kept:]
+                kept.insert(0, SegmentRun(run.start + run.num_tokens - sum(len(b.token_ids) for b in blocks), blocks))
+            if num_kept < len(run.blocks):
+                break
+        return SegmentPlan(kept) if kept else None
+
 
 class SegmentIndex:
     """Content key -> published blocks with those tokens. Kept in step with the pool by its

@@ -1,13 +1,44 @@
-"""Tokenizer and chat template, read from the model's own files (GGUF metadata or an HF directory)."""
+"""Tokenizer and chat template, read from the model's own files (GGUF metadata or an HF directory).
+
+Two ways text becomes tokens. `encode(text)` takes a caller's whole text: special-token text in it (`<|im_start|>`)
+is that special token, as a raw completion prompt expects. `encode_chat(render_chat(messages))` takes a
+conversation: only the chat template's own markers become special tokens, and text inside a message is always text,
+so a message cannot forge a role or end its turn.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
+import re
+import secrets
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
+from tokenizers import Encoding
+from tokenizers import Tokenizer as RustTokenizer
+
 logger = logging.getLogger(__name__)
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_unicode(text: str) -> None:
+    """ValueError if `text` holds a lone surrogate (legal in JSON and in Python strings, but not Unicode text)."""
+    found = _LONE_SURROGATE.search(text)
+    if found:
+        raise ValueError(f"contains a lone surrogate (U+{ord(found.group()):04X} at character {found.start()}): "
+                         f"not valid Unicode text")
+
+
+@dataclass(frozen=True)
+class ChatText:
+    """A conversation rendered with the chat template. `text` is the prompt as the model reads it. `pieces` is set
+    when a message holds special-token text: `text` cut at the template's own special tokens, as (text, is_marker)
+    in order, so that only the markers are tokenized as special tokens."""
+    text: str
+    pieces: tuple[tuple[str, bool], ...] | None = None
 
 
 def _cache_dir(fingerprint: str) -> Path:
@@ -19,8 +50,16 @@ class Tokenizer:
     def __init__(self, hf_tokenizer):
         self.hf = hf_tokenizer
         # Encode/decode go straight to the Rust tokenizer: transformers' wrapper reconfigures it per call,
-        # which is not safe when the server's event loop and the engine thread use it at once.
+        # which is not safe when the server's preparation threads and the engine thread use it at once.
         self._backend = hf_tokenizer.backend_tokenizer
+        # A copy that reads special-token text as plain text, for the text inside chat messages. A copy rather than
+        # toggling the flag per call, for the same reason.
+        self._text_backend = RustTokenizer.from_str(self._backend.to_str())
+        self._text_backend.encode_special_tokens = True
+        specials = sorted({t.content for t in self._backend.get_added_tokens_decoder().values() if t.special},
+                          key=len, reverse=True)  # longest first: the leftmost-longest match, as the tokenizer does
+        self._special_text = re.compile("|".join(map(re.escape, specials))) if specials else None
+        self.max_token_chars = self._longest_token_chars()
         # Text generation stops at the model's EOS and at its end-of-text token when it has one.
         ids = {hf_tokenizer.eos_token_id} | {hf_tokenizer.convert_tokens_to_ids(t) for t in ("<|endoftext|>",)}
         self.eos_token_ids = frozenset(i for i in ids if i is not None and i != hf_tokenizer.unk_token_id)
@@ -51,7 +90,23 @@ class Tokenizer:
             shutil.rmtree(tmp, ignore_errors=True)
         return cls(tokenizer)
 
+    def _longest_token_chars(self) -> int:
+        # A token covers at most its decoded text, or its vocabulary string: for byte-level vocabularies one symbol
+        # per byte (a token holding part of a character touches at most one character per byte), for SentencePiece
+        # the word with its leading space, which decoding a lone token drops.
+        size = self._backend.get_vocab_size(with_added_tokens=True)
+        decoded = self._backend.decode_batch([[i] for i in range(size)], skip_special_tokens=False)
+        return max(max(map(len, decoded)), max(map(len, self._backend.get_vocab(with_added_tokens=True))))
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on `len(encode(text))` without tokenizing: no token covers more than `max_token_chars`
+        characters, so N characters need at least ceil(N / max_token_chars) tokens."""
+        if self._backend.normalizer is not None:  # it could shorten the text (NFC composes characters)
+            text = self._backend.normalizer.normalize_str(text)
+        return -(-len(text) // self.max_token_chars)
+
     def encode(self, text: str) -> list[int]:
+        """The tokens of a caller's whole text; special-token text in it is the special token."""
         return self._backend.encode(text, add_special_tokens=True).ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -62,3 +117,48 @@ class Tokenizer:
         if not self.hf.chat_template:
             raise ValueError("this model has no chat template; use a plain prompt instead of messages")
         return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def render_chat(self, messages: list[dict]) -> ChatText:
+        """A conversation under the chat template, with the generation prompt, ready for `encode_chat`."""
+        if self._special_text is None:
+            return ChatText(self.apply_chat_template(messages))
+        # Special-token text inside a message is swapped for a stand-in the template passes through as it is, so
+        # that after rendering every special-token text left is the template's own.
+        stand_in = f"\x00{secrets.token_hex(8)}:"
+        originals: list[str] = []
+
+        def swap(found: re.Match) -> str:
+            originals.append(found.group())
+            return f"{stand_in}{len(originals) - 1}\x00"
+
+        escaped = [{k: self._special_text.sub(swap, v) if isinstance(v, str) else v for k, v in m.items()}
+                   for m in messages]
+        rendered = self.apply_chat_template(escaped)
+        if not originals:
+            return ChatText(rendered)
+        return self._cut_at_markers(rendered, re.compile(re.escape(stand_in) + "([0-9]+)\x00"), originals)
+
+    def _cut_at_markers(self, rendered: str, stand_ins: re.Pattern, originals: list[str]) -> ChatText:
+        pieces: list[tuple[str, bool]] = []
+        text: list[str] = []
+        pos = 0
+        for found in re.finditer(f"{stand_ins.pattern}|{self._special_text.pattern}", rendered):
+            text.append(rendered[pos:found.start()])
+            pos = found.end()
+            if found.group(1) is not None:  # a message's own special-token text: text again
+                text.append(originals[int(found.group(1))])
+            else:
+                pieces += [("".join(text), False), (found.group(), True)]
+                text = []
+        pieces.append(("".join(text + [rendered[pos:]]), False))
+        return ChatText("".join(piece for piece, _ in pieces), tuple(pieces))
+
+    def encode_chat(self, chat: ChatText) -> list[int]:
+        """The tokens of a rendered conversation: the template's markers are special tokens, message text is text."""
+        if chat.pieces is None:  # no message holds special-token text: exactly the tokens of the whole text
+            return self.encode(chat.text)
+        # Tokenized piece by piece, cut where the tokenizer itself cuts (at special tokens), then the tokenizer's
+        # own post-processing (e.g. a BOS) once, as `encode` adds it.
+        parts = [(self._backend if marker else self._text_backend).encode(text, add_special_tokens=False)
+                 for text, marker in chat.pieces if text]
+        return self._backend.post_process(Encoding.merge(parts, growing_offsets=True), add_special_tokens=True).ids

@@ -1,8 +1,8 @@
 """The engine on a background thread, for the asyncio server.
 
-One thread owns the LLMEngine and calls `step()` in a loop. The event loop never touches engine state:
-it validates and tokenizes a request itself (`LLMEngine.make_sequence` is pure), hands the sequence over
-through a command queue, and receives text deltas on a per-request asyncio.Queue.
+One thread owns the LLMEngine and calls `step()` in a loop. The server never touches engine state: it prepares a
+request on its worker threads (`LLMEngine.make_sequence` is pure), hands the sequence over through a command queue,
+and receives text deltas (the last one with the output, or an error) on a per-request asyncio.Queue.
 """
 
 from __future__ import annotations
@@ -25,13 +25,19 @@ IDLE_WAIT_S = 0.5
 
 @dataclass
 class Delta:
-    """New text of one request since the last delta; `output` is set on the last one."""
+    """New text of one request since the last delta; `output` is set on the last one. On the last one, `error`
+    says why the request failed (a step computing it raised; finish_reason "error"), else None. A `None` in
+    place of a Delta means the engine loop itself died."""
     text: str
     output: RequestOutput | None = None
 
     @property
     def finished(self) -> bool:
         return self.output is not None
+
+    @property
+    def error(self) -> str | None:
+        return self.output.error if self.output is not None else None
 
 
 @dataclass
@@ -134,6 +140,9 @@ class AsyncEngine:
         for seq in updated:
             stream = self._streams.get(seq.request_id)
             if stream is None:
+                continue
+            if seq.error is not None:  # a failed request says nothing more: its client gets the error instead
+                self._finish_stream(seq.request_id, self.engine.output(seq))
                 continue
             text = seq.output_text if seq.is_finished else _stable_prefix(seq.output_text, seq.params.stop)
             if len(text) > stream.sent_chars or seq.is_finished:

@@ -1,6 +1,8 @@
 """API keys: the `server.api_keys_file` format and the dependency that maps a request's key to its tenant.
 
-The tenant becomes the cache salt of the tenant's requests, so tenants never share KV.
+The tenant becomes the cache salt of the tenant's requests, so tenants never share KV, and it owns a share of
+the queue (`server.max_queue_per_tenant`). `gates.AuthGate` checks the key before a body is read; the
+dependency checks it again for the routes and hands them the tenant.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from fastapi import Depends, Request
 
 from kvreuse.config import ConfigError
 from kvreuse.server.errors import APIError
+from kvreuse.server.protocol import error_body
 from kvreuse.server.state import StateDep
 
 UNAUTHORIZED = "invalid or missing API key (Authorization: Bearer KEY)"
@@ -24,10 +27,21 @@ async def authenticate(request: Request, state: StateDep) -> str | None:
     keys are configured and the request has no valid `Authorization: Bearer KEY`."""
     if state.api_keys is None:
         return None
-    tenant = tenant_for(state.api_keys, request.headers.get("authorization"))
+    tenant = request_tenant(state.api_keys, request)
     if tenant is None:
         raise APIError(401, UNAUTHORIZED, "authentication_error", code="invalid_api_key")
     return tenant
+
+
+def request_tenant(api_keys: dict[str, str] | None, request: Request) -> str | None:
+    """The tenant of `request`'s key: None without API keys (every request belongs to no tenant) or without
+    a valid key."""
+    return None if api_keys is None else tenant_for(api_keys, request.headers.get("authorization"))
+
+
+def unauthorized_body() -> dict:
+    """The 401's OpenAI error body, the same from the gate (before the body is read) and the dependency."""
+    return error_body(UNAUTHORIZED, "authentication_error", code="invalid_api_key")
 
 
 # A route parameter of this type receives the tenant; FastAPI calls `authenticate` once per request however

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import re
 import signal
 from pathlib import Path
@@ -13,6 +15,12 @@ from kvreuse.engine.engine import LLMEngine
 from kvreuse.sampling_params import SamplingParams
 from kvreuse.server.app import create_app
 from kvreuse.server.auth import load_api_keys
+
+logger = logging.getLogger(__name__)
+
+# After the drain deadline, the time the cut requests have to send their last bytes before uvicorn cancels
+# whatever still runs (a request still uploading its body, say).
+CUT_GRACE_S = 5
 
 
 def serve(config: Config, *, served_model_name: str | None = None, log_level: str = "warning") -> int:
@@ -28,10 +36,12 @@ def serve(config: Config, *, served_model_name: str | None = None, log_level: st
                    f"kv_capacity={engine.kv_capacity_tokens} tokens ({engine.num_kv_blocks} blocks x "
                    f"{engine.block_size}) prefix_caching={'on' if config.cache.enabled else 'off'} "
                    f"auth={'api-keys' if api_keys else 'off'}")
+    drain_s = config.server.drain_timeout_s
+    # uvicorn's own timeout is only the backstop: at drain_s the app cuts what still runs, cleanly.
     server = DrainingServer(uvicorn.Config(app, host=config.server.host, port=config.server.port,
                                            log_level=log_level.lower(),
-                                           timeout_graceful_shutdown=config.server.drain_timeout_s),
-                            description)
+                                           timeout_graceful_shutdown=drain_s + CUT_GRACE_S),
+                            description, drain_s)
     # uvicorn re-raises the signal that stopped it once it has drained; a drained server exits 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
@@ -53,11 +63,13 @@ def model_name_of(weights: Path) -> str:
 
 class DrainingServer(uvicorn.Server):
     """A uvicorn server that prints `kvreuse ready: URL DESCRIPTION` once it accepts connections and,
-    on a shutdown signal, has the app refuse new requests (503) while in-flight ones finish."""
+    on a shutdown signal, has the app refuse new requests (503) while in-flight ones finish. Those still
+    running `drain_timeout_s` later are cut: a 503 JSON error, or in a stream an error event and [DONE]."""
 
-    def __init__(self, config: uvicorn.Config, description: str):
+    def __init__(self, config: uvicorn.Config, description: str, drain_timeout_s: float):
         super().__init__(config)
         self.description = description
+        self.drain_timeout_s = drain_timeout_s
 
     async def startup(self, sockets=None):
         await super().startup(sockets)
@@ -69,3 +81,18 @@ class DrainingServer(uvicorn.Server):
     def handle_exit(self, sig, frame):
         self.config.app.state.kvreuse.draining = True
         super().handle_exit(sig, frame)
+
+    async def shutdown(self, sockets=None):
+        # Left to uvicorn, the timeout cancels the request tasks: a bare 500 text/plain, or a stream cut
+        # without an error or [DONE]. So the app ends them itself, first.
+        cutter = asyncio.create_task(self._cut_at_deadline())
+        try:
+            await super().shutdown(sockets)
+        finally:
+            cutter.cancel()
+
+    async def _cut_at_deadline(self) -> None:
+        await asyncio.sleep(self.drain_timeout_s)
+        state = self.config.app.state.kvreuse
+        cut = state.admissions.cut_all(state.async_engine.abort)
+        logger.warning("drain timeout (server.drain_timeout_s = %s s): %d requests cut", self.drain_timeout_s, cut)

@@ -1,16 +1,45 @@
 """From a validated request body to what the engine runs: model check, chat prompt, Sequence.
 
-Everything here runs on the event loop and never touches engine state (tokenizing and
-`LLMEngine.make_sequence` are pure); problems become 400/404 APIErrors naming the field.
+Rendering the chat template, tokenizing and `LLMEngine.make_sequence` run on a small pool of preparation threads
+(`off_loop`), never on the event loop: a prompt of megabytes delays no other route, /health included. None of them
+touches engine state. Problems become 400/404 APIErrors naming the field.
 """
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
 from kvreuse.engine.engine import LLMEngine, RequestError
 from kvreuse.engine.sequence import Sequence
-from kvreuse.sampling_params import SamplingParams
+from kvreuse.sampling_params import InvalidSamplingParam, SamplingParams
 from kvreuse.server.errors import APIError
-from kvreuse.server.protocol import ChatCompletionRequest, ChatMessage, SamplingFields, make_id
+from kvreuse.server.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    SamplingFields,
+    TokenizeRequest,
+    make_id,
+)
+from kvreuse.server.truncation import fit_conversation
+
+# Two threads. Each job is bounded: the engine refuses, before tokenizing, any text longer than the context could
+# hold (server.max_tokens x the longest token: ~166K characters, ~0.15 s, by default), and the tokenizer runs in Rust
+# without the GIL. More threads would only compete with the engine thread for the cores and multiply the memory of
+# jobs in progress; one would let a slow job (a conversation of thousands of messages) hold up every other request.
+# Jobs beyond two wait in the pool's queue, holding only their parsed body.
+PREPARE_THREADS = 2
+_prepare_pool = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="kvreuse-prepare")
+
+T = TypeVar("T")
+
+
+async def off_loop(fn: Callable[..., T], *args) -> T:
+    """`fn(*args)` on a preparation thread; its exceptions (APIError included) are raised here."""
+    return await asyncio.get_running_loop().run_in_executor(_prepare_pool, fn, *args)
 
 
 def check_model(served: str, requested: str | None) -> None:
@@ -28,21 +57,46 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict]:
         raise APIError(400, str(exc), param="messages") from exc
 
 
-def render_chat(engine: LLMEngine, messages: list[dict]) -> str:
-    """The model's chat template applied to `messages`."""
+def refusal(exc: RequestError, chat: bool) -> APIError:
+    """The engine's refusal as a 400 naming the field; a chat's prompt is its `messages`."""
+    field = "messages" if chat and exc.field == "prompt" else exc.field
+    return APIError(400, str(exc), param=field, code=exc.code)
+
+
+def completion_sequence(engine: LLMEngine, body: CompletionRequest, tenant: str | None) -> Sequence:
+    """The Sequence of a /v1/completions body: its prompt is the caller's whole text (or token ids)."""
+    return _sequence(engine, lambda: engine.tokenize_prompt(body.prompt), body, tenant, chat=False)
+
+
+def chat_sequence(engine: LLMEngine, body: ChatCompletionRequest, tenant: str | None) -> tuple[Sequence, int]:
+    """The Sequence of a /v1/chat/completions body, and how many turns `server.truncate = oldest` dropped."""
+    messages = message_dicts(body.messages)
+    dropped = 0
     try:
-        return engine.render_chat(messages)
-    except ValueError as exc:
-        raise APIError(400, str(exc), param="messages") from exc
+        if engine.config.server.truncate == "oldest":
+            messages, dropped = fit_conversation(engine, messages, body.max_tokens)
+    except RequestError as exc:
+        raise refusal(exc, chat=True) from exc
+    return _sequence(engine, lambda: engine.tokenize_chat(messages), body, tenant, chat=True), dropped
 
 
-def make_sequence(engine: LLMEngine, prompt: str | list[int], body: SamplingFields, tenant: str | None) -> Sequence:
-    """The Sequence for `prompt` under the body's sampling fields, salted by the tenant; 400 if it cannot run
-    (over the context limit, bad token ids, bad sampling values)."""
+def tokenize_body(engine: LLMEngine, body: TokenizeRequest) -> list[int]:
+    """The tokens of a /tokenize body, exactly as a completion or chat request would get them."""
+    chat = body.messages is not None
+    try:
+        return engine.tokenize_chat(message_dicts(body.messages)) if chat else engine.tokenize_prompt(body.prompt)
+    except RequestError as exc:
+        raise refusal(exc, chat) from exc
+
+
+def _sequence(engine: LLMEngine, tokenize: Callable[[], list[int]], body: SamplingFields, tenant: str | None,
+              chat: bool) -> Sequence:
+    """The Sequence for the tokens `tokenize` gives under the body's sampling fields, salted by the tenant; 400
+    if it cannot run (over the context limit, bad token ids or text, bad sampling values, too many stops)."""
     # A tenant's salt can only be narrowed by the request's own field, never replaced.
     salt = body.cache_salt if tenant is None else f"{tenant}\x00{body.cache_salt or ''}"
     try:
-        token_ids = engine.tokenize_prompt(prompt)
+        token_ids = tokenize()
         max_tokens = body.max_tokens
         if max_tokens is None:
             room = engine.max_model_len - len(token_ids)
@@ -52,7 +106,6 @@ def make_sequence(engine: LLMEngine, prompt: str | list[int], body: SamplingFiel
                                 stop=body.stop_list, ignore_eos=body.ignore_eos)
         return engine.make_sequence(token_ids, params, make_id("req"), cache_salt=salt, use_cache=body.use_cache)
     except RequestError as exc:
-        raise APIError(400, str(exc), param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
-                       code="context_length_exceeded" if "exceeds" in str(exc) else None) from exc
-    except ValueError as exc:
-        raise APIError(400, str(exc)) from exc
+        raise refusal(exc, chat) from exc
+    except InvalidSamplingParam as exc:
+        raise APIError(400, str(exc), param=exc.field) from exc

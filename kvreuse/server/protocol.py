@@ -1,16 +1,76 @@
 """The OpenAI wire format (the subset kvreuse serves), as pydantic models.
 
-Unknown fields are ignored, as OpenAI-compatible servers do; known fields that kvreuse cannot honour
-(n > 1, logprobs, tools, ...) are refused with an error naming them rather than silently dropped.
+Every field of OpenAI's completion and chat requests has one of three fates here:
+- modelled: kvreuse serves it (`max_tokens`, `stop`, `seed`, ...), and kvreuse's own extensions (`top_k`,
+  `ignore_eos`, `cache_salt`, `use_cache`);
+- IGNORED: accepted and ignored, because it cannot change the answer (`user`, `metadata`, `store`, ...);
+- unsupported (`UNSUPPORTED` of each request): refused with 400 naming the field, unless its value asks for nothing
+  (`logprobs: false`, `presence_penalty: 0`, `tools: []`, ...).
+A field that is neither OpenAI's nor kvreuse's is refused too, with the closest known name ("did you mean
+'max_tokens'?"): a typo silently ignored would answer another request than the one meant. Every error names its field
+in `param`; a check of the whole body raises `FieldError` to do so.
 """
 
 from __future__ import annotations
 
+import difflib
+import json
 import time
 import uuid
-from typing import Annotated, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from kvreuse.model.tokenizer import check_unicode
+from kvreuse.sampling_params import SEED_RANGE
+
+# OpenAI fields that cannot change the answer: accepted, ignored.
+IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
+                     "prompt_cache_retention", "safety_identifier", "prediction"})
+# OpenAI fields kvreuse does not implement -> the values besides null that ask for nothing (accepted).
+_UNSUPPORTED_IN_BOTH = {"logit_bias": ({},), "presence_penalty": (0,), "frequency_penalty": (0,)}
+CHAT_UNSUPPORTED = {
+    **_UNSUPPORTED_IN_BOTH, "logprobs": (False,), "top_logprobs": (0,), "tools": ([],), "tool_choice": ("none", "auto"),
+    "functions": ([],), "function_call": ("none", "auto"), "response_format": ({"type": "text"},), "audio": (),
+    "modalities": (["text"],), "reasoning_effort": (), "verbosity": (), "web_search_options": ()}
+COMPLETION_UNSUPPORTED = {**_UNSUPPORTED_IN_BOTH, "logprobs": (False,), "echo": (False,), "best_of": (1,),
+                          "suffix": ("",)}
+
+
+class FieldError(ValueError):
+    """A check of the whole request body that is about one field, named in the error's `param`."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+def _asks_for_nothing(value: Any, neutral: tuple) -> bool:
+    # bool is an int in Python, but `logprobs: 0` is not `false`, nor is `best_of: true` 1.
+    return value is None or any(value == n and isinstance(value, bool) == isinstance(n, bool) for n in neutral)
+
+
+def _unsupported(field: str, neutral: tuple) -> FieldError:
+    verb = "are" if field.endswith("s") else "is"
+    allowed = " or ".join(json.dumps(v) for v in (None, *neutral))
+    return FieldError(field, f"{field} {verb} not supported by kvreuse (accepted only as {allowed})")
+
+
+def _unknown(field: str, known: list[str]) -> FieldError:
+    close = difflib.get_close_matches(field, known, n=1, cutoff=0.8)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return FieldError(field, f"unknown field {field!r}{hint} (kvreuse refuses fields it does not know rather than "
+                             f"ignore them)")
+
+
+def _check_texts(value: Any) -> Any:
+    """Strings, lists of strings and text content parts must be valid Unicode (the tokenizer cannot read the rest)."""
+    items = value if isinstance(value, list) else [value]
+    for item in items:
+        text = item.get("text") if isinstance(item, dict) else item
+        if isinstance(text, str):
+            check_unicode(text)
+    return value
 
 
 class StreamOptions(BaseModel):
@@ -18,33 +78,58 @@ class StreamOptions(BaseModel):
 
 
 class SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {}
 
     model: str
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     top_k: Annotated[int, Field(ge=-1)] = -1
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=SEED_RANGE[0], lt=SEED_RANGE[1])] | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: Annotated[int, Field(ge=1)] = 1
-    logprobs: bool | int | None = None
     ignore_eos: bool = False
     # kvreuse extensions: narrow cache sharing within the caller's tenant, or opt out of reuse.
     cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     use_cache: bool = True
 
-    @model_validator(mode="after")
-    def _refuse_unsupported(self):
-        if self.n != 1:
+    @model_validator(mode="before")
+    @classmethod
+    def _known_fields_only(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data  # pydantic says what it should be
+        kept = {}
+        for field, value in data.items():
+            if field in cls.model_fields:
+                kept[field] = value
+            elif field in cls.UNSUPPORTED:
+                if not _asks_for_nothing(value, cls.UNSUPPORTED[field]):
+                    raise _unsupported(field, cls.UNSUPPORTED[field])
+            elif field not in IGNORED:
+                raise _unknown(field, [*cls.model_fields, *cls.UNSUPPORTED, *IGNORED])
+        return kept
+
+    @field_validator("stop", "cache_salt", mode="before")
+    @classmethod
+    def _valid_text(cls, value: Any) -> Any:
+        return _check_texts(value)
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, n: int) -> int:
+        if n != 1:
             raise ValueError("n > 1 is not supported; send separate requests")
-        if self.logprobs:
-            raise ValueError("logprobs are not supported")
-        if isinstance(self.stop, list) and any(not s for s in self.stop):
+        return n
+
+    @field_validator("stop")
+    @classmethod
+    def _non_empty_stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        if stop == "" or (isinstance(stop, list) and not all(stop)):
             raise ValueError("stop strings must be non-empty")
-        return self
+        return stop
 
     @property
     def stop_list(self) -> list[str]:
@@ -54,17 +139,25 @@ class SamplingFields(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = COMPLETION_UNSUPPORTED
+
     prompt: str | list[int] | list[str]
 
-    @model_validator(mode="after")
-    def _one_prompt(self):
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):
-            if len(self.prompt) != 1:
-                raise ValueError("prompt: one prompt per request (a list of several strings is not supported)")
-            self.prompt = self.prompt[0]
-        if not self.prompt:
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _valid_prompt_text(cls, value: Any) -> Any:
+        return _check_texts(value)
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, prompt: str | list[int] | list[str]) -> str | list[int]:
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise ValueError("one prompt per request (a list of several strings is not supported)")
+            prompt = prompt[0]
+        if not prompt:
             raise ValueError("prompt must not be empty")
-        return self
+        return prompt
 
 
 class ChatMessage(BaseModel):
@@ -72,6 +165,11 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict] | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _valid_text(cls, value: Any) -> Any:
+        return _check_texts(value)
 
     def text(self) -> str:
         """Content as text; a list of parts may only hold text parts."""
@@ -83,14 +181,13 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(SamplingFields):
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = CHAT_UNSUPPORTED
+
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    tools: list[dict] | None = None
 
     @model_validator(mode="after")
-    def _chat_checks(self):
-        if self.tools:
-            raise ValueError("tools are not supported")
+    def _max_completion_tokens(self):
         if self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
         return self
@@ -102,6 +199,11 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _valid_text(cls, value: Any) -> Any:
+        return _check_texts(value)
 
     @model_validator(mode="after")
     def _exactly_one(self):

@@ -1,11 +1,16 @@
-"""`/health` and `/metrics`: for load balancers and Prometheus, so no API key."""
+"""`/health` and `/metrics`, for load balancers and Prometheus.
+
+/health never needs an API key. /metrics does when the server has keys (`gates.AuthGate`, and the dependency
+here too): its counters move by every tenant's prompt lengths, which one tenant must not watch.
+"""
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from kvreuse.server.auth import authenticate
 from kvreuse.server.state import StateDep
 
 router = APIRouter()
@@ -19,6 +24,6 @@ async def health(state: StateDep):
     return {"status": "ok"}
 
 
-@router.get("/metrics")
+@router.get("/metrics", dependencies=[Depends(authenticate)])
 async def prometheus_metrics(state: StateDep):
     return Response(state.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)

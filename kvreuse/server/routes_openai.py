@@ -5,11 +5,10 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 
 from kvreuse.server.auth import TenantDep, authenticate
-from kvreuse.server.prompts import check_model, make_sequence, message_dicts, render_chat
+from kvreuse.server.prompts import chat_sequence, check_model, completion_sequence, off_loop
 from kvreuse.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvreuse.server.responses import respond
 from kvreuse.server.state import StateDep
-from kvreuse.server.truncation import fit_conversation
 
 router = APIRouter(dependencies=[Depends(authenticate)])
 
@@ -24,16 +23,12 @@ async def list_models(state: StateDep):
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request, state: StateDep, tenant: TenantDep):
     check_model(state.model_name, body.model)
-    seq = make_sequence(state.engine, body.prompt, body, tenant)
+    seq = await off_loop(completion_sequence, state.engine, body, tenant)
     return await respond(state, seq, body, request, chat=False)
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request, state: StateDep, tenant: TenantDep):
     check_model(state.model_name, body.model)
-    messages = message_dicts(body.messages)
-    dropped = 0
-    if state.engine.config.server.truncate == "oldest":
-        messages, dropped = fit_conversation(state.engine, messages, body.max_tokens)
-    seq = make_sequence(state.engine, render_chat(state.engine, messages), body, tenant)
+    seq, dropped = await off_loop(chat_sequence, state.engine, body, tenant)
     return await respond(state, seq, body, request, chat=True, truncated_turns=dropped)

@@ -1,4 +1,4 @@
-"""What every route shares: the engine, its thread, the metrics and the server's settings.
+"""What every route shares: the engine, its thread, the metrics, the requests in flight and the server's settings.
 
 One `ServerState` lives on `app.state.kvreuse`; routes reach it through the `get_state` dependency (tests can
 swap it with `app.dependency_overrides[get_state]`).
@@ -12,6 +12,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from kvreuse.engine.engine import LLMEngine
+from kvreuse.server.admission import Admissions
 from kvreuse.server.async_engine import AsyncEngine
 from kvreuse.server.metrics import Metrics
 from kvreuse.server.protocol import now
@@ -26,6 +27,7 @@ class ServerState:
     api_keys: dict[str, str] | None  # key -> tenant; None: no authentication
     draining: bool = False  # set on SIGTERM: new requests get 503 while in-flight ones finish
     ready: bool = False     # the engine thread runs
+    admissions: Admissions = field(default_factory=Admissions)  # requests in flight, per tenant
     created: int = field(default_factory=now)
 
 

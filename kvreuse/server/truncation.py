@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvreuse.engine.engine import LLMEngine
+from kvreuse.engine.engine import LLMEngine, RequestError
 
 LEADING_ROLES = ("system", "developer")
 
@@ -11,15 +11,38 @@ def fit_conversation(engine: LLMEngine, messages: list[dict], max_tokens: int | 
     """Drop whole turns (a user message and the replies after it) right after the system message, oldest
     first, until the prompt plus `max_tokens` fits the context limit. The last message always stays; if it
     still does not fit, the engine's own check refuses the request. Returns (messages, turns dropped)."""
-    kept = list(messages)
     needed = max_tokens or 1
-    dropped = 0
-    first = next((i for i, m in enumerate(kept) if m["role"] not in LEADING_ROLES), len(kept))
-    while len(kept) - first > 1:
-        if len(engine.tokenize_prompt(engine.render_chat(kept))) + needed <= engine.max_model_len:
-            break
-        del kept[first]
-        while len(kept) - first > 1 and kept[first]["role"] not in ("user", *LEADING_ROLES):
-            del kept[first]
-        dropped += 1
-    return kept, dropped
+    first = next((i for i, m in enumerate(messages) if m["role"] not in LEADING_ROLES), len(messages))
+    starts = _tail_starts(messages, first)
+    # Dropping more turns never lengthens the prompt, so the fewest drops that fit are found by bisection: a
+    # logarithmic number of renders, where one per turn would take hours for a conversation of thousands of turns.
+    # The last start (only the last message left) is taken without a check.
+    low, high = 0, len(starts) - 1
+    while low < high:
+        mid = (low + high) // 2
+        if _fits(engine, messages[:first] + messages[starts[mid]:], needed):
+            high = mid
+        else:
+            low = mid + 1
+    return messages[:first] + messages[starts[low]:], low
+
+
+def _tail_starts(messages: list[dict], first: int) -> list[int]:
+    """Where the kept messages after the leading system ones may start: at `first` (nothing dropped), after each
+    whole turn, and at the last message."""
+    starts = [first]
+    while len(messages) - starts[-1] > 1:
+        start = starts[-1] + 1
+        while len(messages) - start > 1 and messages[start]["role"] not in ("user", *LEADING_ROLES):
+            start += 1
+        starts.append(start)
+    return starts
+
+
+def _fits(engine: LLMEngine, messages: list[dict], needed: int) -> bool:
+    try:
+        return len(engine.tokenize_chat(messages)) + needed <= engine.max_model_len
+    except RequestError as exc:
+        if exc.code != "context_length_exceeded":  # not a matter of length: dropping turns cannot help
+            raise
+        return False

@@ -1,0 +1,203 @@
+"""An exception inside a step fails only the requests of that step (issue 12, "beyond the list"): they finish with
+finish_reason "error" and the exception on `RequestOutput.error`, their blocks are freed, the engine checks its
+integrity and keeps serving everything else. Over HTTP a failed request gets a 500 OpenAI error (`server_error`), a
+failed stream an error event and then `[DONE]`, and /health stays ok.
+
+The fault is a test hook: the model runner raises once (monkeypatched in-process; a real server cannot be made to
+fail a forward on demand). The server runs in-process (uvicorn on a thread, 127.0.0.1, a free port) so that the
+hook reaches its engine; every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import uvicorn
+
+from kvreuse.engine.engine import LLMEngine
+from kvreuse.llm import LLM
+from kvreuse.sampling_params import SamplingParams
+from kvreuse.server.app import create_app
+
+from .conftest import make_config
+from .server_process import http_client, sse_events
+
+
+class InjectedFault(RuntimeError):
+    pass
+
+
+def fail_next_forwards(engine: LLMEngine, count: int = 1) -> list[list[str]]:
+    """The runner raises on its next `count` calls; returns the request ids of each failed forward."""
+    run, failed = engine.runner.run, []
+
+    def faulty(seqs, reuse):
+        if len(failed) < count:
+            failed.append([s.request_id for s in seqs])
+            raise InjectedFault("injected fault in the forward")
+        return run(seqs, reuse)
+
+    engine.runner.run = faulty
+    return failed
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, ignore_eos=True)
+
+
+def tiny_engine(tiny_model_dir: str, **settings) -> LLMEngine:
+    return LLM(make_config(model__path=tiny_model_dir, model__dtype="fp32", engine__num_kv_blocks=64,
+                           **settings)).engine
+
+
+def drain(engine: LLMEngine, max_steps: int = 200) -> None:
+    for _ in range(max_steps):
+        if not engine.has_unfinished():
+            return
+        engine.step()
+        engine.check_integrity()
+    raise AssertionError(f"still unfinished after {max_steps} steps")
+
+
+# --- offline: LLMEngine ------------------------------------------------------------------------------------------
+def test_a_forward_that_raises_fails_only_the_requests_of_that_step(tiny_model_dir):
+    engine = tiny_engine(tiny_model_dir, engine__max_num_seqs=2)
+    expected = LLM(make_config(model__path=tiny_model_dir, model__dtype="fp32", engine__num_kv_blocks=64)
+                   ).generate("Third in line", greedy(6))[0].token_ids
+    first, second, third = (engine.add_request(p, greedy(6)) for p in ("First prompt", "Second one", "Third in line"))
+    failed = fail_next_forwards(engine)
+    updated = engine.step()       # before: the exception escaped step() (and killed the server's engine thread)
+    assert failed == [[first.request_id, second.request_id]]
+    assert updated == [first, second]
+    for seq in (first, second):
+        out = engine.output(seq)
+        assert out.finish_reason == "error" and "InjectedFault: injected fault in the forward" in out.error
+        assert not seq.kv.block_table and seq.request_id not in engine.sequences
+    engine.check_integrity()
+    drain(engine)                 # the one waiting behind them was not part of that step: it runs as if alone
+    assert (third.finish_reason, engine.output(third).error) == ("length", None)
+    assert third.completion_token_ids == expected
+    assert engine.kv_manager.num_free_blocks == engine.num_kv_blocks
+    assert engine.stats.num_requests == 1     # failed requests, like aborted ones, are not in the totals
+
+
+def test_a_fault_after_some_tokens_keeps_the_text_so_far_and_the_engine_serves_new_requests(tiny_model_dir):
+    engine = tiny_engine(tiny_model_dir)
+    prompt = "Generate for a while, and keep going. " * 6
+    seq = engine.add_request(prompt, greedy(20))
+    for _ in range(4):
+        engine.step()
+    fail_next_forwards(engine)
+    assert engine.step() == [seq]
+    assert seq.finish_reason == "error" and seq.num_completion_tokens == 4
+    assert engine.output(seq).text == engine.tokenizer.decode(seq.completion_token_ids)
+    later = engine.add_request(prompt, greedy(5))
+    drain(engine)
+    assert later.finish_reason == "length" and later.num_completion_tokens == 5
+    assert later.kv.num_cached_tokens > 0     # it reused the failed request's published prompt blocks (exact)
+
+
+def test_a_fault_in_a_reusing_forward_releases_the_segment_sources(tiny_model_dir):
+    engine = tiny_engine(tiny_model_dir, cache__suffix__enabled="true")
+    document = "The printing press spread across Europe within decades, and with it cheap books. " * 4
+    engine.add_request(document, greedy(1))
+    drain(engine)
+    seq = engine.add_request("Question first, then the text: " + document, greedy(4))
+    fail_next_forwards(engine)
+    engine.step()
+    assert seq.finish_reason == "error" and seq.kv.segment_plan is None
+    engine.check_integrity()
+    assert engine.kv_manager.num_free_blocks == engine.num_kv_blocks
+
+
+# --- over HTTP: the real app, in-process -------------------------------------------------------------------------
+@contextmanager
+def app_server(engine: LLMEngine, timeout: float = 30.0) -> Iterator[str]:
+    """Serve `engine` with the real FastAPI app on 127.0.0.1 (a free port); yields the root URL."""
+    config = uvicorn.Config(create_app(engine, "tiny"), host="127.0.0.1", port=0, log_level="warning",
+                            lifespan="on")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout)
+        assert not thread.is_alive(), "uvicorn did not stop"
+
+
+@pytest.fixture
+def faulty_server(tiny_model_dir):
+    engine = tiny_engine(tiny_model_dir)
+    with app_server(engine) as root, http_client(30.0) as http:
+        yield engine, root, http
+
+
+def completion(**extra) -> dict:
+    return {"model": "tiny", "prompt": "Tell me about caches", "max_tokens": 4, "temperature": 0,
+            "ignore_eos": True, **extra}
+
+
+def test_a_failed_request_gets_a_500_server_error_and_the_next_one_succeeds(faulty_server):
+    engine, root, http = faulty_server
+    fail_next_forwards(engine)
+    response = http.post(f"{root}/v1/completions", json=completion())
+    # Before: 500 "the engine stopped", and from then on 503 for everything, /health included.
+    assert response.status_code == 500, response.text
+    assert http.get(f"{root}/health").json() == {"status": "ok"}
+    chat = http.post(f"{root}/v1/chat/completions", json={
+        "model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "ignore_eos": True})
+    assert chat.status_code == 200 and chat.json()["usage"]["completion_tokens"] == 3, chat.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "server_error" and "InjectedFault: injected fault in the forward" in error["message"]
+    engine_state = engine.stats_snapshot()
+    assert engine_state["blocks_in_use"] == 0 and engine_state["num_requests_running"] == 0
+
+
+def test_a_failed_stream_gets_an_error_event_then_done_and_the_next_stream_succeeds(faulty_server):
+    engine, root, http = faulty_server
+    fail_next_forwards(engine)
+    with http.stream("POST", f"{root}/v1/completions", json=completion(stream=True)) as response:
+        assert response.status_code == 200
+        events = list(sse_events(response))
+    assert events[-1] == "[DONE]", events
+    error = json.loads(events[-2])["error"]
+    assert error["type"] == "server_error" and "InjectedFault" in error["message"], events
+    with http.stream("POST", f"{root}/v1/completions", json=completion(stream=True)) as response:
+        events = list(sse_events(response))
+    assert events[-1] == "[DONE]" and not any('"error"' in e for e in events), events
+    assert http.get(f"{root}/health").json() == {"status": "ok"}
+
+
+def test_a_fault_while_scheduling_fails_the_running_requests_and_spares_the_waiting_ones(tiny_model_dir):
+    engine = tiny_engine(tiny_model_dir)
+    running = engine.add_request("Already running", greedy(8))
+    engine.step()
+    waiting = engine.add_request("Arrives later", greedy(3))
+    match_prefix, calls = engine.kv_manager.match_prefix, []
+
+    def faulty(req):
+        calls.append(req)
+        if len(calls) == 1:
+            raise InjectedFault("injected fault in admission")
+        return match_prefix(req)
+
+    engine.kv_manager.match_prefix = faulty
+    assert engine.step() == [running]          # running had its decode slot reserved when admission raised
+    assert running.finish_reason == "error" and "admission" in running.error
+    engine.check_integrity()
+    drain(engine)
+    assert waiting.finish_reason == "length" and waiting.num_completion_tokens == 3
+    assert engine.kv_manager.num_free_blocks == engine.num_kv_blocks
