@@ -10,6 +10,7 @@ hook reaches its engine; every wait is bounded.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -201,3 +202,32 @@ def test_a_fault_while_scheduling_fails_the_running_requests_and_spares_the_wait
     drain(engine)
     assert waiting.finish_reason == "length" and waiting.num_completion_tokens == 3
     assert engine.kv_manager.num_free_blocks == engine.num_kv_blocks
+
+
+def test_observers_that_raise_are_logged_and_the_engine_thread_keeps_serving(tiny_model_dir, caplog):
+    """Metrics observers run on the engine thread: one that raises must not end the loop (it used to)."""
+    from kvreuse.server.async_engine import AsyncEngine
+
+    def broken(_):
+        raise ValueError("broken gauge")
+
+    engine = tiny_engine(tiny_model_dir)
+    async_engine = AsyncEngine(engine, on_step=broken, on_finish=broken)
+
+    async def two_requests() -> list:
+        outputs = []
+        for prompt in ("First request", "Second request"):
+            deltas = async_engine.submit(engine.make_sequence(prompt, greedy(4)))
+            while (delta := await asyncio.wait_for(deltas.get(), 30)) is not None and not delta.finished:
+                pass
+            outputs.append(delta.output if delta else None)
+        return outputs
+
+    async_engine.start()
+    try:
+        outputs = asyncio.run(two_requests())
+    finally:
+        async_engine.shutdown()
+    assert [o.finish_reason for o in outputs] == ["length", "length"]
+    assert async_engine.error is None and async_engine.num_callback_errors >= 4   # a step and a finish each
+    assert "broken failed" in caplog.text

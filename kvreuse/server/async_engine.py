@@ -62,6 +62,7 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="kvreuse-engine", daemon=True)
         self._stopping = False
         self.error: BaseException | None = None
+        self.num_callback_errors = 0
         # Each counter has one writer (event loop / engine thread), so no lock is needed.
         self._num_submitted = 0
         self._num_finished = 0
@@ -104,8 +105,7 @@ class AsyncEngine:
                 self._drain_commands(block=not self.engine.has_unfinished())
                 if self.engine.has_unfinished():
                     self._deliver(self.engine.step())
-                    if self.on_step:
-                        self.on_step(self.engine)
+                    self._notify(self.on_step, self.engine)
         except BaseException as exc:
             self.error = exc
             logger.exception("engine loop died")
@@ -127,8 +127,8 @@ class AsyncEngine:
                 if seq is not None:
                     self.engine.abort(arg)
                     self._finish_stream(arg, self.engine.output(seq))
-                    if self.on_step:  # the gauges must show the freed blocks even if nothing steps again
-                        self.on_step(self.engine)
+                    # The gauges must show the freed blocks even if nothing steps again.
+                    self._notify(self.on_step, self.engine)
             elif kind == "stop":
                 self._stopping = True
             try:
@@ -159,9 +159,20 @@ class AsyncEngine:
         self._num_finished += 1
         final = Delta("", output) if output else None  # None tells the consumer the engine died
         stream.loop.call_soon_threadsafe(stream.queue.put_nowait, final)
-        # After the reply is on its way: a failing callback must not leave its client waiting forever.
-        if output is not None and self.on_finish:
-            self.on_finish(output)
+        if output is not None:  # after the reply is on its way
+            self._notify(self.on_finish, output)
+
+    def _notify(self, callback: Callable | None, arg: object) -> None:
+        """Run an observer (metrics). Its failure is logged and counted, never the engine loop's end: serving
+        matters more than a gauge."""
+        if callback is None:
+            return
+        try:
+            callback(arg)
+        except Exception:
+            self.num_callback_errors += 1
+            logger.exception("%s failed (%d so far); the engine goes on", getattr(callback, "__name__", callback),
+                             self.num_callback_errors)
 
 
 def _stable_prefix(text: str, stops: list[str]) -> str:
