@@ -20,8 +20,9 @@ from kvreuse.engine.stats import EngineStats
 from kvreuse.kvcache.accounting import ReuseRecord
 from kvreuse.kvcache.manager import KVCacheManager
 from kvreuse.kvcache.normalize import normalize_text
+from kvreuse.model import dtype_probe
 from kvreuse.model.llama import Llama
-from kvreuse.model.loader import load_weights
+from kvreuse.model.loader import ModelArgs, load_weights
 from kvreuse.model.tokenizer import ChatText, Tokenizer, check_unicode
 from kvreuse.sampling_params import SamplingParams
 
@@ -47,19 +48,29 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    # Measured on the 2-core AVX2 CI machine (no native bf16): fp32 is faster there; bf16 wins on GPUs.
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return DTYPES[name]
+def resolve_dtype(name: str, device: torch.device, args: ModelArgs) -> tuple[torch.dtype, str]:
+    """The dtype of the weights and KV, and why (empty for an explicit `model.dtype`): `auto` is bf16 on CUDA
+    and, on a CPU, whichever dtype the probe measured faster on `args`' prefill-shaped GEMMs (logged at INFO)."""
+    if name != "auto":
+        return DTYPES[name], ""
+    if device.type == "cuda":
+        return torch.bfloat16, "auto: cuda"
+    result = dtype_probe.probe(args)
+    logger.info("model.dtype = auto: %s on this CPU; %s", dtype_name(result.dtype), result.describe())
+    return result.dtype, f"auto: {result.summary}"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return next(name for name, d in DTYPES.items() if d == dtype)
 
 
 class LLMEngine:
     def __init__(self, config: Config):
         self.config = config
         self.device = resolve_device(config.model.device)
-        self.dtype = resolve_dtype(config.model.dtype, self.device)
         weights = load_weights(config.model.path or None)
+        self.dtype, why = resolve_dtype(config.model.dtype, self.device, weights.args)
+        self.dtype_description = f"{dtype_name(self.dtype)} ({why})" if why else dtype_name(self.dtype)
         self.model_path = weights.path
         self.model_args = weights.args
         # Cache keys must change whenever the numbers in the KV would: weights and dtype.

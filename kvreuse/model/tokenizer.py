@@ -19,6 +19,8 @@ from pathlib import Path
 from tokenizers import Encoding
 from tokenizers import Tokenizer as RustTokenizer
 
+from kvreuse.model.cache_dir import cache_root
+
 logger = logging.getLogger(__name__)
 
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
@@ -42,8 +44,7 @@ class ChatText:
 
 
 def _cache_dir(fingerprint: str) -> Path:
-    root = Path(os.environ.get("KVREUSE_CACHE_DIR", Path.home() / ".cache" / "kvreuse"))
-    return root / "tokenizers" / fingerprint[:16]
+    return cache_root() / "tokenizers" / fingerprint[:16]
 
 
 class Tokenizer:

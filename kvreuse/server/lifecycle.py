@@ -32,7 +32,7 @@ def serve(config: Config, *, served_model_name: str | None = None, log_level: st
     warm_up(engine)
     model_name = served_model_name or model_name_of(engine.model_path)
     app = create_app(engine, model_name, api_keys)
-    description = (f"model={model_name} max_model_len={engine.max_model_len} "
+    description = (f"model={model_name} dtype={engine.dtype_description} max_model_len={engine.max_model_len} "
                    f"kv_capacity={engine.kv_capacity_tokens} tokens ({engine.num_kv_blocks} blocks x "
                    f"{engine.block_size}) prefix_caching={'on' if config.cache.enabled else 'off'} "
                    f"auth={'api-keys' if api_keys else 'off'}")

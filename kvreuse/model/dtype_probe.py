@@ -1,0 +1,215 @@
+"""`model.dtype = auto` on a CPU: time the model's own GEMMs in fp32 and bf16 once per machine and keep the
+answer on disk. Whether bf16 pays depends on the CPU (AMX or avx512_bf16: several times faster; AVX2 only:
+several times slower), so it is measured, not guessed."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kvreuse.model.cache_dir import cache_root
+from kvreuse.model.loader import ModelArgs
+
+logger = logging.getLogger(__name__)
+
+# Bumped whenever what is measured changes, so that answers measured the old way are not reused.
+PROBE_VERSION = 1
+PREFILL_TOKENS = 512
+# Large models get fewer prefill tokens, so the probe stays within a few hundred ms; a GEMM of 64+ rows is
+# still compute-bound, which is what the prefill figure is about.
+PREFILL_FLOP_CAP = 4e9
+MIN_PREFILL_TOKENS = 64
+REPEATS = 5
+# A busy machine (another process on our cores) can make every sample ten times slower: past this, stop at the
+# median of MIN_REPEATS rather than hold up the load.
+PROBE_BUDGET_S = 0.5
+MIN_REPEATS = 3
+DECODE_INNER = 8  # batch-1 GEMVs take microseconds: several per sample so that timer noise does not decide
+# Workloads here are prefill-bound, so the prefill figure decides; bf16 must win it clearly, because fp32 is the
+# more exact of the two and a few hundred ms of timing carry some noise.
+BF16_MIN_SPEEDUP = 1.2
+# The flags that decide how fast a bf16 or fp32 GEMM can run on x86 (others are irrelevant to the answer).
+RELEVANT_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16")
+
+
+@dataclass(frozen=True)
+class Figures:
+    """Seconds (medians) for one pass over a decoder layer's linears, in each dtype, prefill- and batch-1-shaped."""
+    prefill_tokens: int
+    fp32_prefill_s: float
+    bf16_prefill_s: float
+    fp32_decode_s: float
+    bf16_decode_s: float
+    probe_s: float  # how long measuring took (all of it, warm-up included)
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    figures: Figures
+    flops_per_token: float
+    cache_path: Path | None  # where the answer is kept; None if it could not be written
+    from_cache: bool
+
+    @property
+    def prefill_speedup(self) -> float:
+        """How many times faster bf16 ran the prefill-shaped GEMMs than fp32."""
+        return self.figures.fp32_prefill_s / self.figures.bf16_prefill_s
+
+    @property
+    def decode_speedup(self) -> float:
+        return self.figures.fp32_decode_s / self.figures.bf16_decode_s
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.prefill_speedup >= BF16_MIN_SPEEDUP else torch.float32
+
+    @property
+    def summary(self) -> str:
+        """The short form, for the ready line: `bf16 3.1x fp32 on prefill GEMMs`."""
+        return f"bf16 {self.prefill_speedup:.1f}x fp32 on prefill GEMMs"
+
+    def describe(self) -> str:
+        """Every figure, for the log."""
+        f = self.figures
+        prefill_flops = self.flops_per_token * f.prefill_tokens
+        source = f"cached in {self.cache_path}" if self.from_cache else f"measured in {f.probe_s * 1000:.0f} ms"
+        return (f"prefill GEMMs ({f.prefill_tokens} tokens): fp32 {f.fp32_prefill_s * 1e3:.2f} ms "
+                f"({prefill_flops / f.fp32_prefill_s / 1e9:.0f} GFLOP/s), bf16 {f.bf16_prefill_s * 1e3:.2f} ms "
+                f"({prefill_flops / f.bf16_prefill_s / 1e9:.0f} GFLOP/s) = bf16 {self.prefill_speedup:.2f}x; "
+                f"batch-1 GEMVs: fp32 {f.fp32_decode_s * 1e6:.0f} us, bf16 {f.bf16_decode_s * 1e6:.0f} us = "
+                f"bf16 {self.decode_speedup:.2f}x; rule: bf16 if >= {BF16_MIN_SPEEDUP}x on prefill; {source}")
+
+
+def layer_shapes(args: ModelArgs) -> list[tuple[int, int]]:
+    """(in, out) of a decoder layer's linears, fused as `Llama` fuses them: qkv, o, gate_up, down."""
+    q, kv = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+    return [(args.hidden_size, q + 2 * kv), (q, args.hidden_size),
+            (args.hidden_size, 2 * args.intermediate_size), (args.intermediate_size, args.hidden_size)]
+
+
+def flops_per_token(shapes: list[tuple[int, int]]) -> float:
+    return float(sum(2 * i * o for i, o in shapes))
+
+
+def prefill_tokens(shapes: list[tuple[int, int]]) -> int:
+    fitting = int(PREFILL_FLOP_CAP / flops_per_token(shapes)) // MIN_PREFILL_TOKENS * MIN_PREFILL_TOKENS
+    return max(MIN_PREFILL_TOKENS, min(PREFILL_TOKENS, fitting))
+
+
+def measure(shapes: list[tuple[int, int]], tokens: int) -> Figures:
+    """Time the layer's linears in fp32 and bf16, prefill-shaped (`tokens` rows) and batch 1: one warm-up, then
+    the median of REPEATS samples (MIN_REPEATS past PROBE_BUDGET_S), the dtypes interleaved (alternating which goes
+    first) so that drift cancels."""
+    start = time.perf_counter()
+    g = torch.Generator().manual_seed(0)
+    weights32 = [torch.randn(o, i, generator=g) * i ** -0.5 for i, o in shapes]
+    weights = {torch.float32: weights32, torch.bfloat16: [w.to(torch.bfloat16) for w in weights32]}
+    # One contiguous input per width, as the model's activations are (a sliced view could cost a copy).
+    inputs32 = {(rows, i): torch.randn(rows, i, generator=g) for rows in (tokens, 1) for i, _ in shapes}
+    inputs = {(dtype, *k): x.to(dtype) for dtype in weights for k, x in inputs32.items()}
+
+    def one_pass(dtype: torch.dtype, rows: int, times: int) -> float:
+        pairs = [(inputs[dtype, rows, w.shape[1]], w) for w in weights[dtype]]
+        t0 = time.perf_counter()
+        for _ in range(times):
+            for x, w in pairs:
+                F.linear(x, w)
+        return (time.perf_counter() - t0) / times
+
+    kinds = [(torch.float32, tokens, 1), (torch.bfloat16, tokens, 1),
+             (torch.float32, 1, DECODE_INNER), (torch.bfloat16, 1, DECODE_INNER)]
+    samples: dict[tuple, list[float]] = {kind: [] for kind in kinds}
+    for kind in kinds:
+        one_pass(*kind)  # warm-up: first-call allocation, kernel selection, weight prepacking
+    for repeat in range(REPEATS):
+        if repeat >= MIN_REPEATS and time.perf_counter() - start > PROBE_BUDGET_S:
+            break
+        for kind in (kinds if repeat % 2 == 0 else kinds[::-1]):
+            samples[kind].append(one_pass(*kind))
+    fp32_prefill, bf16_prefill, fp32_decode, bf16_decode = (statistics.median(samples[k]) for k in kinds)
+    return Figures(tokens, fp32_prefill, bf16_prefill, fp32_decode, bf16_decode, time.perf_counter() - start)
+
+
+def cpu_identity() -> dict:
+    """What decides a CPU's GEMM speed per dtype: its model string and its bf16-relevant flags."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            name, _, value = line.partition(":")
+            if name.strip() == "model name":
+                model = value.strip()
+            elif name.strip() == "flags":
+                flags = set(value.split())
+    except OSError:
+        pass  # not Linux: the model string from platform stands alone
+    return {"cpu": model, "machine": platform.machine(), "flags": sorted(flags.intersection(RELEVANT_FLAGS))}
+
+
+def probe_key(shapes: list[tuple[int, int]]) -> dict:
+    """Everything the answer depends on; a change in any of it measures again."""
+    return {"version": PROBE_VERSION, **cpu_identity(), "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "shapes": [list(s) for s in shapes]}
+
+
+def cache_path(key: dict) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+    return cache_root() / "dtype_probe" / f"{digest[:16]}.json"
+
+
+def load_cached(path: Path, key: dict) -> Figures | None:
+    """The figures kept at `path` for `key`; None when absent, unreadable, corrupted or for another key."""
+    try:
+        stored = json.loads(path.read_text())
+        if stored["key"] != key:
+            return None
+        figures = Figures(**stored["figures"])
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        logger.info("ignoring the dtype probe cache %s (it is measured again): %s", path, exc)
+        return None
+    values = [getattr(figures, name) for name in ("fp32_prefill_s", "bf16_prefill_s", "fp32_decode_s",
+                                                  "bf16_decode_s")]
+    return figures if all(isinstance(v, (int, float)) and v > 0 for v in values) else None
+
+
+def store(path: Path, key: dict, figures: Figures) -> bool:
+    """Write the answer atomically (a temporary file renamed into place): a concurrent reader sees the old file or
+    the new one, never half of one. False, and logged, when it cannot be written."""
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump({"key": key, "figures": asdict(figures)}, f)
+        os.replace(tmp, path)
+        return True
+    except OSError as exc:
+        logger.info("could not cache the dtype probe in %s: %s", path, exc)
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        return False
+
+
+def probe(args: ModelArgs) -> ProbeResult:
+    """fp32 against bf16 on this CPU for `args`' shapes: from the disk cache, or measured (and then cached)."""
+    shapes = layer_shapes(args)
+    key = probe_key(shapes)
+    path = cache_path(key)
+    figures = load_cached(path, key)
+    if figures is not None:
+        return ProbeResult(figures, flops_per_token(shapes), path, from_cache=True)
+    figures = measure(shapes, prefill_tokens(shapes))
+    stored = store(path, key, figures)
+    return ProbeResult(figures, flops_per_token(shapes), path if stored else None, from_cache=False)
