@@ -19,9 +19,11 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor   # [num_tokens] pool slot where each new token's K/V is written
     query_index: torch.Tensor    # [num_seqs, max_query_len] row of each query in the flat batch (pad: repeat)
     context_slots: torch.Tensor  # [num_seqs, max_context_len] pool slots of each sequence's keys (pad: 0)
-    attn_mask: torch.Tensor      # [num_seqs, 1, max_query_len, max_context_len] True where attending is allowed
+    # [num_seqs, 1, max_query_len, max_context_len] True where attending is allowed; None when nothing is masked
+    attn_mask: torch.Tensor | None
     output_index: torch.Tensor   # [num_tokens] rows of the padded output that are real tokens, in batch order
     causal: bool = False         # one sequence from position 0: plain causal attention, the mask is not needed
+    decode: bool = False         # one query per sequence, at its last position: nothing to pad or drop
 
     @classmethod
     def build(
@@ -34,11 +36,40 @@ class AttentionMetadata:
     ) -> AttentionMetadata:
         """Sequence b computes positions [start_positions[b], start_positions[b] + query_lens[b]) and
         attends causally to every position before and including each query."""
+        if all(n == 1 for n in query_lens):
+            return cls.for_decode([s + 1 for s in start_positions], block_tables, block_size, device)
         queries = [torch.arange(s, s + n) for s, n in zip(start_positions, query_lens, strict=True)]
         meta = cls.for_queries(queries, block_tables, block_size, device)
         # SDPA's own causal path skips the masked upper triangle: about 2x faster on long prefills.
         meta.causal = len(queries) == 1 and start_positions[0] == 0
         return meta
+
+    @classmethod
+    def for_decode(cls, context_lens: list[int], block_tables: list[list[int]], block_size: int,
+                   device: torch.device) -> AttentionMetadata:
+        """Sequence b computes one token, at position context_lens[b] - 1, and attends to all its context.
+        The same metadata `for_queries` builds for that case, with fewer ops (it is built every decode step)."""
+        num_seqs, max_context_len = len(context_lens), max(context_lens)
+        max_blocks = max(len(t) for t in block_tables)
+        tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in block_tables])  # [B, max_blocks]
+        lens = torch.tensor(context_lens)                                              # [B]
+        key_pos = torch.arange(max_context_len)                                        # [K]
+        context_slots = tables[:, key_pos // block_size] * block_size + key_pos % block_size  # [B, K]
+        rows = torch.arange(num_seqs)                                                  # [B]
+        slot_mapping = context_slots[rows, lens - 1]                                   # [B]
+        attn_mask = None
+        if min(context_lens) < max_context_len:
+            visible = key_pos < lens[:, None]                                          # [B, K]
+            context_slots = torch.where(visible, context_slots, 0)
+            attn_mask = visible[:, None, None, :].to(device)                           # [B, 1, 1, K]
+        return cls(
+            slot_mapping=slot_mapping.to(device),
+            query_index=rows[:, None].to(device),
+            context_slots=context_slots.to(device),
+            attn_mask=attn_mask,
+            output_index=rows.to(device),
+            decode=True,
+        )
 
     @classmethod
     def for_queries(
@@ -99,12 +130,16 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[2]
     num_seqs, max_query_len = meta.query_index.shape
-    q_pad = q[meta.query_index].transpose(1, 2)                                        # [B, H, Q, D]
-    k = k_cache.view(-1, num_kv_heads, head_dim)[meta.context_slots].transpose(1, 2)   # [B, Hkv, K, D]
-    v = v_cache.view(-1, num_kv_heads, head_dim)[meta.context_slots].transpose(1, 2)   # [B, Hkv, K, D]
+    # Decode rows are already one query per sequence, in batch order: no gather, no padding to drop.
+    q_pad = q.unsqueeze(2) if meta.decode else q[meta.query_index].transpose(1, 2)     # [B, H, Q, D]
+    slots = meta.context_slots.flatten()                                               # [B * K]
+    k = k_cache.view(-1, num_kv_heads, head_dim).index_select(0, slots)                # [B * K, Hkv, D]
+    v = v_cache.view(-1, num_kv_heads, head_dim).index_select(0, slots)                # [B * K, Hkv, D]
+    k = k.view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)                   # [B, Hkv, K, D]
+    v = v.view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)                   # [B, Hkv, K, D]
     mask = None if meta.causal else meta.attn_mask
     out = F.scaled_dot_product_attention(
         q_pad, k, v, attn_mask=mask, is_causal=meta.causal, scale=scale, enable_gqa=num_heads != num_kv_heads
     )                                                                                  # [B, H, Q, D]
     out = out.transpose(1, 2).reshape(num_seqs * max_query_len, num_heads * head_dim)
-    return out[meta.output_index]
+    return out if meta.decode else out[meta.output_index]

@@ -11,7 +11,11 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None]) -> list[int]:
     """logits: [S, vocab] fp32. Greedy rows take the argmax; the others sample from their filtered
     distribution with their own generator, so a seeded request is reproducible in any batch."""
+    if len(params) != len(generators) or len(params) != logits.shape[0]:
+        raise ValueError(f"{logits.shape[0]} logits rows, {len(params)} params, {len(generators)} generators")
     token_ids = logits.argmax(dim=-1).tolist()
+    if all(p.greedy for p in params):
+        return token_ids                                                  # the usual case: no per-row work
     for row, (p, generator) in enumerate(zip(params, generators, strict=True)):
         if p.greedy:
             continue
