@@ -176,9 +176,8 @@ class AsyncEngine:
 
 
 def _stable_prefix(text: str, stops: list[str]) -> str:
-    """The part of an unfinished text that can no longer change: drop a trailing partial UTF-8
-    character and anything that could still grow into a stop string."""
-    text = text.rstrip("\ufffd")
+    """The part of an unfinished text that can no longer change: drop anything that could still grow into a stop
+    string. (A character cut between tokens never reaches `output_text` before it is whole: detokenizer.py.)"""
     for stop in stops:
         for k in range(min(len(stop) - 1, len(text)), 0, -1):
             if text.endswith(stop[:k]):

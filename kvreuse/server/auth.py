@@ -27,16 +27,10 @@ async def authenticate(request: Request, state: StateDep) -> str | None:
     keys are configured and the request has no valid `Authorization: Bearer KEY`."""
     if state.api_keys is None:
         return None
-    tenant = request_tenant(state.api_keys, request)
+    tenant = tenant_for(state.api_keys, request.headers.get("authorization"))
     if tenant is None:
         raise APIError(401, UNAUTHORIZED, "authentication_error", code="invalid_api_key")
     return tenant
-
-
-def request_tenant(api_keys: dict[str, str] | None, request: Request) -> str | None:
-    """The tenant of `request`'s key: None without API keys (every request belongs to no tenant) or without
-    a valid key."""
-    return None if api_keys is None else tenant_for(api_keys, request.headers.get("authorization"))
 
 
 def unauthorized_body() -> dict:

@@ -18,7 +18,6 @@ from kvreuse.engine.output import RequestOutput
 from kvreuse.engine.sequence import Sequence
 from kvreuse.server.admission import Admission
 from kvreuse.server.async_engine import Delta, EngineDeadError
-from kvreuse.server.auth import request_tenant
 from kvreuse.server.errors import APIError
 from kvreuse.server.protocol import SamplingFields, error_body, make_id, now
 from kvreuse.server.state import ServerState
@@ -28,12 +27,12 @@ DISCONNECT_POLL_S = 0.25
 DONE = "data: [DONE]\n\n"
 
 
-async def respond(state: ServerState, seq: Sequence, body: SamplingFields, request: Request, chat: bool,
-                  truncated_turns: int = 0):
+async def respond(state: ServerState, seq: Sequence, body: SamplingFields, request: Request, tenant: str | None,
+                  chat: bool, truncated_turns: int = 0):
     """Admit `seq` and answer with its completion: a StreamingResponse if `body.stream`, else the JSON dict.
     `chat` picks the chat.completion shape over text_completion. The request holds a place in the queue (its
-    tenant's and the server's) until its answer is over, however that ends."""
-    admission = admit(state, seq, request_tenant(state.api_keys, request))
+    `tenant`'s and the server's) until its answer is over, however that ends."""
+    admission = admit(state, seq, tenant)
     response_id = make_id("chatcmpl" if chat else "cmpl")
     extra = {"truncated_turns": truncated_turns} if truncated_turns else {}
     if body.stream:

@@ -24,11 +24,11 @@ async def list_models(state: StateDep):
 async def completions(body: CompletionRequest, request: Request, state: StateDep, tenant: TenantDep):
     check_model(state.model_name, body.model)
     seq = await off_loop(completion_sequence, state.engine, body, tenant)
-    return await respond(state, seq, body, request, chat=False)
+    return await respond(state, seq, body, request, tenant, chat=False)
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request, state: StateDep, tenant: TenantDep):
     check_model(state.model_name, body.model)
     seq, dropped = await off_loop(chat_sequence, state.engine, body, tenant)
-    return await respond(state, seq, body, request, chat=True, truncated_turns=dropped)
+    return await respond(state, seq, body, request, tenant, chat=True, truncated_turns=dropped)
