@@ -88,6 +88,21 @@ class SuffixConfig(_Section):
     guard_margin: float = Field(0.03, ge=0.0, le=100.0)
 
 
+class DiskTierConfig(_Section):
+    """``disk.*`` keys of ``[cache]``: the disk tier under the pool (README, "Tiers"); an empty path: none."""
+
+    path: str = ""
+    max_gb: float = Field(10.0, gt=0.0)
+
+
+class RedisTierConfig(_Section):
+    """``redis.*`` keys of ``[cache]``: the Redis tier, shared by processes; an empty url: none."""
+
+    url: str = Field("", pattern=r"^(|(redis|rediss|unix)://.+)$")  # redis://host:port/db
+    ttl_s: int = Field(0, ge=0)                # 0: entries live until Redis evicts them (maxmemory)
+    timeout_ms: int = Field(500, ge=1, le=60_000)
+
+
 class CacheConfig(_Section):
     """``[cache]``: the KV block cache."""
 
@@ -99,6 +114,10 @@ class CacheConfig(_Section):
     normalize_input: bool = False
     min_match_blocks: int = Field(1, ge=0)
     preset: Literal["none", "chat", "eval", "agent", "rag"] = "none"  # the names in PRESETS
+    disk: DiskTierConfig = Field(default_factory=DiskTierConfig)
+    redis: RedisTierConfig = Field(default_factory=RedisTierConfig)
+    # Blocks waiting to be written to the tiers; beyond this, published blocks are not written (and counted).
+    tier_queue_mb: int = Field(256, ge=1)
 
 
 # The seed's scenario advice as presets. A preset sets these keys first; keys written explicitly (in the
@@ -162,6 +181,7 @@ def _leaves(model: type[BaseModel], prefix: str = "") -> Iterator[tuple[str, Fie
 _KEYS = {section: dict(_leaves(field.annotation)) for section, field in Config.model_fields.items()}
 # Where each model sits in the INI, to name the key of an error raised while building it.
 _PREFIX = {Config: "", ServerConfig: "server", CacheConfig: "cache", SuffixConfig: "cache.suffix",
+           DiskTierConfig: "cache.disk", RedisTierConfig: "cache.redis",
            ModelConfig: "model", EngineConfig: "engine"}
 # What a value must be, by pydantic error type.
 _MUST_BE = {"bool_type": "a boolean (true/false)", "string_type": "a string",
@@ -198,6 +218,10 @@ def _message(key: str, error: ErrorDetails) -> str:
             return f"config key '{key}' must be between {low} and {high}, got {got}"
         bound = f">= {error['ctx']['ge']}" if kind == "greater_than_equal" else f"<= {error['ctx']['le']}"
         return f"config key '{key}' must be {bound}, got {got}"
+    if kind == "string_pattern_mismatch" and key == "cache.redis.url":
+        return f"config key '{key}' must be a redis://host:port/db (or rediss://, unix://) URL, got {got!r}"
+    if kind == "greater_than":
+        return f"config key '{key}' must be > {error['ctx']['gt']}, got {got}"
     if kind == "extra_forbidden":
         return _unknown(section, rest, "in code")
     if kind == "frozen_instance":

@@ -166,3 +166,30 @@ def tiny_llm(tiny_model_dir) -> LLM:
 def real_llm() -> LLM:
     """The embedded SmolLM2-135M in fp32, shared by the tests that only read from it."""
     return LLM(make_config(model__dtype="fp32", engine__num_kv_blocks=512))
+
+
+# --- a real redis-server for the Redis tier's tests ---------------------------------------------------------------
+@pytest.fixture(scope="session")
+def redis_server():
+    """One redis-server for the whole session (ours alone, so tests may flush it); stopped at the end."""
+    import shutil
+
+    from .redis_process import INSTALL_HINT, RedisProcess
+
+    if shutil.which("redis-server") is None:
+        pytest.fail(INSTALL_HINT, pytrace=False)
+    with RedisProcess() as server:
+        yield server
+
+
+@pytest.fixture
+def redis_url(redis_server) -> str:
+    """The shared server's URL, its data flushed before the test."""
+    import redis
+
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        client.flushall()
+    finally:
+        client.close()
+    return redis_server.url

@@ -8,8 +8,10 @@ from kvreuse.config import (
     CacheConfig,
     Config,
     ConfigError,
+    DiskTierConfig,
     EngineConfig,
     ModelConfig,
+    RedisTierConfig,
     ServerConfig,
     SuffixConfig,
     config_to_ini,
@@ -64,6 +66,9 @@ ALL_CHANGED = Config(
         normalize_input=True,
         min_match_blocks=0,
         preset="eval",
+        disk=DiskTierConfig(path="/var/cache/kv reuse=1", max_gb=0.25),
+        redis=RedisTierConfig(url="redis://:p%40ss@127.0.0.1:6380/2", ttl_s=3600, timeout_ms=50),
+        tier_queue_mb=64,
     ),
     model=ModelConfig(path="C:\\models\\a=b.gguf", dtype="bf16", device="cpu"),
     engine=EngineConfig(
@@ -149,9 +154,9 @@ def test_all_changed_differs_from_defaults_everywhere():
     changed, default = ALL_CHANGED.as_dict(), Config().as_dict()
     for section, values in default.items():
         for key, value in values.items():
-            if key == "suffix":
+            if isinstance(value, dict):  # suffix.*, disk.*, redis.*
                 for sub, sub_value in value.items():
-                    assert changed[section][key][sub] != sub_value, f"{section}.suffix.{sub}"
+                    assert changed[section][key][sub] != sub_value, f"{section}.{key}.{sub}"
             else:
                 assert changed[section][key] != value, f"{section}.{key}"
 
@@ -163,7 +168,8 @@ def test_config_to_ini_writes_every_key():
     assert set(parser["cache"]) == {
         "enabled", "block_size", "max_blocks", "policy", "normalize_input", "min_match_blocks", "preset",
         "suffix.enabled", "suffix.mode", "suffix.recompute_ratio", "suffix.head_tokens",
-        "suffix.guard_margin",
+        "suffix.guard_margin", "disk.path", "disk.max_gb", "redis.url", "redis.ttl_s", "redis.timeout_ms",
+        "tier_queue_mb",
     }
     assert len(parser["server"]) == 12 and len(parser["model"]) == 3 and len(parser["engine"]) == 5
 

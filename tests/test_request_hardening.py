@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 from fastapi.testclient import TestClient
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvreuse.engine.engine import RequestError
@@ -127,8 +127,15 @@ class TestEventLoop:
     @settings(max_examples=300, deadline=None)
     @given(st.text(st.sampled_from(["\n", " ", "\t", "#", "=", "-", "a", "é", "東", "🚀", "<", "|", "0"]), max_size=600)
            | st.text(max_size=200))
+    @example("\x1d")  # a byte SmolLM2's vocabulary lacks: it encodes to no token at all
     def test_the_character_bound_never_exceeds_the_real_token_count(self, real_tokenizer, text):
-        assert len(real_tokenizer.encode(text)) >= math.ceil(len(text) / real_tokenizer.max_token_chars)
+        assert len(real_tokenizer.encode(text)) >= real_tokenizer.min_tokens(text)
+
+    def test_characters_that_encode_to_nothing_are_not_counted(self, real_tokenizer):
+        vanishing = "".join(chr(b) for b in range(128) if not real_tokenizer.encode(chr(b)))
+        assert [ord(c) for c in vanishing] == [4, 6, 19, 20, 22, 29]
+        assert real_tokenizer.min_tokens(vanishing * 10_000) == 0
+        assert real_tokenizer.min_tokens("a" * 810 + vanishing * 100) == math.ceil(810 / 81)
 
 
 class TestTruncationCost:

@@ -58,9 +58,13 @@ def test_records_add_up_field_by_field_and_keep_their_invariants():
         ReuseRecord(prompt_tokens=10, cached_tokens=4)              # 4 + 0 + 0 != 10
 
 
+TIER_SPLIT = {"cached_tokens_disk", "cached_tokens_redis"}  # one labeled counter, kvreuse:tier_hit_tokens{tier}
+
+
 def test_every_counter_has_its_own_prometheus_name():
     names = [metric for _, metric, _ in ReuseRecord.metrics()]
-    assert len(set(names)) == len(ReuseRecord.field_names()) == len(names)
+    assert len(set(names)) == len(names) == len(ReuseRecord.field_names()) - len(TIER_SPLIT)
+    assert {name for name, _, _ in ReuseRecord.metrics()} == set(ReuseRecord.field_names()) - TIER_SPLIT
 
 
 def test_the_bench_rows_carry_every_field_of_the_record():
@@ -71,7 +75,8 @@ def test_the_bench_rows_carry_every_field_of_the_record():
 
 def finished_output() -> RequestOutput:
     record = ReuseRecord(prompt_tokens=100, cached_tokens=32, reused_tokens=48, shifted_tokens=16,
-                         recomputed_tokens=12, discarded_tokens=3, computed_prompt_tokens=20, guarded_requests=1)
+                         recomputed_tokens=12, discarded_tokens=3, computed_prompt_tokens=20, guarded_requests=1,
+                         cached_tokens_disk=16, cached_tokens_redis=8)
     return RequestOutput("r", "text", [1, 2], "stop", Usage(**record.as_dict(), completion_tokens=2), 0.1, 0.2, 0)
 
 
@@ -79,8 +84,9 @@ def test_the_usage_json_carries_exactly_the_record_fields():
     body = usage(finished_output())
     assert body["prompt_tokens"] == 100 and body["completion_tokens"] == 2 and body["total_tokens"] == 102
     details = body["prompt_tokens_details"]
-    assert set(details) == set(ReuseRecord.field_names()) - {"prompt_tokens"}
+    assert set(details) == set(ReuseRecord.field_names()) - {"prompt_tokens"} - TIER_SPLIT | {"cached_tokens_details"}
     assert (details["cached_tokens"], details["shifted_tokens"], details["guarded_requests"]) == (32, 16, 1)
+    assert details["cached_tokens_details"] == {"memory": 8, "disk": 16, "redis": 8}
 
 
 def test_prometheus_counts_every_field_of_the_record_under_its_own_name():
@@ -91,3 +97,5 @@ def test_prometheus_counts_every_field_of_the_record_under_its_own_name():
     scrape = Scrape.parse(metrics.exposition().decode())
     for name, metric, _ in ReuseRecord.metrics():
         assert scrape.get(f"{metric}_total", model_name="m") == 2 * getattr(out.usage, name), metric
+    for tier, num_tokens in out.usage.cached_by_tier().items():
+        assert scrape.get("kvreuse:tier_hit_tokens_total", model_name="m", tier=tier) == 2 * num_tokens, tier

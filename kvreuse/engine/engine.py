@@ -10,6 +10,7 @@ from dataclasses import replace
 import torch
 
 from kvreuse.config import Config, SuffixConfig
+from kvreuse.engine.block_io import PoolBlockIO
 from kvreuse.engine.detokenizer import detokenize, find_stop, stop_search_start
 from kvreuse.engine.model_runner import ModelRunner, kv_bytes_per_block
 from kvreuse.engine.output import RequestOutput
@@ -20,6 +21,7 @@ from kvreuse.engine.stats import EngineStats
 from kvreuse.kvcache.accounting import ReuseRecord
 from kvreuse.kvcache.manager import KVCacheManager
 from kvreuse.kvcache.normalize import normalize_text
+from kvreuse.kvcache.tiers.store import TieredStore
 from kvreuse.model import dtype_probe
 from kvreuse.model.llama import Llama
 from kvreuse.model.loader import ModelArgs, load_weights
@@ -84,7 +86,8 @@ class LLMEngine:
         num_blocks = config.engine.num_kv_blocks or max(1, config.engine.kv_cache_memory_mb * 2**20
                                                         // self.bytes_per_block)
         self.runner = ModelRunner(model, num_blocks, self.block_size, self.dtype, self.device)
-        self.kv_manager = KVCacheManager.from_config(config.cache, num_blocks, self.fingerprint)
+        self.tiers = TieredStore.from_config(config.cache, PoolBlockIO(self.runner.kv_cache, self.fingerprint))
+        self.kv_manager = KVCacheManager.from_config(config.cache, num_blocks, self.fingerprint, tiers=self.tiers)
         self.reuse = config.cache.suffix  # segment reuse settings: immutable, replaced only by set_reuse
         # Sampling of requests that bring no seed of their own draws from here: a run is reproducible.
         self.generator = torch.Generator().manual_seed(config.engine.seed)
@@ -207,6 +210,7 @@ class LLMEngine:
             raise RequestError(f"request id {seq.request_id!r} is already in use")
         self.sequences[seq.request_id] = seq
         self.scheduler.add(seq)
+        self.kv_manager.prefetch(seq.kv)  # the prefix the pool lacks, read from the lower tiers while it waits
         return seq
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -234,6 +238,8 @@ class LLMEngine:
             batch = self.scheduler.schedule()
             if batch.seqs:
                 self._run(batch.seqs, batch.num_prefill_tokens, updated)
+            else:
+                self.scheduler.wait_for_head(timeout=0.05)
         except Exception as exc:
             # Scheduling itself failed: every sequence it may have touched (all but those still waiting) is the step's.
             waiting = {id(s) for s in self.scheduler.waiting}
@@ -282,7 +288,8 @@ class LLMEngine:
         if seq.reuse is None:
             plan = kv.segment_plan
             seq.reuse = ReuseRecord.planned(seq.num_prompt_tokens, kv.num_cached_tokens,
-                                            plan.num_tokens if plan else 0, plan.num_shifted_tokens if plan else 0)
+                                            plan.num_tokens if plan else 0, plan.num_shifted_tokens if plan else 0,
+                                            kv.num_loaded_tokens)
             if outcome is not None:
                 seq.reuse = replace(seq.reuse, recomputed_tokens=outcome.num_recomputed_tokens,
                                     discarded_tokens=outcome.num_discarded_tokens,
@@ -323,10 +330,27 @@ class LLMEngine:
         return RequestOutput.from_sequence(seq)
 
     def stats_snapshot(self) -> dict:
-        """Engine state and accounting as one flat dict: the only view of the engine that metrics and logs read."""
-        return {**self.stats.snapshot(self.kv_manager, self.bytes_per_block),
-                "num_requests_running": len(self.scheduler.running),
-                "num_requests_waiting": len(self.scheduler.waiting)}
+        """Engine state and accounting as one flat dict: the only view of the engine that metrics and logs read.
+        With lower tiers, `tiers` holds their counters (TieredStore.snapshot)."""
+        snapshot = {**self.stats.snapshot(self.kv_manager, self.bytes_per_block),
+                    "num_requests_running": len(self.scheduler.running),
+                    "num_requests_waiting": len(self.scheduler.waiting)}
+        if self.tiers is not None:
+            snapshot["tiers"] = self.tiers.snapshot()
+        return snapshot
+
+    def reset_prefix_cache(self, tiers: bool = False) -> dict[str, int]:
+        """Drop the pool's cached blocks that no request holds (and with `tiers`, every lower tier's entries);
+        how many per tier. Engine thread only."""
+        dropped = {"memory": self.kv_manager.pool.reset_cache()}
+        if tiers and self.tiers is not None:
+            dropped.update(self.tiers.clear())
+        return dropped
+
+    def close(self) -> None:
+        """Write what is queued for the lower tiers, and stop their threads."""
+        if self.tiers is not None:
+            self.tiers.close()
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

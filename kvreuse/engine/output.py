@@ -30,13 +30,14 @@ class RequestOutput:
     num_preemptions: int
     first_logits: object = None   # torch.Tensor [vocab] when SamplingParams.keep_first_logits
     error: str | None = None      # set when finish_reason is "error": the step computing it raised this
+    tier_load_s: float = 0.0      # time its cached prefix took to load from lower tiers (0: it loaded none)
 
     @classmethod
     def from_sequence(cls, seq: Sequence) -> RequestOutput:
         total = None if seq.finish_time is None else seq.finish_time - seq.arrival_time
         usage = Usage(**seq.reuse_or_planned.as_dict(), completion_tokens=seq.num_completion_tokens)
         return cls(seq.request_id, seq.output_text, seq.completion_token_ids, seq.finish_reason, usage,
-                   seq.ttft_s, total, seq.num_preemptions, seq.first_logits, seq.error)
+                   seq.ttft_s, total, seq.num_preemptions, seq.first_logits, seq.error, seq.kv.load_seconds)
 
     def to_json(self) -> dict:
         """Flat record, as `kvreuse generate --json` prints it."""

@@ -4,7 +4,8 @@ Each step spends a budget of `max_num_batched_tokens` (as vLLM's scheduler does)
 admission order, each with its next token (decode) or its next prompt chunk, then waiting sequences in arrival
 order. So decodes ride along with prefills instead of stalling behind them. A prompt that reuses cached
 segments is taken whole (its repair is one forward). A waiting prompt that shares blocks with a prompt of this
-step waits one step and reuses them instead of computing them alongside. When the KV pool runs out, the
+step waits one step and reuses them instead of computing them alongside. A prompt whose prefix is being read from
+a lower tier (disk, Redis) waits for the read, while the running sequences go on. When the KV pool runs out, the
 youngest running sequence is preempted: its blocks are freed and it goes back to the front of the queue, to be
 recomputed later.
 """
@@ -43,6 +44,11 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def wait_for_head(self, timeout: float) -> None:
+        """With nothing to run, wait (up to `timeout`) for the prefix read of the queue's head, instead of spinning."""
+        if self.waiting and not self.running:
+            self.kv_manager.wait_for_load(self.waiting[0].kv, timeout)
+
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         scheduled: list[Sequence] = []
@@ -56,12 +62,16 @@ class Scheduler:
         kv = self.kv_manager
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if kv.is_loading(seq.kv):
+                break  # strict arrival order: the queue waits for its head's prefix to arrive
             hits = kv.match_prefix(seq.kv)
-            plan = kv.match_segments(seq.kv, len(hits))
+            loads = kv.match_loads(seq.kv, hits)
+            num_cached_blocks = len(hits) + len(loads)
+            plan = kv.match_segments(seq.kv, num_cached_blocks)
             publishing = [(s.kv, s.num_computed_tokens + s.num_scheduled_tokens) for s in scheduled]
-            if kv.gains_by_waiting(seq.kv, hits, plan, publishing):
+            if kv.gains_by_waiting(seq.kv, num_cached_blocks, plan, publishing):
                 break  # blocks it shares with this step's prompts are reusable from the next step on
-            num_cached_tokens = len(hits) * kv.block_size
+            num_cached_tokens = num_cached_blocks * kv.block_size
             num_tokens = seq.num_tokens - num_cached_tokens
             if plan is None:
                 num_tokens = min(num_tokens, budget)
@@ -70,7 +80,7 @@ class Scheduler:
             if not kv.can_allocate(seq.kv, num_cached_tokens + num_tokens, hits, plan):
                 break  # strict arrival order: nobody overtakes the head of the queue
             self.waiting.popleft()
-            kv.allocate(seq.kv, num_cached_tokens + num_tokens, hits, plan)
+            kv.allocate(seq.kv, num_cached_tokens + num_tokens, hits, plan, loads)
             seq.num_computed_tokens = num_cached_tokens
             seq.num_scheduled_tokens = num_tokens
             seq.status = SequenceStatus.RUNNING

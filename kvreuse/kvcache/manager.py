@@ -1,8 +1,10 @@
 """Maps requests to KV blocks: exact prefix and segment matching at admission, growing block tables, publishing
-fully computed blocks to the cache, and freeing. It works on CacheRequest records and token counts only."""
+fully computed blocks to the cache (and through it to the lower tiers), and freeing. It works on CacheRequest
+records and token counts only."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 from kvreuse.config import CacheConfig
@@ -10,17 +12,20 @@ from kvreuse.kvcache.block_pool import BlockPool
 from kvreuse.kvcache.hashing import BlockHashFn, extra_keys, sha256_block_key
 from kvreuse.kvcache.request import CacheRequest
 from kvreuse.kvcache.segment import SegmentIndex, SegmentPlan
+from kvreuse.kvcache.tiers.store import LoadedBlock, StoredBlock, TieredStore
 from kvreuse.kvcache.tokens import common_prefix_length
 
 
 class KVCacheManager:
     """Invariants: a running request's `block_table` covers its computed tokens, and each block in it holds one
     reference from that request (a waiting request holds none). Only exactly computed blocks (their whole prefix
-    computed in this request, or itself an exact hit) are ever registered under chain keys."""
+    computed in this request, an exact hit, or loaded from a lower tier) are ever registered under chain keys, and
+only registered blocks are written to the lower tiers."""
 
     def __init__(self, num_blocks: int, block_size: int, *, enable_caching: bool = True,
                  max_cached_blocks: int | None = None, policy: str = "lru", min_match_blocks: int = 1,
-                 fingerprint: str = "", hash_fn: BlockHashFn = sha256_block_key, enable_segments: bool = False):
+                 fingerprint: str = "", hash_fn: BlockHashFn = sha256_block_key, enable_segments: bool = False,
+                 tiers: TieredStore | None = None):
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.enable_segments = enable_caching and enable_segments
@@ -29,6 +34,7 @@ class KVCacheManager:
         self.hash_fn = hash_fn  # a test can swap in a constant to prove hits are confirmed, not trusted
         self.pool = BlockPool(num_blocks, max_cached_blocks if enable_caching else 0, policy)
         self.segments = SegmentIndex(block_size)
+        self.tiers = tiers if enable_caching else None  # disk / Redis under the pool
         # Indexed whenever caching is on, so segment reuse can be switched on for a running engine.
         if enable_caching:
             self.pool.on_register.append(self.segments.add)
@@ -36,12 +42,13 @@ class KVCacheManager:
 
     @classmethod
     def from_config(cls, cache: CacheConfig, num_blocks: int, fingerprint: str, *,
-                    enable_segments: bool | None = None) -> KVCacheManager:
-        """The `[cache]` section's manager; `enable_segments` overrides `cache.suffix.enabled`."""
+                    enable_segments: bool | None = None, tiers: TieredStore | None = None) -> KVCacheManager:
+        """The `[cache]` section's manager; `enable_segments` overrides `cache.suffix.enabled`. The tiers are built by
+        the caller, who owns the K/V they copy (`TieredStore.from_config`)."""
         segments = cache.suffix.enabled if enable_segments is None else enable_segments
         return cls(num_blocks, cache.block_size, enable_caching=cache.enabled, max_cached_blocks=cache.max_blocks,
                    policy=cache.policy, min_match_blocks=cache.min_match_blocks, fingerprint=fingerprint,
-                   enable_segments=segments)
+                   enable_segments=segments, tiers=tiers)
 
     def new_request(self, token_ids: list[int], cache_salt: str | None = None, use_cache: bool = True) -> CacheRequest:
         """The cache's record of a new request (pure: safe from any thread). Requests with different salts
@@ -66,16 +73,64 @@ class KVCacheManager:
         last token is always computed; empty if shorter than `min_match_blocks` or caching is off."""
         if not self.caches(req):
             return []
+        hits = self._pool_run(req)
+        return hits if len(hits) >= max(1, self.min_match_blocks) else []
+
+    def _pool_run(self, req: CacheRequest) -> list[int]:
+        """Block ids of the leading run of `req`'s full blocks (before its last token) that the pool holds."""
         hits: list[int] = []
         parent_uid = None
         bs = self.block_size
-        for i in range((req.num_tokens - 1) // bs):
+        for i in range(self._num_usable_blocks(req)):
             block = self.pool.lookup(self._key(req, i), req.token_ids[i * bs:(i + 1) * bs], parent_uid)
             if block is None:
                 break
             hits.append(block.block_id)
             parent_uid = block.uid
-        return hits if len(hits) >= max(1, self.min_match_blocks) else []
+        return hits
+
+    def _num_usable_blocks(self, req: CacheRequest) -> int:
+        """Full blocks before the last token, which is always computed (its logits are needed)."""
+        return (req.num_tokens - 1) // self.block_size
+
+    # --- the lower tiers -----------------------------------------------------------------------------
+    def prefetch(self, req: CacheRequest) -> None:
+        """Start reading, in the background, the part of `req`'s prefix chain that the pool lacks from the lower
+        tiers; `match_loads` hands it over at admission. Nothing to do without tiers."""
+        if self.tiers is None or not self.caches(req):
+            return
+        start = len(self._pool_run(req))
+        if start < max(1, self.min_match_blocks):
+            start = 0  # a pool run too short to be used at admission: the tiers' run must stand on its own
+        end = self._num_usable_blocks(req)
+        if start >= end:
+            return
+        bs = self.block_size
+        keys = [self._key(req, i) for i in range(end)]
+        token_blocks = [req.token_ids[i * bs:(i + 1) * bs] for i in range(start, end)]
+        req.tier_load = self.tiers.prefetch(keys[start:], token_blocks, start, keys[start - 1] if start else None)
+
+    def is_loading(self, req: CacheRequest) -> bool:
+        """Its prefetch is still reading: admitting it now would compute what is about to arrive."""
+        return req.tier_load is not None and not req.tier_load.done()
+
+    def wait_for_load(self, req: CacheRequest, timeout: float) -> None:
+        if self.is_loading(req):
+            try:
+                req.tier_load.result(timeout)
+            except TimeoutError:
+                pass
+
+    def match_loads(self, req: CacheRequest, hits: Sequence[int]) -> list[LoadedBlock]:
+        """The prefetched blocks that continue `hits` (the pool's prefix hits at admission): empty if there are none,
+        if the pool lost blocks before them since the prefetch, or if all together are fewer than
+        `min_match_blocks`."""
+        if req.tier_load is None or not req.tier_load.done():
+            return []
+        load = req.tier_load.result()
+        offset = len(hits) - load.start
+        loads = load.blocks[offset:] if offset >= 0 else []
+        return loads if len(hits) + len(loads) >= max(1, self.min_match_blocks) else []
 
     def match_segments(self, req: CacheRequest, num_prefix_blocks: int) -> SegmentPlan | None:
         """Cached runs inside the part of `req` that its exact prefix does not cover, leaving the last
@@ -93,16 +148,17 @@ class KVCacheManager:
         plan = SegmentPlan(runs)
         return plan if len(set(plan.source_block_ids)) <= room else plan.tail(room, self.min_match_blocks)
 
-    def gains_by_waiting(self, req: CacheRequest, hits: list[int], plan: SegmentPlan | None,
+    def gains_by_waiting(self, req: CacheRequest, num_cached_blocks: int, plan: SegmentPlan | None,
                          publishing: Sequence[tuple[CacheRequest, int]]) -> bool:
-        """Whether `req`, admitted one step later, would reuse at least `min_match_blocks` more blocks: blocks
+        """Whether `req`, admitted one step later with `num_cached_blocks` prefix blocks cached (in the pool or loaded
+        from a lower tier), would reuse at least `min_match_blocks` more blocks: blocks
         that the requests in `publishing` (each with its computed tokens once this step has run) compute
         exactly and publish in this step. (SGLang's in-batch prefix caching, extended to segments: of several
         equal prompts arriving together only the first is computed, and the rest reuse it.)"""
         if not self.caches(req) or not publishing:
             return False
         bs, need = self.block_size, max(1, self.min_match_blocks)
-        usable = (req.num_tokens - 1) // bs  # full blocks before the last token, which is always computed
+        usable = self._num_usable_blocks(req)
         published: set[tuple[int, ...]] = set()  # contents of the blocks this step publishes
         gained = 0
         for other, num_computed in publishing:
@@ -114,10 +170,10 @@ class KVCacheManager:
             published.update(tuple(other.token_ids[i * bs:(i + 1) * bs]) for i in range(len(other.block_uids), end))
             # Exact prefix: the blocks req shares from the start with one that publishes them.
             common = common_prefix_length(other.token_ids[:min(end, usable) * bs], req.token_ids)
-            gained = max(gained, common // bs - len(hits))
+            gained = max(gained, common // bs - num_cached_blocks)
         if gained >= need or not self.enable_segments or not published:
             return gained >= need
-        return self._num_published_windows(req, len(hits), plan, published, need) >= need
+        return self._num_published_windows(req, num_cached_blocks, plan, published, need) >= need
 
     def _num_published_windows(self, req: CacheRequest, num_hits: int, plan: SegmentPlan | None,
                                published: set[tuple[int, ...]], need: int) -> int:
@@ -148,20 +204,38 @@ class KVCacheManager:
         return self.pool.can_allocate(self.num_new_blocks(req, num_tokens, len(hits)) + num_held)
 
     def allocate(self, req: CacheRequest, num_tokens: int, hits: Sequence[int] = (),
-                 plan: SegmentPlan | None = None) -> None:
-        """Grow the table to cover `num_tokens` tokens. At admission a request first takes its prefix hits
-        (`num_cached_tokens` says how many tokens they hold) and holds its segment sources until they are copied."""
+                 plan: SegmentPlan | None = None, loads: Sequence[LoadedBlock] = ()) -> None:
+        """Grow the table to cover `num_tokens` tokens. At admission a request first takes its prefix hits, then
+        puts the blocks loaded from lower tiers into its first new blocks and publishes them (`num_cached_tokens`
+        says how many tokens both hold), and holds its segment sources until they are copied."""
         if not req.block_table:  # admission
             self.pool.hold(hits)
             req.block_table = list(hits)
             req.block_uids = [self.pool.blocks[b].uid for b in hits]
-            req.num_cached_tokens = len(hits) * self.block_size
-        assert not hits or len(req.block_table) == len(hits), "hits only apply at admission"
+            req.num_cached_tokens = (len(hits) + len(loads)) * self.block_size
+        assert not (hits or loads) or len(req.block_table) == len(hits), "hits and loads only apply at admission"
         if plan is not None:
             self.pool.hold(plan.source_block_ids)
             req.segment_plan = plan
             req.num_exact_tokens = plan.runs[0].start
         req.block_table.extend(self.pool.allocate(self.num_new_blocks(req, num_tokens)))
+        if loads:
+            self._fill(req, len(hits), loads)
+        req.tier_load = None
+
+    def _fill(self, req: CacheRequest, first: int, loads: Sequence[LoadedBlock]) -> None:
+        """Copy loaded K/V into the request's blocks `first`, ... and publish them. A block from a farther tier is
+        also written to the nearer ones (a Redis hit lands on the local disk)."""
+        began = time.perf_counter()
+        bs = self.block_size
+        self.tiers.io.write(req.block_table[first:first + len(loads)], [b.payload for b in loads])
+        req.num_loaded_tokens = {}
+        for block in loads:
+            req.num_loaded_tokens[block.tier] = req.num_loaded_tokens.get(block.tier, 0) + bs
+        names = self.tiers.tier_names
+        nearer = names[:max(names.index(b.tier) for b in loads)]
+        self._publish(req, (first + len(loads)) * bs, nearer)
+        req.load_seconds = req.tier_load.result().seconds + time.perf_counter() - began
 
     def release_sources(self, req: CacheRequest) -> None:
         """The plan's K/V have been copied into the request's own blocks: let the sources go."""
@@ -171,10 +245,16 @@ class KVCacheManager:
 
     def cache_computed_blocks(self, req: CacheRequest, num_computed_tokens: int) -> None:
         """Register the full blocks among the first `num_computed_tokens` that hold exact K/V, so later
-        requests can reuse them."""
-        if not self.caches(req):
-            return
+        requests can reuse them, and queue them for the lower tiers."""
+        if self.caches(req):
+            self._publish(req, num_computed_tokens, self.tiers.tier_names if self.tiers else [])
+
+    def _publish(self, req: CacheRequest, num_computed_tokens: int, tiers: Sequence[str]) -> None:
+        """Register the exact full blocks not yet registered, and queue those that got a new identity (not a twin's)
+        for `tiers`."""
         bs = self.block_size
+        stored: list[StoredBlock] = []
+        stored_ids: list[int] = []
         for i in range(len(req.block_uids), req.num_publishable_tokens(num_computed_tokens) // bs):
             parent_uid = req.block_uids[i - 1] if i else None
             if i and parent_uid is None:
@@ -188,10 +268,16 @@ class KVCacheManager:
                 twin = self.pool.lookup(key, token_ids, parent_uid)
                 uid = twin.uid if twin else self.pool.register(block_id, key, token_ids, parent_uid, i * bs,
                                                                req.extra_key)
+                if twin is None and uid is not None:
+                    stored.append(StoredBlock(key, req.block_keys[i - 1] if i else None, tuple(token_ids)))
+                    stored_ids.append(block_id)
             req.block_uids.append(uid)
+        if stored and tiers:
+            self.tiers.store(stored, stored_ids, tiers)
 
     def free(self, req: CacheRequest) -> None:
         self.release_sources(req)
+        req.tier_load = None
         self.pool.free(req.block_table)
         req.block_table = []
         req.block_uids = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from kvreuse.kvcache.segment import SegmentPlan
@@ -20,6 +21,11 @@ class CacheRequest:
     segment_plan: SegmentPlan | None = None  # cached segments to copy in; dropped once copied
     # K/V from this position on attended to reused (approximate) K/V and are never published; None: all exact.
     num_exact_tokens: int | None = None
+    tier_load: Future | None = None   # the lower tiers' read of its prefix chain (a TierLoad), until admission
+    # Of num_cached_tokens, how many the last admission loaded from each lower tier ("disk", "redis"), and the time
+    # that took (reading on the loader thread, then copying into the pool).
+    num_loaded_tokens: dict[str, int] = field(default_factory=dict)
+    load_seconds: float = 0.0
 
     @property
     def num_tokens(self) -> int:

@@ -61,6 +61,7 @@ class Tokenizer:
                           key=len, reverse=True)  # longest first: the leftmost-longest match, as the tokenizer does
         self._special_text = re.compile("|".join(map(re.escape, specials))) if specials else None
         self.max_token_chars = self._longest_token_chars()
+        self._uncounted = self._chars_without_tokens()
         # Text generation stops at the model's EOS and at its end-of-text token when it has one.
         ids = {hf_tokenizer.eos_token_id} | {hf_tokenizer.convert_tokens_to_ids(t) for t in ("<|endoftext|>",)}
         self.eos_token_ids = frozenset(i for i in ids if i is not None and i != hf_tokenizer.unk_token_id)
@@ -99,12 +100,28 @@ class Tokenizer:
         decoded = self._backend.decode_batch([[i] for i in range(size)], skip_special_tokens=False)
         return max(max(map(len, decoded)), max(map(len, self._backend.get_vocab(with_added_tokens=True))))
 
+    def _chars_without_tokens(self) -> tuple[dict[int, None], bool]:
+        """What `min_tokens` must not count: the ASCII characters that encode to no token (a byte-level vocabulary
+        lacking their byte drops them: SmolLM2's lacks six control bytes), as a `str.translate` table; and whether
+        every non-ASCII character yields a token (False if a continuation byte is missing too)."""
+        dropped = {b: None for b in range(128) if not self._backend.encode(chr(b), add_special_tokens=False).ids}
+        pre = self._backend.pre_tokenizer
+        if pre is None or "ByteLevel" not in repr(pre):
+            return dropped, True
+        vocab = self._backend.get_vocab(with_added_tokens=True)
+        # U+0080..U+00BF are C2 80..C2 BF in UTF-8: their second symbols are every continuation byte's.
+        continuation = [pre.pre_tokenize_str(chr(c))[0][0][-1] for c in range(0x80, 0xC0)]
+        return dropped, all(symbol in vocab for symbol in continuation)
+
     def min_tokens(self, text: str) -> int:
         """A lower bound on `len(encode(text))` without tokenizing: no token covers more than `max_token_chars`
-        characters, so N characters need at least ceil(N / max_token_chars) tokens."""
+        characters, so N characters that each yield a token need at least ceil(N / max_token_chars) tokens."""
         if self._backend.normalizer is not None:  # it could shorten the text (NFC composes characters)
             text = self._backend.normalizer.normalize_str(text)
-        return -(-len(text) // self.max_token_chars)
+        dropped_ascii, count_non_ascii = self._uncounted
+        if not count_non_ascii:
+            text = text.encode("ascii", "ignore").decode()
+        return -(-len(text.translate(dropped_ascii)) // self.max_token_chars)
 
     def encode(self, text: str) -> list[int]:
         """The tokens of a caller's whole text; special-token text in it is the special token."""

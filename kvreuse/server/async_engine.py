@@ -8,11 +8,13 @@ and receives text deltas (the last one with the output, or an error) on a per-re
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from kvreuse.engine.engine import LLMEngine
 from kvreuse.engine.output import RequestOutput
@@ -21,6 +23,7 @@ from kvreuse.engine.sequence import Sequence
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.5
+T = TypeVar("T")
 
 
 @dataclass
@@ -89,6 +92,15 @@ class AsyncEngine:
         self._commands.put(("add", seq, stream))
         return stream.queue
 
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """`fn(engine)` on the engine thread, between two steps (for admin work on engine state); its result or
+        exception comes back here."""
+        if not self.is_alive:
+            raise EngineDeadError(f"the engine loop is not running: {self.error!r}")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(("call", fn, future))
+        return await asyncio.wrap_future(future)
+
     def abort(self, request_id: str) -> None:
         """Stop a request (client gone); its blocks are freed on the engine thread."""
         self._commands.put(("abort", request_id, None))
@@ -129,6 +141,11 @@ class AsyncEngine:
                     self._finish_stream(arg, self.engine.output(seq))
                     # The gauges must show the freed blocks even if nothing steps again.
                     self._notify(self.on_step, self.engine)
+            elif kind == "call":
+                try:
+                    stream.set_result(arg(self.engine))
+                except Exception as exc:  # the caller's problem, not the engine loop's
+                    stream.set_exception(exc)
             elif kind == "stop":
                 self._stopping = True
             try:

@@ -11,9 +11,20 @@ from kvreuse.engine.engine import LLMEngine
 from kvreuse.engine.output import RequestOutput
 from kvreuse.engine.stats import peak_rss_bytes
 from kvreuse.kvcache.accounting import ReuseRecord
+from kvreuse.kvcache.tiers.entry import REASONS
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
 LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+LOAD_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+# Counters of the lower tiers (TieredStore.snapshot, per tier): metric name -> (snapshot key, help).
+TIER_COUNTERS = {
+    "kvreuse:tier_hit_blocks": ("hit_blocks", "Blocks loaded from a lower tier and checked"),
+    "kvreuse:tier_loaded_bytes": ("loaded_bytes", "Payload bytes loaded from a lower tier"),
+    "kvreuse:tier_written_blocks": ("entries_written", "Blocks written to a lower tier"),
+    "kvreuse:tier_written_bytes": ("bytes_written", "Bytes written to a lower tier"),
+    "kvreuse:tier_evictions": ("evictions", "Entries a lower tier dropped to stay within its limit"),
+    "kvreuse:tier_errors": ("errors", "Lower-tier operations that failed (I/O, connection, timeout): misses"),
+}
 
 
 class Metrics:
@@ -46,6 +57,18 @@ class Metrics:
                                    registry=r)
         self.peak_rss = Gauge("kvreuse:peak_rss_bytes", "Peak resident memory of the server process", labels,
                               registry=r)
+        self.tier_hit_tokens = Counter("kvreuse:tier_hit_tokens", "Cached prompt tokens by where they came from",
+                                       labels + ["tier"], registry=r)
+        self.tier_load = Histogram("kvreuse:tier_load_seconds", "Time a request's cached prefix took to load from "
+                                   "the lower tiers (read, check, copy into the pool)", labels, buckets=LOAD_BUCKETS,
+                                   registry=r)
+        self.tier_counters = {name: Counter(name, help_text, labels + ["tier"], registry=r)
+                              for name, (_, help_text) in TIER_COUNTERS.items()}
+        self.tier_invalid = Counter("kvreuse:tier_invalid_entries", "Entries refused on read (and deleted), by why",
+                                    labels + ["tier", "reason"], registry=r)
+        self.tier_dropped = Counter("kvreuse:tier_dropped_blocks", "Published blocks not written to the lower tiers: "
+                                    "the write queue was full", labels, registry=r)
+        self._tier_seen: dict[tuple, float] = {}  # last snapshot value of each mirrored counter
         self.model_name = model_name
         for metric in (self.prefix_cache_queries, *self.reuse.values(), self.generation_tokens, self.kv_usage,
                        self.running, self.waiting):
@@ -60,6 +83,23 @@ class Metrics:
         self.cached_blocks.labels(m).set(s["blocks_cached"])
         self.evictions.labels(m, s["eviction_policy"]).set(s["evictions"])
         self.peak_kv_bytes.labels(m).set(s["peak_kv_bytes_in_use"])
+        if "tiers" in s:
+            self._observe_tiers(s["tiers"])
+
+    def _observe_tiers(self, snapshot: dict) -> None:
+        """Mirror the store's counters (their growth since the last step) into Prometheus counters."""
+        m = self.model_name
+        self._advance(self.tier_dropped.labels(m), ("dropped",), snapshot["dropped_blocks"])
+        for tier, values in snapshot["tiers"].items():
+            for name, (key, _) in TIER_COUNTERS.items():
+                self._advance(self.tier_counters[name].labels(m, tier), (name, tier), values[key])
+            for reason in REASONS:
+                self._advance(self.tier_invalid.labels(m, tier, reason), ("invalid", tier, reason),
+                              values["invalid_entries"].get(reason, 0))
+
+    def _advance(self, counter, key: tuple, value: float) -> None:
+        counter.inc(max(0.0, value - self._tier_seen.get(key, 0.0)))
+        self._tier_seen[key] = max(value, self._tier_seen.get(key, 0.0))
 
     def exposition(self) -> bytes:
         """The Prometheus text format of every metric, for a `/metrics` scrape."""
@@ -72,6 +112,10 @@ class Metrics:
         self.prefix_cache_queries.labels(m).inc(u.prompt_tokens)
         for name, counter in self.reuse.items():
             counter.labels(m).inc(getattr(u, name))
+        for tier, num_tokens in u.cached_by_tier().items():
+            self.tier_hit_tokens.labels(m, tier).inc(num_tokens)
+        if out.tier_load_s:
+            self.tier_load.labels(m).observe(out.tier_load_s)
         self.generation_tokens.labels(m).inc(u.completion_tokens)
         self.request_success.labels(m, out.finish_reason or "abort").inc()
         if out.ttft_s is not None:

@@ -212,6 +212,36 @@ class TokenizeRequest(BaseModel):
         return self
 
 
+class WarmItem(BaseModel):
+    """One thing to warm: a raw prompt (text or token ids) or a conversation, under an optional cache salt."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str | list[Annotated[int, Field(ge=0)]] | None = None
+    messages: list[ChatMessage] | None = None
+    cache_salt: str | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _valid_text(cls, value: Any) -> Any:
+        return _check_texts(value)
+
+    @model_validator(mode="after")
+    def _exactly_one(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError('give exactly one of "prompt" or "messages"')
+        return self
+
+
+class WarmRequest(BaseModel):
+    """`POST /cache/warm`: documents, system prompts, few-shot blocks to compute and keep before users ask."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    items: list[WarmItem] = Field(min_length=1, max_length=1024)
+
+
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 

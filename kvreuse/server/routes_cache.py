@@ -1,0 +1,73 @@
+"""Cache administration: `POST /cache/warm`, `POST /reset_prefix_cache` (vLLM's name), `GET /cache/stats`.
+
+API key required when configured. Warming runs each item as a one-token completion under the caller's tenant salt
+(so it warms exactly what that tenant's requests will find), then waits until the lower tiers have written it.
+Resetting drops what no request holds: blocks in use stay until their requests finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter, Depends, Request
+
+from kvreuse.engine.engine import LLMEngine
+from kvreuse.kvcache.accounting import ReuseRecord
+from kvreuse.server.auth import TenantDep, authenticate
+from kvreuse.server.prompts import chat_sequence, check_model, completion_sequence, off_loop
+from kvreuse.server.protocol import ChatCompletionRequest, CompletionRequest, WarmItem, WarmRequest
+from kvreuse.server.responses import admit, collect_admitted
+from kvreuse.server.state import ServerState, StateDep
+
+router = APIRouter(dependencies=[Depends(authenticate)])
+
+FLUSH_TIMEOUT_S = 120.0
+
+
+@router.post("/cache/warm")
+async def warm(body: WarmRequest, request: Request, state: StateDep, tenant: TenantDep):
+    check_model(state.model_name, body.model)
+    total = ReuseRecord()
+    batch = state.engine.config.engine.max_num_seqs  # in batches, so a long list cannot fill the queue
+    for start in range(0, len(body.items), batch):
+        items = body.items[start:start + batch]
+        records = await asyncio.gather(*(_warm_one(state, item, request, tenant) for item in items))
+        for record in records:
+            total += record
+    tiers = state.engine.tiers
+    written = True if tiers is None else await asyncio.to_thread(tiers.flush, FLUSH_TIMEOUT_S)
+    return {"object": "cache.warm", "num_items": len(body.items), "prompt_tokens": total.prompt_tokens,
+            "cached_tokens": total.cached_tokens, "cached_tokens_details": total.cached_by_tier(),
+            "computed_prompt_tokens": total.computed_prompt_tokens,
+            "tiers": tiers.tier_names if tiers else [], "tiers_written": written}
+
+
+async def _warm_one(state: ServerState, item: WarmItem, request: Request, tenant: str | None) -> ReuseRecord:
+    fields = {"model": state.model_name, "max_tokens": 1, "temperature": 0.0, "cache_salt": item.cache_salt}
+    if item.messages is not None:
+        body = ChatCompletionRequest(messages=item.messages, **fields)
+        seq, _ = await off_loop(chat_sequence, state.engine, body, tenant)
+    else:
+        seq = await off_loop(completion_sequence, state.engine, CompletionRequest(prompt=item.prompt, **fields), tenant)
+    _, output = await collect_admitted(state, admit(state, seq, tenant), seq, request)
+    return ReuseRecord(**{name: getattr(output.usage, name) for name in ReuseRecord.field_names()})
+
+
+@router.post("/reset_prefix_cache")
+async def reset_prefix_cache(state: StateDep, tiers: bool = False):
+    dropped = await state.async_engine.call(LLMEngine.reset_prefix_cache)
+    if tiers and state.engine.tiers is not None:  # off the engine thread: it waits for queued writes first
+        dropped.update(await asyncio.to_thread(state.engine.tiers.clear))
+    return {"status": "ok", "dropped": dropped}
+
+
+@router.get("/cache/stats")
+async def cache_stats(state: StateDep):
+    snapshot = await state.async_engine.call(LLMEngine.stats_snapshot)
+    tiers = state.engine.tiers
+    usage = await asyncio.to_thread(tiers.usage) if tiers else []
+    return {"memory": {"blocks_cached": snapshot["blocks_cached"], "blocks_in_use": snapshot["blocks_in_use"],
+                       "blocks_total": snapshot["blocks_total"], "kv_bytes_cached": snapshot["kv_bytes_cached"]},
+            "tiers": [{**u.__dict__, **snapshot["tiers"]["tiers"][u.name]} for u in usage],
+            "write_queue": {k: snapshot["tiers"][k] for k in ("queued_blocks", "dropped_blocks", "queued_bytes")}
+            if tiers else None}
