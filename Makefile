@@ -2,7 +2,7 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: run test install
+.PHONY: run test install redis-server
 
 install: $(VENV)/.installed
 
@@ -17,6 +17,13 @@ $(VENV)/.installed: pyproject.toml
 run: install
 	$(BIN)/kvreuse serve --log-level info
 
-test: install
+# The Redis tier's tests start their own redis-server (Debian's package) on 127.0.0.1 at a free port.
+test: install redis-server
 	$(BIN)/ruff check kvreuse tests
 	$(BIN)/pytest -q
+
+redis-server:
+	@command -v redis-server >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  (apt-get install -y -q redis-server >/dev/null 2>&1 || \
+	   (apt-get update -q >/dev/null && apt-get install -y -q redis-server >/dev/null)); } || \
+	  { echo "make test needs redis-server: install it with 'sudo apt-get install redis-server'" >&2; exit 1; }

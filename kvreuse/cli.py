@@ -1,4 +1,5 @@
-"""Command line: `kvreuse generate`, `serve`, `bench scenario|engine|prefix|replay`, `fidelity`, `analyze`."""
+"""Command line: `kvreuse generate`, `serve`, `bench scenario|engine|prefix|tiers|replay`, `fidelity`, `analyze`,
+`cache warm|stats|clear`."""
 
 from __future__ import annotations
 
@@ -202,6 +203,14 @@ def cmd_bench_prefix(args: argparse.Namespace) -> int:
     return _publish("prefix", report, prefix_bench.markdown(report), args.out)
 
 
+def cmd_bench_tiers(args: argparse.Namespace) -> int:
+    from kvreuse.bench import tiers_bench
+
+    report = tiers_bench.run(repeats=args.repeats, redis_url=args.redis_url, dtype=args.dtype,
+                             prompt_tokens=args.prompt_tokens, progress=_progress, disk_dir=args.disk_dir)
+    return _publish("tiers", report, tiers_bench.markdown(report), args.out)
+
+
 def cmd_bench_replay(args: argparse.Namespace) -> int:
     from kvreuse.bench import replay
 
@@ -234,6 +243,100 @@ def cmd_analyze(args: argparse.Namespace) -> int:
         raise InputError(f"{args.prompts_file}: no prompts")
     report = analyze([r.text_or_messages for r in records], config)
     print(json.dumps(report, indent=2, ensure_ascii=False) if args.json else text_report(report))
+    return 0
+
+
+# --- cache: the lower tiers (disk, Redis) from outside a server --------------------------------------------------
+NO_TIER = "no lower KV tier is configured (cache.disk.path, cache.redis.url)"
+
+
+def _mib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**20:.1f} MiB"
+
+
+def cmd_cache_warm(args: argparse.Namespace) -> int:
+    from kvreuse.engine.engine import RequestError
+    from kvreuse.llm import LLM
+    from kvreuse.warm import WarmError, warm
+
+    config = build_config(args)
+    if not (config.cache.disk.path or config.cache.redis.url):
+        raise InputError(f"{NO_TIER}: warming a process that then exits would be pointless; set "
+                         "--set cache.disk.path=DIR and/or --set cache.redis.url=redis://HOST:PORT/DB")
+    if not config.cache.enabled:
+        raise InputError("cache.enabled is false: nothing would be cached or written to the lower tiers")
+    records = read_prompts_file(args.file)
+    if not records:
+        raise InputError(f"{args.file}: no prompts")
+
+    llm = LLM(config)
+    try:
+        summary = warm(llm, records, cache_salt=args.cache_salt)
+    except WarmError as exc:
+        raise InputError(f"{args.file}, {exc}") from exc
+    except RequestError as exc:
+        raise InputError(str(exc)) from exc
+    finally:
+        llm.engine.close()
+
+    if args.json:
+        print(json.dumps(summary, ensure_ascii=False))
+    else:
+        by_tier = summary["cached_tokens_details"]
+        written = ", ".join(f"{name} {n}" for name, n in summary["blocks_written"].items())
+        reused = f", {summary['reused_tokens']} reused" if summary["reused_tokens"] else ""
+        print(f"warmed {summary['num_items']} prompts ({summary['prompt_tokens']} prompt tokens) in "
+              f"{summary['seconds']:.2f}s: {summary['cached_tokens']} tokens were already cached (memory "
+              f"{by_tier['memory']}, disk {by_tier['disk']}, redis {by_tier['redis']}){reused}, "
+              f"{summary['computed_prompt_tokens']} computed; blocks written: {written}; "
+              f"{summary['dropped_blocks']} dropped by a full write queue.")
+    for item in summary["failed"]:
+        print(f"kvreuse: {args.file}, line {item['line']}: {item['error']}", file=sys.stderr)
+    if not summary["flushed"]:
+        print("kvreuse: the lower tiers did not finish writing in time; some blocks may be missing",
+              file=sys.stderr)
+    return 0 if summary["flushed"] and not summary["failed"] else 1
+
+
+def cmd_cache_stats(args: argparse.Namespace) -> int:
+    from kvreuse.kvcache.tiers.store import build_tiers
+
+    tiers = build_tiers(build_config(args).cache)
+    try:
+        usage = [t.usage() for t in tiers]
+    finally:
+        for tier in tiers:
+            tier.close()
+    if args.json:
+        print(json.dumps({"tiers": [u.__dict__ for u in usage]}))
+        return 0
+    if not usage:
+        print(NO_TIER)
+    for u in usage:
+        entries = "? entries" if u.num_entries is None else f"{u.num_entries} entries"
+        size = "size unknown" if u.num_bytes is None else _mib(u.num_bytes)
+        capacity = "no limit of ours" if u.capacity_bytes is None else f"capacity {_mib(u.capacity_bytes)}"
+        print(f"{u.name}  {u.detail}  {entries}  {size}  {capacity}  "
+              f"{'available' if u.available else 'UNAVAILABLE'}")
+    return 0
+
+
+def cmd_cache_clear(args: argparse.Namespace) -> int:
+    from kvreuse.kvcache.tiers.store import build_tiers
+
+    tiers = build_tiers(build_config(args).cache)
+    try:
+        cleared = [(t.name, t.usage().detail, t.clear()) for t in tiers]
+    finally:
+        for tier in tiers:
+            tier.close()
+    if args.json:
+        print(json.dumps({"cleared": {name: n for name, _, n in cleared}}))
+        return 0
+    if not cleared:
+        print(NO_TIER)
+    for name, detail, n in cleared:
+        print(f"{name}  {detail}  {n} entries removed")
     return 0
 
 
@@ -308,6 +411,18 @@ def _add_bench(sub) -> None:
     _log_level_flag(prefix)
     prefix.set_defaults(func=cmd_bench_prefix)
 
+    tiers = suites.add_parser("tiers", help="TTFT of a prompt cold vs its prefix from memory, disk and Redis, "
+                                            "interleaved rounds, with load bandwidth")
+    tiers.add_argument("--repeats", type=_positive_int, default=3, help="measured rounds (after one warm-up round)")
+    tiers.add_argument("--prompt-tokens", type=_positive_int, default=2048, help="prompt length (default 2048)")
+    tiers.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto",
+                       help="model.dtype (default auto: the machine's faster dtype)")
+    tiers.add_argument("--redis-url", help="a Redis to measure (default: a redis-server started for the run)")
+    tiers.add_argument("--disk-dir", help="where the disk tier's directory goes (default: the system's temp dir)")
+    _out_flag(tiers, "tiers")
+    _log_level_flag(tiers)
+    tiers.set_defaults(func=cmd_bench_tiers)
+
     replay = suites.add_parser("replay", help="the scenarios replayed against an OpenAI-compatible server",
                                description="The scenarios replayed over HTTP, streaming, against any "
                                            "OpenAI-compatible server (ours, vLLM, llama.cpp); keys as "
@@ -353,10 +468,34 @@ def _add_analyze(sub) -> None:
     ana.set_defaults(func=cmd_analyze)
 
 
+def _add_cache(sub) -> None:
+    cache = sub.add_parser("cache", help="the lower KV tiers (disk, Redis): warm, stats, clear",
+                           description="The lower KV tiers that [cache] configures (cache.disk.path, "
+                                       "cache.redis.url), from outside a server.")
+    actions = cache.add_subparsers(dest="action", required=True, metavar="ACTION")
+
+    warm = actions.add_parser("warm", help="compute the KV of a prompt file and write it to the lower tiers")
+    _common_flags(warm)
+    warm.add_argument("file", metavar="FILE.jsonl", help='JSONL: {"prompt": ...} or {"messages": [...]} per line')
+    warm.add_argument("--cache-salt", help="the salt the requests to serve will carry (KV is shared only within it)")
+    warm.add_argument("--json", action="store_true", help="the summary as JSON")
+    warm.set_defaults(func=cmd_cache_warm)
+
+    stats = actions.add_parser("stats", help="what each lower tier holds (without loading the model)")
+    _common_flags(stats)
+    stats.add_argument("--json", action="store_true", help="the tiers as JSON")
+    stats.set_defaults(func=cmd_cache_stats)
+
+    clear = actions.add_parser("clear", help="remove every entry of every lower tier (Redis: only ours)")
+    _common_flags(clear)
+    clear.add_argument("--json", action="store_true", help="the counts as JSON")
+    clear.set_defaults(func=cmd_cache_clear)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvreuse", description="LLM inference built around KV-cache reuse")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_generate, _add_serve, _add_bench, _add_fidelity, _add_analyze):
+    for add in (_add_generate, _add_serve, _add_bench, _add_fidelity, _add_analyze, _add_cache):
         add(sub)
     return parser
 

@@ -174,7 +174,7 @@ def redis_server():
     """One redis-server for the whole session (ours alone, so tests may flush it); stopped at the end."""
     import shutil
 
-    from .redis_process import INSTALL_HINT, RedisProcess
+    from kvreuse.bench.redis_process import INSTALL_HINT, RedisProcess
 
     if shutil.which("redis-server") is None:
         pytest.fail(INSTALL_HINT, pytrace=False)

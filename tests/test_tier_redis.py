@@ -12,9 +12,8 @@ import time
 import pytest
 import redis
 
+from kvreuse.bench.redis_process import RedisProcess, free_port
 from kvreuse.kvcache.tiers.redis_tier import RedisTier, redact_url
-
-from .redis_process import RedisProcess, free_port
 
 LOGGER = "kvreuse.kvcache.tiers.redis_tier"
 

@@ -5,7 +5,8 @@ are opaque bytes; `max_bytes` bounds the sum of their lengths (not the blocks th
 
 Atomicity: an entry is written to `.<key hex>.<pid>.<thread id>.tmp` in its final directory, fsynced, then renamed
 over its final name (`os.replace`, atomic on POSIX) and the directory fsynced. A crash mid-write leaves at worst a
-`*.tmp` file, which no scan takes for an entry and the next start deletes.
+`*.tmp` file, which no scan takes for an entry and the next start deletes (unless its writing process still runs:
+`kvreuse cache stats` beside a live server must not break the server's writes in progress).
 
 LRU: the index is an OrderedDict `key -> size`, least recently used first; `get` moves a hit to the end. Every write
 and hit also stamps the file's mtime with a strictly increasing time in ns (the kernel's own mtime is coarse, so
@@ -235,7 +236,7 @@ class DiskTier:
                     if match and match.group(1).startswith(sub.name) and file.is_file():
                         st = file.stat()
                         found.append((st.st_mtime_ns, bytes.fromhex(match.group(1)), st.st_size))
-                    elif file.name.endswith(".tmp"):
+                    elif file.name.endswith(".tmp") and not _writer_alive(file):
                         temps.append(file)
                 except FileNotFoundError:
                     pass                         # removed while we looked
@@ -252,3 +253,17 @@ class DiskTier:
                 os.close(fd)
         except OSError:
             pass
+
+
+def _writer_alive(temp: Path) -> bool:
+    """Whether another process that still runs is writing `temp` (named `.<key hex>.<pid>.<thread id>.tmp`)."""
+    parts = temp.name.split(".")
+    if len(parts) != 5 or not parts[2].isdigit() or int(parts[2]) == os.getpid():
+        return False
+    try:
+        os.kill(int(parts[2]), 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # it exists, owned by someone else
+    return True

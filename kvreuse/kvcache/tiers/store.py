@@ -80,6 +80,19 @@ class StoreCounters:
     load_seconds: float = 0.0    # their loader time, summed
 
 
+def build_tiers(cache: CacheConfig) -> list[KVTier]:
+    """The tiers `[cache]` configures, nearest first: disk (`cache.disk.path`), then Redis (`cache.redis.url`)."""
+    from kvreuse.kvcache.tiers.disk_tier import DiskTier
+    from kvreuse.kvcache.tiers.redis_tier import RedisTier
+
+    tiers: list[KVTier] = []
+    if cache.disk.path:
+        tiers.append(DiskTier(cache.disk.path, int(cache.disk.max_gb * 2**30)))
+    if cache.redis.url:
+        tiers.append(RedisTier(cache.redis.url, ttl_s=cache.redis.ttl_s, timeout_s=cache.redis.timeout_ms / 1000))
+    return tiers
+
+
 class TieredStore:
     def __init__(self, tiers: Sequence[KVTier], spec: entry.BlockSpec, io: BlockIO, max_queue_bytes: int):
         self.tiers = list(tiers)  # read in this order: the nearest first
@@ -97,18 +110,9 @@ class TieredStore:
 
     @classmethod
     def from_config(cls, cache: CacheConfig, io: BlockIO) -> TieredStore | None:
-        """The tiers `[cache]` configures, nearest first (disk, then Redis); None without any, or with caching off."""
-        from kvreuse.kvcache.tiers.disk_tier import DiskTier
-        from kvreuse.kvcache.tiers.redis_tier import RedisTier
-
-        tiers: list[KVTier] = []
-        if cache.disk.path:
-            tiers.append(DiskTier(cache.disk.path, int(cache.disk.max_gb * 2**30)))
-        if cache.redis.url:
-            tiers.append(RedisTier(cache.redis.url, ttl_s=cache.redis.ttl_s, timeout_s=cache.redis.timeout_ms / 1000))
-        if not (tiers and cache.enabled):
-            return None
-        return cls(tiers, io.spec, io, cache.tier_queue_mb * 2**20)
+        """The tiers `[cache]` configures over the pool `io` reads and writes; None without any, or with caching off."""
+        tiers = build_tiers(cache) if cache.enabled else []
+        return cls(tiers, io.spec, io, cache.tier_queue_mb * 2**20) if tiers else None
 
     @property
     def tier_names(self) -> list[str]:
@@ -146,7 +150,7 @@ class TieredStore:
                 entries = [(b.key, entry.encode(self.spec, b.key, b.parent_key, b.token_ids, p))
                            for b, p in zip(blocks, payloads, strict=True)]
                 for tier in targets:
-                    tier.put(entries)  # never raises for its medium's faults; counts them
+                    tier.put(entries[::-1])  # tail first: see _load_run; never raises for its medium's faults
             except Exception:
                 logger.exception("writing %d blocks to the KV tiers failed; they are dropped", len(blocks))
             finally:
@@ -192,8 +196,10 @@ class TieredStore:
         run = next((i for i, p in enumerate(present) if not p), len(present))
         if run == 0:
             return []
+        # Tail first (here and on write), so an LRU tier holds a chain's head as its most recent part and loses its
+        # tail first: a prefix is only usable up to its first missing block (the pool frees in the same order).
         found: list[LoadedBlock] = []
-        for i, raw in enumerate(tier.get(keys[first:first + run]), start=first):
+        for i, raw in enumerate(tier.get(keys[first:first + run][::-1])[::-1], start=first):
             if raw is None:
                 break  # gone since the existence check (evicted, expired, flushed)
             parent = keys[i - 1] if i else parent_key

@@ -1,4 +1,5 @@
-"""A real `redis-server` as a subprocess on a free 127.0.0.1 port, in a temp dir, persisting nothing."""
+"""A real `redis-server` as a subprocess on a free 127.0.0.1 port, in a temp dir, persisting nothing: for the
+Redis tests and `kvreuse bench tiers` (tiers_bench.py), which starts one when it is given no URL."""
 
 from __future__ import annotations
 
