@@ -1,7 +1,9 @@
 """`kvreuse bench tiers`: TTFT of one prompt computed cold, then served from each place the KV cache keeps it: the
-pool in memory, the disk tier, the Redis tier. One engine with both tiers; the four ways are interleaved round by
-round (cold, memory, disk, redis, then the next round on a fresh prompt variant), round 0 warms up and is
-discarded, and the medians and their ratios to cold are reported with the CPU, its bf16 flags and the dtype.
+pool in memory, the disk tier (its files in the OS page cache, as after a restart on a machine with RAM to spare,
+and read from the device, the page cache dropped), the Redis tier. One engine with both tiers; the ways are
+interleaved round by round (cold, memory, disk_cached, disk, redis, then the next round on a fresh prompt variant),
+round 0 warms up and is discarded, and the medians and their ratios to cold are reported with the CPU, its bf16
+flags and the dtype.
 
 Each measured request is checked to have been served from where it is claimed (the usage's per-tier cached
 tokens), and its greedy first token to equal the cold one (exact reuse reproduces it)."""
@@ -12,6 +14,7 @@ import os
 import shutil
 import statistics
 import tempfile
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -26,12 +29,18 @@ from kvreuse.llm import LLM
 from kvreuse.model.dtype_probe import cpu_identity
 from kvreuse.sampling_params import SamplingParams
 
-WAYS = ("cold", "memory", "disk", "redis")
+WAYS = ("cold", "memory", "disk_cached", "disk", "redis")
+TIER_OF = {"memory": "memory", "disk_cached": "disk", "disk": "disk", "redis": "redis"}
 # A hit from each tier must cost at most this fraction of the cold TTFT.
-TARGETS = {"disk": 1 / 8, "redis": 1 / 4}
-TARGET_TEXT = {"disk": "disk hit <= 1/8 of cold", "redis": "Redis hit <= 1/4 of cold"}
+TARGETS = {"disk_cached": 1 / 8, "disk": 1 / 8, "redis": 1 / 4}
+TARGET_TEXT = {"disk_cached": "disk hit (page cache) <= 1/8 of cold",
+               "disk": "disk hit (device) <= 1/8 of cold", "redis": "Redis hit <= 1/4 of cold"}
 GREEDY = SamplingParams(max_tokens=1)  # temperature 0
 FLUSH_TIMEOUT_S = 120.0
+# A pause before every measured request (all ways alike). Tiers are read a while after they are written (by another
+# process, after a restart); read right after a 47 MB write, Redis answered 2-3x slower on a 2-core machine
+# (measured: ~150 vs ~45 ms for the same MGET), which would time the write's aftermath, not the read.
+SETTLE_S = 0.5
 MB = 1e6  # load bandwidth in MB/s, decimal
 
 
@@ -166,6 +175,7 @@ def _measure(llm: LLM, repeats: int, prompt_tokens: int, with_redis: bool, page_
     dropped_files: list[int] = []
 
     def measure(prompt: list[int]) -> RequestOutput:
+        time.sleep(SETTLE_S)
         out = llm.generate(prompt, GREEDY, cache_salt=salt)[0]
         expect(out.finish_reason != "error" and len(out.token_ids) == 1, f"the request failed: {out.error}")
         # What the request queued for the tiers is written before the next one, off its clock.
@@ -184,7 +194,11 @@ def _measure(llm: LLM, repeats: int, prompt_tokens: int, with_redis: bool, page_
         outs["cold"] = measure(prompt)
         # memory: the same prompt right after, its prefix held in the pool.
         outs["memory"] = measure(prompt)
-        # disk: the pool's cached blocks dropped: the prefix is prefetched from the disk, the nearest tier.
+        # disk_cached: the pool's cached blocks dropped: the prefix is prefetched from the disk, the nearest tier,
+        # whose files the OS still holds in RAM (as after a restart on a machine with memory to spare).
+        engine.reset_prefix_cache()
+        outs["disk_cached"] = measure(prompt)
+        # disk: the same, with the files dropped from the page cache first: read from the device.
         engine.reset_prefix_cache()
         if page_cache_dir is not None:
             dropped_files.append(drop_page_cache(page_cache_dir))
@@ -202,7 +216,7 @@ def _measure(llm: LLM, repeats: int, prompt_tokens: int, with_redis: bool, page_
             for way, out in outs.items():
                 ttft[way].append(out.ttft_s)
                 cached[way].append(out.usage.cached_tokens)
-                if way in ("disk", "redis"):  # checked above: they loaded `full_blocks` tokens, in > 0 s
+                if way in TARGETS:  # checked above: they loaded `full_blocks` tokens, in > 0 s
                     load[way].append(out.tier_load_s)
                     bandwidth[way].append(full_blocks / bs * engine.bytes_per_block / out.tier_load_s / MB)
         progress(f"round {round_index}/{repeats}{' (warm-up)' if not round_index else ''}: "
@@ -243,16 +257,15 @@ def _check_round(outs: dict[str, RequestOutput], full_blocks: int, store: Tiered
 
     cold = outs["cold"]
     expect(cold.usage.cached_tokens == 0, f"the cold request hit: {where(cold)}")
-    expected = {"memory": {"memory": full_blocks, "disk": 0, "redis": 0},
-                "disk": {"memory": 0, "disk": full_blocks, "redis": 0},
-                "redis": {"memory": 0, "disk": 0, "redis": full_blocks}}
     for way, out in outs.items():
         if way == "cold":
             continue
-        expect(out.usage.cached_by_tier() == expected[way],
-               f"the {way} request was not served from {way} alone: {where(out)}, expected {full_blocks} tokens "
-               f"from {way}; tier counters {store.snapshot()}")
-        expect((out.tier_load_s > 0) == (way in ("disk", "redis")),
+        tier = TIER_OF[way]
+        expected = {t: full_blocks if t == tier else 0 for t in ("memory", "disk", "redis")}
+        expect(out.usage.cached_by_tier() == expected,
+               f"the {way} request was not served from {tier} alone: {where(out)}, expected {full_blocks} tokens "
+               f"from {tier}; tier counters {store.snapshot()}")
+        expect((out.tier_load_s > 0) == (tier != "memory"),
                f"the {way} request's tier load time is {out.tier_load_s} s")
         expect(out.token_ids[0] == cold.token_ids[0],
                f"the {way} request's first token {out.token_ids[0]} differs from the cold one {cold.token_ids[0]}")

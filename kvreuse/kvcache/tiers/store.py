@@ -31,6 +31,10 @@ from kvreuse.kvcache.tiers.base import KVTier, TierUsage
 
 logger = logging.getLogger(__name__)
 
+# Parallel reads of one chain. Measured on 2 cores, a 2048-token chain (47 MB in bf16), interleaved: from a page-cached
+# disk in 44 ms with 1 thread, 30 with 4; from Redis ~105 ms either way (one server thread sends it all).
+READ_THREADS = 4
+
 
 class BlockIO(Protocol):
     """The pool's K/V, as the store sees it (the engine's implementation wraps the KV tensor). Engine thread only."""
@@ -106,6 +110,7 @@ class TieredStore:
         self._writer = threading.Thread(target=self._write_loop, name="kvreuse-tier-writer", daemon=True)
         self._writer.start()
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvreuse-tier-loader")
+        self._readers = ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="kvreuse-tier-reader")
         self._closed = False
 
     @classmethod
@@ -196,23 +201,44 @@ class TieredStore:
         run = next((i for i, p in enumerate(present) if not p), len(present))
         if run == 0:
             return []
-        # Tail first (here and on write), so an LRU tier holds a chain's head as its most recent part and loses its
-        # tail first: a prefix is only usable up to its first missing block (the pool frees in the same order).
+        # Read and check in READ_THREADS slices at once (a read waits on the disk or the network, the checksum on
+        # memory: both release the GIL), tail slices first, as writes go: see `_read_slice`.
+        bounds = [first + run * k // READ_THREADS for k in range(READ_THREADS + 1)]
+        slices = [(a, b) for a, b in zip(bounds, bounds[1:], strict=False) if a < b][::-1]
+        read = self._readers.map(lambda ab: self._read_slice(tier, keys, token_blocks, *ab, parent_key), slices)
         found: list[LoadedBlock] = []
-        for i, raw in enumerate(tier.get(keys[first:first + run][::-1])[::-1], start=first):
-            if raw is None:
-                break  # gone since the existence check (evicted, expired, flushed)
-            parent = keys[i - 1] if i else parent_key
-            try:
-                payload = entry.decode(raw, self.spec, keys[i], parent, token_blocks[i])
-            except entry.InvalidEntry as exc:
-                self._refuse(tier, keys[i], exc)
-                break
-            found.append(LoadedBlock(keys[i], tier.name, payload))
+        for blocks in reversed(list(read)):
+            for i, block in enumerate(blocks, start=first + len(found)):
+                if isinstance(block, entry.InvalidEntry):
+                    self._refuse(tier, keys[i], block)
+                if not isinstance(block, LoadedBlock):
+                    break
+                found.append(block)
+            else:
+                continue
+            break  # the chain stops at the first block missing or refused
         with self._lock:
             self.counters.hit_blocks[tier.name] += len(found)
             self.counters.loaded_bytes[tier.name] += len(found) * self.spec.payload_bytes
         return found
+
+    def _read_slice(self, tier: KVTier, keys: list[bytes], token_blocks: list[tuple[int, ...]], start: int, end: int,
+                    parent_key: bytes | None) -> list[LoadedBlock | entry.InvalidEntry | None]:
+        """Blocks `start` to `end` as read and checked; None for one gone since the existence check (evicted,
+        expired, flushed). Read tail first, here and on write, so an LRU tier keeps a chain's head as its most recent
+        part and loses its tail first: a prefix is only usable up to its first missing block (the pool frees in the
+        same order)."""
+        blocks: list[LoadedBlock | entry.InvalidEntry | None] = []
+        for i, raw in enumerate(tier.get(keys[start:end][::-1])[::-1], start=start):
+            if raw is None:
+                blocks.append(None)
+                continue
+            try:
+                payload = entry.decode(raw, self.spec, keys[i], keys[i - 1] if i else parent_key, token_blocks[i])
+                blocks.append(LoadedBlock(keys[i], tier.name, payload))
+            except entry.InvalidEntry as exc:
+                blocks.append(exc)
+        return blocks
 
     def _refuse(self, tier: KVTier, key: bytes, exc: entry.InvalidEntry) -> None:
         with self._lock:
@@ -257,5 +283,6 @@ class TieredStore:
         self._queue.put(None)
         self._writer.join(timeout)
         self._loader.shutdown(wait=True, cancel_futures=True)
+        self._readers.shutdown(wait=True)
         for tier in self.tiers:
             tier.close()
