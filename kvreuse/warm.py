@@ -65,7 +65,7 @@ def warm(llm: LLM, records: list[PromptRecord], cache_salt: str | None = None) -
         out = engine.output(seq)
         if out.error is not None:
             failed.append({"line": r.line, "error": out.error})
-        total += ReuseRecord(**{name: getattr(out.usage, name) for name in ReuseRecord.field_names()})
+        total += out.usage  # its reuse record (Usage is one, plus completion tokens)
 
     written, errors, dropped = {}, {}, 0
     if tiers is not None:

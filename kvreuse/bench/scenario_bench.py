@@ -1,8 +1,10 @@
 """`kvreuse bench scenario [chat eval agent rag prefix]`: the seed's scenarios in every cache mode, one process.
 
 Each scenario runs under its own engine config (its preset, by default). Modes: no-cache (every prompt
-computed), prefix (exact prefix caching), shift and blend (prefix + segment reuse), and blend-noguard where the
-config's guard is on; then the peers: HF transformers on the same weights without reuse ("hf") and, on chat,
+computed), prefix (exact prefix caching), shift and blend (prefix + segment reuse), blend-noguard where the
+config's guard is on, and blend-warm on RAG (blend after its documents were warmed, untimed, as `POST
+/cache/warm` or `kvreuse cache warm` would, each as a query's first document: `workloads.rag_corpus`); then the
+peers: HF transformers on the same weights without reuse ("hf") and, on chat,
 with its own prefix reuse through a copied cache ("hf-prefix"). Each mode starts from an empty cache and keeps
 `concurrency` requests in flight, sent in workload order (so later requests can reuse earlier KV). Fidelity
 is measured against the no-cache run of the same requests. Keys follow `vllm bench serve` where it has one
@@ -32,7 +34,10 @@ MODES = {
     "shift": {"enabled": True, "mode": "shift"},
     "blend": {"enabled": True, "mode": "blend"},
     "blend-noguard": {"enabled": True, "mode": "blend", "guard_margin": 0.0},
+    "blend-warm": {"enabled": True, "mode": "blend"},
 }
+# The corpus a deployment of the scenario would warm before serving (mode blend-warm).
+WARM_CORPUS = {"rag": workloads.rag_corpus}
 PEER_SCENARIOS = {"hf": SCENARIOS, "hf-prefix": ("chat",)}
 # Requests in flight by default: chat turns and agent steps wait for the previous reply; an eval run is a batch
 # job, submitted as a whole (16 = engine.max_num_seqs, what the engine batches); RAG queries and shared-prefix
@@ -60,13 +65,18 @@ def send_all(llm: LLM, conversations: list[list[dict]], params: SamplingParams, 
 
 
 def run_mode(llm: LLM, conversations: list[list[dict]], mode: str, max_tokens: int, exact: list | None,
-             concurrency: int = 1, bar: tqdm | None = None) -> tuple[dict, list]:
+             concurrency: int = 1, bar: tqdm | None = None, warm: list[list[dict]] = ()) -> tuple[dict, list]:
+    """One mode from an empty cache; the `warm` conversations are computed first, untimed and outside the stats."""
     engine = llm.engine
     engine.kv_manager.pool.reset_cache()
-    engine.stats = EngineStats()
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, keep_first_logits=True)
-    start = time.perf_counter()
     with reuse_settings(llm, **MODES[mode]):
+        warm_start = time.perf_counter()
+        if warm:
+            llm.chat(list(warm), SamplingParams(max_tokens=1))
+        warm_s = time.perf_counter() - warm_start
+        engine.stats = EngineStats()
+        start = time.perf_counter()
         outputs = send_all(llm, conversations, params, mode != "no-cache", concurrency, bar or tqdm(disable=True))
     duration = time.perf_counter() - start
     reuse = engine.stats.reuse
@@ -76,6 +86,8 @@ def run_mode(llm: LLM, conversations: list[list[dict]], mode: str, max_tokens: i
         **reuse_metrics(reuse),
         "peak_kv_bytes": engine.stats_snapshot()["peak_kv_bytes_in_use"], "peak_rss_bytes": peak_rss_bytes(),
     }
+    if warm:
+        result["warm_s"] = warm_s
     if exact is not None:
         result.update(fidelity_metrics(outputs, exact))
     return result, outputs
@@ -115,14 +127,17 @@ def run(configs: dict[str, Config], num_requests: int, max_tokens: int, concurre
             hf.run(conversations[:1], 2)
         # With the guard on, blend-noguard shows what the guard costs and what it buys.
         noguard = ["blend-noguard"] if config.cache.suffix.guard_margin > 0 else []
-        runs = ["no-cache", "prefix", "shift", "blend"] + noguard + [p for p, where in PEER_SCENARIOS.items()
-                                        if hf is not None and scenario in where]
+        warmed = ["blend-warm"] if scenario in WARM_CORPUS else []
+        runs = ["no-cache", "prefix", "shift", "blend"] + noguard + warmed + [
+            p for p, where in PEER_SCENARIOS.items() if hf is not None and scenario in where]
         results, exact = {}, None
         for mode in runs:
             with tqdm(total=len(conversations), desc=f"{scenario}/{mode}", unit="req", leave=False,
                       disable=None) as bar:  # no bar when stderr is not a terminal
                 if mode in MODES:  # our engine
-                    results[mode], outputs = run_mode(llm, conversations, mode, max_tokens, exact, in_flight, bar)
+                    warm = WARM_CORPUS[scenario]() if mode == "blend-warm" else ()
+                    results[mode], outputs = run_mode(llm, conversations, mode, max_tokens, exact, in_flight, bar,
+                                                      warm)
                 else:
                     # HF sees the text our engine sees (normalize_input rewrites message contents).
                     texts = [[{**m, "content": llm.engine.normalize(m["content"])} for m in c] for c in conversations]

@@ -27,6 +27,15 @@ def documents() -> list[dict]:
     return json.loads(CORPUS.read_text(encoding="utf-8"))["documents"]
 
 
+def rag_corpus(num_docs: int = 6, seed: int = 0) -> list[list[dict]]:
+    """The documents `rag(num_docs=, seed=)` draws its queries from, as a deployment would warm them: each as the
+    first document of a query under the RAG system prompt, so a query that starts with it hits that prefix exactly,
+    and segment reuse finds its blocks wherever else it lands."""
+    pool = random.Random(seed).sample(documents(), min(num_docs, len(documents())))  # rag()'s first draw
+    return [[{"role": "system", "content": RAG_SYSTEM},
+             {"role": "user", "content": f"Documents:\n\n[1] {d['title']}\n{d['text']}"}] for d in pool]
+
+
 def rag(num_requests: int = 24, docs_per_query: tuple[int, int] = (2, 3), num_docs: int = 6,
         seed: int = 0) -> list[list[dict]]:
     """Each query retrieves 2-3 documents from a pool of `num_docs` (the hot set of a knowledge base) in a

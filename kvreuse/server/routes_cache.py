@@ -43,6 +43,7 @@ async def warm(body: WarmRequest, request: Request, state: StateDep, tenant: Ten
 
 
 async def _warm_one(state: ServerState, item: WarmItem, request: Request, tenant: str | None) -> ReuseRecord:
+    """One item as a one-token greedy completion; its reuse record (the usage)."""
     fields = {"model": state.model_name, "max_tokens": 1, "temperature": 0.0, "cache_salt": item.cache_salt}
     if item.messages is not None:
         body = ChatCompletionRequest(messages=item.messages, **fields)
@@ -50,7 +51,7 @@ async def _warm_one(state: ServerState, item: WarmItem, request: Request, tenant
     else:
         seq = await off_loop(completion_sequence, state.engine, CompletionRequest(prompt=item.prompt, **fields), tenant)
     _, output = await collect_admitted(state, admit(state, seq, tenant), seq, request)
-    return ReuseRecord(**{name: getattr(output.usage, name) for name in ReuseRecord.field_names()})
+    return output.usage
 
 
 @router.post("/reset_prefix_cache")
