@@ -193,14 +193,12 @@ class ChatCompletionRequest(SamplingFields):
         return self
 
 
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class _PromptOrMessages(BaseModel):
+    """A body with exactly one of `prompt` (its type declared by the subclass) or `messages`."""
 
-    model: str | None = None
-    prompt: str | None = None
     messages: list[ChatMessage] | None = None
 
-    @field_validator("prompt", mode="before")
+    @field_validator("prompt", mode="before", check_fields=False)
     @classmethod
     def _valid_text(cls, value: Any) -> Any:
         return _check_texts(value)
@@ -212,25 +210,20 @@ class TokenizeRequest(BaseModel):
         return self
 
 
-class WarmItem(BaseModel):
+class TokenizeRequest(_PromptOrMessages):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+
+
+class WarmItem(_PromptOrMessages):
     """One thing to warm: a raw prompt (text or token ids) or a conversation, under an optional cache salt."""
 
     model_config = ConfigDict(extra="forbid")
 
     prompt: str | list[Annotated[int, Field(ge=0)]] | None = None
-    messages: list[ChatMessage] | None = None
     cache_salt: str | None = None
-
-    @field_validator("prompt", mode="before")
-    @classmethod
-    def _valid_text(cls, value: Any) -> Any:
-        return _check_texts(value)
-
-    @model_validator(mode="after")
-    def _exactly_one(self):
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError('give exactly one of "prompt" or "messages"')
-        return self
 
 
 class WarmRequest(BaseModel):
