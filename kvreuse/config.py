@@ -156,6 +156,31 @@ class EngineConfig(_Section):
     seed: int = 0  # seeds sampling for requests that give no seed of their own (reproducible runs)
 
 
+class EventsConfig(_Section):
+    """``[events]``: KV cache events in vLLM's format (msgpack over a ZMQ PUB socket), for external routers and
+    indexers; off while ``endpoint`` is empty."""
+
+    endpoint: str = Field("", pattern=r"^(|(tcp|ipc|inproc)://.+)$")         # e.g. tcp://127.0.0.1:5557
+    replay_endpoint: str = Field("", pattern=r"^(|(tcp|ipc|inproc)://.+)$")  # e.g. tcp://127.0.0.1:5558
+    topic: str = "kv-events"
+    buffer_steps: int = Field(10_000, ge=1)   # event batches kept for replay
+
+
+class ClusterConfig(_Section):
+    """``[cluster]``: several engine replicas on Ray Serve behind one OpenAI endpoint (``kvreuse serve
+    --replicas N``), and how requests are routed to them."""
+
+    replicas: int = Field(1, ge=1, le=1024)
+    routing: Literal["cache_aware", "round_robin", "ray_prefix"] = "cache_aware"
+    ray_address: str = ""                      # empty: a local Ray, started and stopped by kvreuse serve
+    cpus_per_replica: float = Field(1.0, gt=0.0)
+    # SGLang's router defaults: route by cache while the chosen replica's matched share of the prompt is at least
+    # cache_threshold, unless the load is unbalanced (max - min queue > abs and max > rel x min): then least loaded.
+    cache_threshold: float = Field(0.3, ge=0.0, le=1.0)
+    balance_abs_threshold: int = Field(64, ge=0)
+    balance_rel_threshold: float = Field(1.5, ge=1.0)
+
+
 class Config(_Section):
     """The whole configuration; one attribute per INI section."""
 
@@ -163,6 +188,8 @@ class Config(_Section):
     cache: CacheConfig = Field(default_factory=CacheConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
+    events: EventsConfig = Field(default_factory=EventsConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
 
     def as_dict(self) -> dict:
         """Nested plain dicts of every value."""
@@ -182,7 +209,7 @@ _KEYS = {section: dict(_leaves(field.annotation)) for section, field in Config.m
 # Where each model sits in the INI, to name the key of an error raised while building it.
 _PREFIX = {Config: "", ServerConfig: "server", CacheConfig: "cache", SuffixConfig: "cache.suffix",
            DiskTierConfig: "cache.disk", RedisTierConfig: "cache.redis",
-           ModelConfig: "model", EngineConfig: "engine"}
+           ModelConfig: "model", EngineConfig: "engine", EventsConfig: "events", ClusterConfig: "cluster"}
 # What a value must be, by pydantic error type.
 _MUST_BE = {"bool_type": "a boolean (true/false)", "string_type": "a string",
             **dict.fromkeys(("int_type", "int_parsing", "int_from_float"), "an integer"),
@@ -220,6 +247,8 @@ def _message(key: str, error: ErrorDetails) -> str:
         return f"config key '{key}' must be {bound}, got {got}"
     if kind == "string_pattern_mismatch" and key == "cache.redis.url":
         return f"config key '{key}' must be a redis://host:port/db (or rediss://, unix://) URL, got {got!r}"
+    if kind == "string_pattern_mismatch" and key.startswith("events."):
+        return f"config key '{key}' must be a ZMQ endpoint such as tcp://127.0.0.1:5557, got {got!r}"
     if kind == "greater_than":
         return f"config key '{key}' must be > {error['ctx']['gt']}, got {got}"
     if kind == "extra_forbidden":

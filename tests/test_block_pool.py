@@ -112,6 +112,14 @@ class PoolModel:
         while len(self.evictable) > self.max_cached:
             self.free.append(self._evict())
 
+    def drop(self, b: int) -> None:
+        """An unreferenced orphan gives its key up to a block registered under it."""
+        del self.evictable[b]
+        self.key[b] = None
+        self.hits[b] = 0
+        self.evictions += 1
+        self.free.append(b)
+
     def register(self, b: int, key: bytes) -> bool:
         if key in self.key:
             return False
@@ -167,7 +175,8 @@ def test_random_operations_keep_pool_consistent(num_blocks, max_cached, policy, 
             key = b"key-%d" % next_key
             next_key += 1
             tokens = tuple(data.draw(st.lists(st.integers(0, 50), min_size=1, max_size=4), label="tokens"))
-            parent = data.draw(st.integers(0, 5), label="parent_uid")
+            # A first block, or one after a block published now (as the manager registers them).
+            parent = data.draw(st.sampled_from([None, *sorted(pool.uid_to_block)]), label="parent_uid")
             uid = pool.register(b, key, tokens, parent)
             assert model.register(b, key)
             assert uid > 0 and uid not in uids, "uids must be fresh and non-zero"
@@ -178,10 +187,18 @@ def test_random_operations_keep_pool_consistent(num_blocks, max_cached, policy, 
             b = data.draw(st.sampled_from(held_unkeyed), label="block")
             key = data.draw(st.sampled_from(indexed), label="taken_key")
             owner = pool.key_to_block[key]
-            assert pool.register(b, key, (1,), 0) is None
-            assert not model.register(b, key)
-            assert pool.blocks[b].block_key is None and pool.blocks[b].uid is None
-            assert pool.key_to_block[key] is owner
+            # An owner whose predecessor is gone is reachable by no lookup: unreferenced, it gives its key up.
+            orphan = owner.parent_uid is not None and owner.parent_uid not in pool.uid_to_block and owner.ref_cnt == 0
+            uid = pool.register(b, key, (1,), None)
+            if orphan:
+                model.drop(owner.block_id)
+                assert model.register(b, key) and uid is not None and pool.key_to_block[key] is pool.blocks[b]
+                uids.add(uid)
+                history[key] = (b, (1,), None)
+            else:
+                assert uid is None and not model.register(b, key)
+                assert pool.blocks[b].block_key is None and pool.blocks[b].uid is None
+                assert pool.key_to_block[key] is owner
         elif op == "touch":
             keys = data.draw(st.lists(st.sampled_from(indexed), min_size=1, max_size=3, unique=True), label="keys")
             ids = []
@@ -189,7 +206,7 @@ def test_random_operations_keep_pool_consistent(num_blocks, max_cached, policy, 
                 b, tokens, parent = history[key]
                 block = pool.lookup(key, tokens, parent)
                 assert block is pool.blocks[b]
-                assert pool.lookup(key, tokens, parent + 1) is None      # confirmed, not trusted
+                assert pool.lookup(key, tokens, -1) is None                # confirmed, not trusted
                 assert pool.lookup(key, (*tokens, 0), parent) is None
                 ids.append(b)
             pool.hold(ids)
@@ -640,3 +657,40 @@ def test_concurrent_twins_share_one_chain():
     mgr.check_integrity()
     assert all(b in mgr.pool.free_block_ids for b in s2_private)
     assert len(mgr.match_prefix(s3)) == 3
+
+
+def test_an_orphaned_block_gives_its_key_to_a_reachable_chain():
+    """A block published after a twin's predecessor outlives it when that predecessor is evicted: no lookup reaches
+    it any more, and it must not keep the same chain, computed again, from being published past it."""
+    pool = BlockPool(8)
+    head, tail = pool.allocate(2)
+    head_uid = pool.register(head, b"H", [1], None)
+    assert pool.register(tail, b"T", [2], head_uid) is not None
+    pool.free([head])
+    pool.free([tail])                          # the head is the older: evicted first
+    held = pool.allocate(7)                    # 6 free blocks and the head
+    assert head in held and b"H" not in pool.key_to_block and pool.key_to_block[b"T"].parent_uid == head_uid
+    evicted: list[bytes] = []
+    pool.on_evict.append(lambda block: evicted.append(block.block_key))
+    pool.free(held[:2])
+    new_head, new_tail = pool.allocate(2)      # the same chain, computed again
+    new_uid = pool.register(new_head, b"H", [1], None)
+    assert pool.register(new_tail, b"T", [2], new_uid) is not None   # the orphan gave its key up
+    assert evicted == [b"T"] and pool.blocks[tail].block_key is None and tail in pool.free_block_ids
+    assert pool.lookup(b"T", [2], new_uid).block_id == new_tail
+    pool.check_integrity()
+
+
+def test_a_held_orphan_keeps_its_key():
+    pool = BlockPool(4)
+    head, tail = pool.allocate(2)
+    head_uid = pool.register(head, b"H", [1], None)
+    pool.register(tail, b"T", [2], head_uid)
+    pool.free([head])
+    held = pool.allocate(3)                    # 2 free blocks and the head; the tail's request still holds it
+    pool.free([b for b in held if b != head])
+    new_head, new_tail = pool.allocate(2)
+    new_uid = pool.register(new_head, b"H", [1], None)
+    assert pool.register(new_tail, b"T", [2], new_uid) is None        # in use: it stays, the new one stays private
+    assert pool.key_to_block[b"T"].block_id == tail
+    pool.check_integrity()

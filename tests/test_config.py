@@ -6,10 +6,12 @@ import pytest
 from kvreuse.config import (
     PRESETS,
     CacheConfig,
+    ClusterConfig,
     Config,
     ConfigError,
     DiskTierConfig,
     EngineConfig,
+    EventsConfig,
     ModelConfig,
     RedisTierConfig,
     ServerConfig,
@@ -74,6 +76,11 @@ ALL_CHANGED = Config(
     engine=EngineConfig(
         num_kv_blocks=1000, kv_cache_memory_mb=1, max_num_seqs=2, max_num_batched_tokens=16, seed=-7
     ),
+    events=EventsConfig(endpoint="tcp://127.0.0.1:6557", replay_endpoint="ipc:///tmp/kv replay", topic="kv",
+                        buffer_steps=5),
+    cluster=ClusterConfig(replicas=3, routing="round_robin", ray_address="ray://10.0.0.1:10001",
+                          cpus_per_replica=0.5, cache_threshold=0.5, balance_abs_threshold=8,
+                          balance_rel_threshold=2.0),
 )
 
 
@@ -164,7 +171,7 @@ def test_all_changed_differs_from_defaults_everywhere():
 def test_config_to_ini_writes_every_key():
     parser = configparser.ConfigParser(interpolation=None)
     parser.read_string(config_to_ini(Config()))
-    assert parser.sections() == ["server", "cache", "model", "engine"]
+    assert parser.sections() == ["server", "cache", "model", "engine", "events", "cluster"]
     assert set(parser["cache"]) == {
         "enabled", "block_size", "max_blocks", "policy", "normalize_input", "min_match_blocks", "preset",
         "suffix.enabled", "suffix.mode", "suffix.recompute_ratio", "suffix.head_tokens",
@@ -172,6 +179,7 @@ def test_config_to_ini_writes_every_key():
         "tier_queue_mb",
     }
     assert len(parser["server"]) == 12 and len(parser["model"]) == 3 and len(parser["engine"]) == 5
+    assert len(parser["events"]) == 4 and len(parser["cluster"]) == 7
 
 
 def test_seed_round_trips_after_overrides(tmp_path):
@@ -259,7 +267,7 @@ def test_parse_value_conversions():
     ("model.zzz=1", "unknown config key 'model.zzz'; valid keys: device, dtype, path"),
     ("cachee.block_size=16",
      "unknown config section [cachee] in --set 'cachee.block_size=16'; did you mean [cache]? "
-     "valid sections: cache, engine, model, server"),
+     "valid sections: cache, cluster, engine, events, model, server"),
 ])
 def test_bad_override_values(override, message):
     assert error_of(None, [override]) == message
@@ -287,7 +295,7 @@ def test_bad_override_syntax_message_text():
 
 def test_unknown_section_in_file(tmp_path):
     path = write(tmp_path, "[cachee]\nblock_size = 16\n")
-    valid = "valid sections: cache, engine, model, server"
+    valid = "valid sections: cache, cluster, engine, events, model, server"
     assert error_of(path) == f"unknown config section [cachee] in {path}; did you mean [cache]? {valid}"
     path = write(tmp_path, "[zzz]\n")
     assert error_of(path) == f"unknown config section [zzz] in {path}; {valid}"
@@ -348,7 +356,7 @@ def test_as_dict():
     assert data["cache"]["suffix"] == {"enabled": False, "mode": "shift", "recompute_ratio": 0.15,
                                        "head_tokens": 8, "guard_margin": 0.03}
     assert data["server"]["max_tokens"] == 2048
-    assert set(data) == {"server", "cache", "model", "engine"}
+    assert set(data) == {"server", "cache", "model", "engine", "events", "cluster"}
 
 
 def test_presets_set_the_seed_advice_and_explicit_keys_override_them(tmp_path):

@@ -26,6 +26,7 @@ class BlockPool:
         self.free_block_ids: deque[int] = deque(range(num_blocks))
         self.evictable = POLICIES[policy]()
         self.key_to_block: dict[bytes, KVCacheBlock] = {}
+        self.uid_to_block: dict[int, KVCacheBlock] = {}  # published blocks by identity: whose parent still exists
         self.num_evictions = 0
         self._tick = itertools.count(1)
         self._uids = itertools.count(1)
@@ -91,8 +92,12 @@ class BlockPool:
             self.free_block_ids.append(self._evict().block_id)
 
     def _evict(self, count: bool = True) -> KVCacheBlock:
-        block = self.evictable.pop()
+        return self._drop(self.evictable.pop(), count)
+
+    def _drop(self, block: KVCacheBlock, count: bool = True) -> KVCacheBlock:
+        """Unpublish an unreferenced cached block (already out of `evictable`)."""
         del self.key_to_block[block.block_key]
+        del self.uid_to_block[block.uid]
         for listener in self.on_evict:
             listener(block)
         block.reset()
@@ -114,16 +119,26 @@ class BlockPool:
         taken (the same block computed twice concurrently, or a hash collision): it stays private."""
         block = self.blocks[block_id]
         assert block.ref_cnt > 0 and block.block_key is None, f"block {block_id} cannot be registered"
-        if key in self.key_to_block:
+        taken = self.key_to_block.get(key)
+        if taken is not None and self._is_orphan(taken) and taken.ref_cnt == 0:
+            # No lookup reaches it (its predecessor was evicted), yet it would keep this chain private from here on.
+            self.evictable.remove(taken)
+            self.free_block_ids.append(self._drop(taken).block_id)
+        elif taken is not None:
             return None
         block.block_key, block.token_ids, block.parent_uid = key, tuple(token_ids), parent_uid
         block.position, block.extra_key = position, extra_key
         block.uid = next(self._uids)
+        self.uid_to_block[block.uid] = block
         block.num_hits = 1
         self.key_to_block[key] = block
         for listener in self.on_register:
             listener(block)
         return block.uid
+
+    def _is_orphan(self, block: KVCacheBlock) -> bool:
+        """Published after a predecessor that is no longer published (a twin's, evicted since)."""
+        return block.parent_uid is not None and block.parent_uid not in self.uid_to_block
 
     def reset_cache(self) -> int:
         """Drop every cached block nobody holds; returns how many."""
@@ -152,4 +167,6 @@ class BlockPool:
                 assert self.key_to_block.get(block.block_key) is block, f"block {block.block_id} key not indexed"
         assert in_use + cached + len(free) == self.num_blocks, "free + cached + in use != total"
         assert len(self.key_to_block) == sum(b.block_key is not None for b in self.blocks), "stale keys in index"
+        assert len(self.uid_to_block) == len(self.key_to_block), "published uids and keys differ"
+        assert all(self.uid_to_block[b.uid] is b for b in self.key_to_block.values()), "uid index is stale"
         assert len(self.evictable) <= self.max_cached_blocks, "more cached blocks than max_cached_blocks"

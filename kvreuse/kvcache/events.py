@@ -1,0 +1,250 @@
+"""KV cache events in vLLM's wire format (``vllm/distributed/kv_events.py``, reproduced here, not imported), so
+routers and indexers built for vLLM can follow which blocks a replica holds.
+
+Wire format. A PUB socket bound at ``[events] endpoint`` sends one multipart message per batch:
+``[topic, seq, payload]``: topic is ``[events] topic`` in UTF-8, seq an 8-byte big-endian counter from 0 (+1 per batch),
+payload a msgpack ``KVEventBatch``, an array ``[ts, [event, ...]]`` whose events are arrays tagged by class name:
+``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium]``,
+``["BlockRemoved", block_hashes, medium]`` and ``["AllBlocksCleared"]``. A hash is the block's 32-byte sha256 chain
+key (bytes; with ``int_hashes``, its low 64 bits as an int, as vLLM sends by default): it covers the block's tokens,
+every token before it, the model fingerprint, the block size and the cache salt. ``parent_block_hash`` is the key of
+the block before it (None: the first block of a sequence). ``medium`` is "GPU" or "CPU" for the pool.
+A ROUTER socket at ``replay_endpoint`` answers a request whose last frame is an 8-byte big-endian seq with every
+kept batch from that seq on, each ``[b"", seq, payload]``, then ``[b"", (-1 as 8 signed bytes), b""]``: a DEALER
+sends ``[b"", start]`` (a REQ socket takes one reply per request, so it would see only the first batch). The last
+``buffer_steps`` batches are kept; a request is answered within one flush interval.
+
+A router subscribes to the topic and keeps, per replica, the set of keys: add on BlockStored, discard on BlockRemoved,
+empty on AllBlocksCleared (sent when the engine starts, so a restarted replica starts empty). On a seq gap it replays
+from its last seq + 1; if the first batch replayed is later than that, the gap is older than the buffer and it
+empties its view of that replica. A request goes to the replica holding the longest leading run of its chain keys
+(computed as ``hashing.sha256_block_key`` does, or matched by token_ids along the parent chain).
+
+The engine thread never waits: pool listeners put events into a bounded queue, and one publisher thread, the only
+one that touches the sockets, sends what accumulated every ``flush_interval_s`` (or at once on ``flush``) as one
+batch. Events that do not fit
+are dropped and counted, and a later batch ends with AllBlocksCleared, so a subscriber's view stays a subset of the
+truth: it may forget blocks, it never keeps one that is gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+import zmq
+
+from kvreuse.config import EventsConfig
+from kvreuse.kvcache.block import KVCacheBlock
+from kvreuse.kvcache.block_pool import BlockPool
+
+logger = logging.getLogger(__name__)
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+
+
+class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    """Base class for all KV cache-related events"""
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[bytes | int]
+    parent_block_hash: bytes | int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[bytes | int]
+    medium: str | None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+class KVEventBatch(EventBatch):
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+
+
+def low64(key: bytes) -> int:
+    """vLLM's int form of a hash (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1): its last 8 bytes, big-endian."""
+    return int.from_bytes(key[-8:], "big")
+
+
+class KVEventPublisher:
+    def __init__(self, config: EventsConfig, block_size: int, medium: str, *, flush_interval_s: float = 0.01,
+                 max_queue_events: int = 100_000, hwm: int = 100_000, int_hashes: bool = False):
+        self.block_size, self.medium = block_size, medium
+        self.flush_interval_s, self.max_queue_events = flush_interval_s, max_queue_events
+        self._hash = low64 if int_hashes else bytes
+        self.num_batches = self.num_events = self.num_dropped = 0
+        self._topic = config.topic.encode()
+        self._pending: deque[KVCacheEvent] = deque()        # engine threads append, the publisher pops
+        self._keys: dict[int, bytes] = {}                    # uid -> key of the blocks announced and not evicted
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)  # (seq, payload) for replay
+        self._seq = 0
+        self._drop_lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._asked = self._done = 0                         # flush requests made / served
+        self._closing, self._closed = False, False
+        self._wake = threading.Event()                       # set by flush and close: send now
+        ctx = zmq.Context.instance()
+        self._pub = ctx.socket(zmq.PUB)
+        self._replay: zmq.Socket | None = None
+        try:
+            self._pub.setsockopt(zmq.LINGER, 0)
+            self._pub.setsockopt(zmq.SNDHWM, hwm)
+            self._pub.bind(config.endpoint)
+            self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)  # the port, where it was "*"
+            self.replay_endpoint = ""
+            if config.replay_endpoint:
+                self._replay = ctx.socket(zmq.ROUTER)
+                self._replay.setsockopt(zmq.LINGER, 0)
+                self._replay.bind(config.replay_endpoint)
+                self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
+        except zmq.ZMQError:
+            self._close_sockets()
+            raise
+        self._thread = threading.Thread(target=self._run, name="kvreuse-kv-events", daemon=True)
+        self._thread.start()
+
+    # --- producers: never block, never raise (attach and the listeners on the pool's thread, the rest any) -----
+    def attach(self, pool: BlockPool) -> None:
+        """Announce the pool's cached blocks (parents first) and follow its registrations and evictions."""
+        for block in sorted(pool.key_to_block.values(), key=lambda b: b.uid):
+            self._on_register(block)
+        pool.on_register.append(self._on_register)
+        pool.on_evict.append(self._on_evict)
+
+    def _on_register(self, block: KVCacheBlock) -> None:
+        parent = None
+        if block.parent_uid is not None:
+            parent = self._keys.get(block.parent_uid)
+            if parent is None:
+                # Its predecessor was evicted before it was published (it continued a concurrent twin's chain): no
+                # prefix lookup can reach it, so it is not announced (nor its removal, nor its successors).
+                return
+        self._keys[block.uid] = block.block_key
+        self._put(BlockStored([self._hash(block.block_key)], None if parent is None else self._hash(parent),
+                              list(block.token_ids), self.block_size, None, self.medium))
+
+    def _on_evict(self, block: KVCacheBlock) -> None:
+        if self._keys.pop(block.uid, None) is not None:
+            self._put(BlockRemoved([self._hash(block.block_key)], self.medium))
+
+    def all_cleared(self) -> None:
+        """Tell subscribers to forget every block of this replica (engine start)."""
+        self._put(AllBlocksCleared())
+
+    def tier_stored(self, keys: Sequence[bytes], parent_key: bytes | None, token_ids_list: Sequence[Sequence[int]],
+                    medium: str) -> None:
+        """A chain run written to a lower tier ("DISK", "REDIS"): keys[i]'s parent is keys[i - 1], keys[0]'s is
+        `parent_key`; one event, its tokens concatenated, as vLLM sends a run."""
+        self._put(BlockStored([self._hash(k) for k in keys], None if parent_key is None else self._hash(parent_key),
+                              [t for tokens in token_ids_list for t in tokens], self.block_size, None, medium))
+
+    def tier_removed(self, keys: Sequence[bytes], medium: str) -> None:
+        self._put(BlockRemoved([self._hash(k) for k in keys], medium))
+
+    def _put(self, event: KVCacheEvent) -> None:
+        if len(self._pending) < self.max_queue_events and not self._closing:
+            self._pending.append(event)
+        else:
+            with self._drop_lock:
+                self.num_dropped += 1
+
+    # --- control -------------------------------------------------------------------------------------
+    def flush(self, timeout: float | None = 1.0) -> bool:
+        """Send now, and wait until the events put so far are sent; False on timeout. Not for the engine's hot
+        path: batches go out every `flush_interval_s` anyway."""
+        with self._cond:
+            self._asked += 1
+            target = self._asked
+            self._wake.set()
+            return self._cond.wait_for(lambda: self._done >= target, timeout)
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Send what is queued, stop the thread, close the sockets (linger 0)."""
+        if self._closed:
+            return
+        self._closed = True
+        with self._cond:
+            self._closing = True
+        self._wake.set()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            logger.warning("the KV event publisher did not stop within %.1f s; its sockets stay open", timeout)
+            return
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        for sock in (self._pub, self._replay):
+            if sock is not None:
+                sock.close(linger=0)
+
+    def snapshot(self) -> dict[str, int]:
+        return {"batches_sent": self.num_batches, "events_sent": self.num_events, "events_dropped": self.num_dropped,
+                "events_queued": len(self._pending)}
+
+    # --- the publisher thread ------------------------------------------------------------------------
+    def _run(self) -> None:
+        encoder = msgspec.msgpack.Encoder()
+        dropped_seen = 0
+        while True:
+            try:
+                self._wake.wait(self.flush_interval_s)
+                self._wake.clear()
+                if self._replay is not None and self._replay.poll(0):
+                    self._serve_replay()
+                with self._cond:
+                    asked, closing = self._asked, self._closing
+                dropped = self.num_dropped
+                events = [self._pending.popleft() for _ in range(len(self._pending))]
+                if dropped != dropped_seen:  # events were lost before this point: subscribers must forget
+                    dropped_seen = dropped
+                    events.append(AllBlocksCleared())
+                if events:
+                    self._send(encoder, events)
+                with self._cond:
+                    self._done = asked
+                    self._cond.notify_all()
+                if closing:
+                    return
+            except Exception:  # the engine must not notice; what was being sent is lost, so subscribers must forget
+                logger.exception("the KV event publisher failed; continuing")
+                with self._drop_lock:
+                    self.num_dropped += 1
+                time.sleep(self.flush_interval_s)
+
+    def _send(self, encoder: msgspec.msgpack.Encoder, events: list[KVCacheEvent]) -> None:
+        payload = encoder.encode(KVEventBatch(time.time(), events))
+        seq, self._seq = self._seq, self._seq + 1
+        self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))  # past the HWM a subscriber loses it
+        self._buffer.append((seq, payload))
+        self.num_batches += 1
+        self.num_events += len(events)
+
+    def _serve_replay(self) -> None:
+        while self._replay.poll(0):
+            frames = self._replay.recv_multipart()
+            if len(frames) < 2 or len(frames[-1]) != 8:
+                logger.warning("invalid KV event replay request: %d frames", len(frames))
+                continue
+            client, start = frames[0], int.from_bytes(frames[-1], "big")
+            for seq, payload in self._buffer:
+                if seq >= start:
+                    self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
+            self._replay.send_multipart((client, b"", END_SEQ, b""))
