@@ -64,6 +64,28 @@ def test_sequential_chat_turns_hit_the_cache(server):
     assert 0 < report["exact_hit_rate"] < 1
 
 
+def test_sessions_send_each_chat_in_order_and_side_by_side(server):
+    conversations = workloads.chat(8, turns=4)  # 2 sessions of 4 turns, listed session after session
+    assert replay.sessions_of(conversations) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    order: list[int] = []
+    send = replay.send
+
+    async def recording(client, root, model, messages, max_tokens):
+        order.append(len(messages))  # 2, 4, 6, 8 messages: the turn number
+        return await send(client, root, model, messages, max_tokens)
+
+    replay.send = recording
+    try:
+        report = replay.run(server.root, conversations, max_tokens=MAX_TOKENS, sessions=True)
+    finally:
+        replay.send = send
+    assert report["completed"] == 8 and report["sessions"] is True
+    # The sessions run side by side: both first turns go out before either's second.
+    assert order[:2] == [2, 2] and sorted(order) == [2, 2, 4, 4, 6, 6, 8, 8]
+    assert report["exact_hit_rate"] > 0.3  # each turn extends the previous one's prompt and reply
+    assert report["session_affinity"] is None and report["replicas"] == []  # a single server names no replica
+
+
 def test_finite_request_rate(server):
     report = replay.run(server.root, workloads.agent(4), model=server.model, max_tokens=MAX_TOKENS,
                         request_rate=50.0, seed=1)

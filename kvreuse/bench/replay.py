@@ -2,7 +2,9 @@
 
 As `vllm bench serve` does it: each conversation is one streaming POST /v1/chat/completions (greedy, ignore_eos,
 a fixed max_tokens), sent all at once or as a seeded Poisson process, with at most `concurrency` in flight;
-multi-turn requests resend the replies the server gave (`workloads.LiveReplies`).
+multi-turn requests resend the replies the server gave (`workloads.LiveReplies`). With `sessions`, each chat
+session (a request and the later ones that extend it, `sessions_of`) sends its turns one after another, each when
+the previous reply is in, and the sessions run side by side, as the clients of vLLM's multi-turn benchmark do.
 TTFT, TPOT, ITL and end-to-end latency are timed on the client; prompt and cached tokens come from the server's
 `usage` where it reports them. Failed requests are counted, not raised. Keys follow `vllm bench serve`.
 """
@@ -21,7 +23,7 @@ import httpx
 from tqdm import tqdm
 
 from kvreuse.bench.metrics import serving_metrics, summary_ms
-from kvreuse.bench.workloads import WORKLOADS, LiveReplies
+from kvreuse.bench.workloads import WORKLOADS, LiveReplies, chat
 
 CONNECT_TIMEOUT_S = 10.0
 # Long, since a queued request may wait minutes for its first chunk; only a server silent this long fails it.
@@ -39,6 +41,7 @@ class RequestResult:
     text: str = ""
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
+    replica: str | None = None  # behind `kvreuse serve --replicas N`: which replica served it
 
 
 def describe(exc: Exception) -> str:
@@ -114,13 +117,29 @@ async def send(client: httpx.AsyncClient, root: str, model: str, messages: list[
     result.output_tokens = completion if isinstance(completion, int) else content_chunks
     result.prompt_tokens = usage.get("prompt_tokens")
     result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    result.replica = usage.get("replica")
     result.success = True
     return result
 
 
+def sessions_of(conversations: list[list[dict]]) -> list[list[int]]:
+    """The chat sessions among `conversations`, as index lists in order: a request continues the latest session
+    whose last request it extends (its messages start with all of that request's), else it opens one."""
+    sessions: list[list[int]] = []
+    for i, messages in enumerate(conversations):
+        extended = next((s for s in reversed(sessions) if len(messages) > len(conversations[s[-1]])
+                         and messages[:len(conversations[s[-1]])] == conversations[s[-1]]), None)
+        if extended is None:
+            sessions.append([i])
+        else:
+            extended.append(i)
+    return sessions
+
+
 async def replay(root: str, conversations: list[list[dict]], model: str | None, max_tokens: int,
                  concurrency: int | None, request_rate: float, api_key: str, seed: int,
-                 progress: Callable[[int], None] | None) -> tuple[str, list[RequestResult], float]:
+                 progress: Callable[[int], None] | None, sessions: bool = False
+                 ) -> tuple[str, list[RequestResult], float]:
     # One connection per allowed in-flight request, so no request waits for a pooled connection while timed.
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     timeout = httpx.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S, pool=None)
@@ -146,6 +165,9 @@ async def replay(root: str, conversations: list[list[dict]], model: str | None, 
             return result
 
         start = time.perf_counter()
+        if sessions:
+            results = await replay_sessions(conversations, one)
+            return model, results, time.perf_counter() - start
         tasks = []
         for i, messages in enumerate(conversations):
             # Arrivals do not wait for the semaphore (as in vLLM): a capped run queues them client-side.
@@ -157,9 +179,22 @@ async def replay(root: str, conversations: list[list[dict]], model: str | None, 
     return model, list(results), duration
 
 
+async def replay_sessions(conversations: list[list[dict]], one: Callable) -> list[RequestResult]:
+    """Each session's turns in order, each after the previous one's reply; the sessions at once. Results in the
+    order of `conversations`."""
+    results: list[RequestResult | None] = [None] * len(conversations)
+
+    async def session(indices: list[int]) -> None:
+        for i in indices:
+            results[i] = await one(conversations[i])
+
+    await asyncio.gather(*(session(indices) for indices in sessions_of(conversations)))
+    return results
+
+
 def run(url: str, conversations: list[list[dict]], *, model: str | None = None, max_tokens: int = 16,
         concurrency: int | None = None, request_rate: float = float("inf"), api_key: str = "EMPTY",
-        seed: int = 0, progress: Callable[[int], None] | None = None) -> dict:
+        seed: int = 0, progress: Callable[[int], None] | None = None, sessions: bool = False) -> dict:
     """Replay `conversations` (chat message lists) against the OpenAI-compatible server at `url` and return
     `vllm bench serve`'s metrics.
 
@@ -170,6 +205,9 @@ def run(url: str, conversations: list[list[dict]], *, model: str | None = None, 
     request, failed or not (tqdm's `update` fits). Failed requests are counted in `failed`; RuntimeError if
     the server cannot be reached or no request succeeds. Token counts and cached tokens come from the server's
     usage reports: total_input_tokens, cached_tokens and exact_hit_rate are None where it sends none.
+    `sessions`: send each chat session's turns in order, the sessions side by side (`request_rate` unused);
+    `session_affinity` is then the mean share of a session's turns served by its most used replica (None when the
+    server names no replica).
     """
     if not conversations:
         raise ValueError("no conversations to replay")
@@ -181,7 +219,7 @@ def run(url: str, conversations: list[list[dict]], *, model: str | None = None, 
         raise ValueError(f"request_rate must be > 0, got {request_rate}")
     root = url.strip().rstrip("/").removesuffix("/v1")
     model, results, duration = asyncio.run(replay(root, conversations, model, max_tokens, concurrency,
-                                                  request_rate, api_key, seed, progress))
+                                                  request_rate, api_key, seed, progress, sessions))
     ok = [r for r in results if r.success]
     errors = [r.error for r in results if not r.success]
     if not ok:
@@ -202,16 +240,30 @@ def run(url: str, conversations: list[list[dict]], *, model: str | None = None, 
         **summary_ms("itl", [gap for r in ok for gap in r.itl]),
         "cached_tokens": cached,
         "exact_hit_rate": cached / cached_of if cached is not None and cached_of else None,
+        "sessions": sessions, "session_affinity": session_affinity(conversations, results),
+        "replicas": sorted({r.replica for r in ok if r.replica}),
     }
 
 
-def run_scenarios(url: str, scenarios: list[str], num_requests: int, max_tokens: int, **options) -> dict:
+def session_affinity(conversations: list[list[dict]], results: list[RequestResult]) -> float | None:
+    """Mean over sessions of the share of its served turns that its most used replica served."""
+    served = [[results[i].replica for i in s if results[i].success and results[i].replica]
+              for s in sessions_of(conversations)]
+    served = [replicas for replicas in served if replicas]
+    if not served:
+        return None
+    return sum(max(map(replicas.count, replicas)) / len(replicas) for replicas in served) / len(served)
+
+
+def run_scenarios(url: str, scenarios: list[str], num_requests: int, max_tokens: int, turns: int | None = None,
+                  **options) -> dict:
     """`run` on each scenario's workload of `num_requests` conversations, with a progress bar per scenario;
-    `options` are run's keyword arguments. Returns {"suite": "replay", "url", "requests", "max_tokens",
-    "scenarios": {scenario: run(...)}}."""
+    `turns` sets the chat workload's turns per session; `options` are run's keyword arguments. Returns
+    {"suite": "replay", "url", "requests", "max_tokens", "scenarios": {scenario: run(...)}}."""
     report = {"suite": "replay", "url": url, "requests": num_requests, "max_tokens": max_tokens, "scenarios": {}}
     for scenario in scenarios:
-        conversations = WORKLOADS[scenario](num_requests)
+        conversations = (chat(num_requests, turns) if scenario == "chat" and turns else
+                         WORKLOADS[scenario](num_requests))
         with tqdm(total=len(conversations), desc=f"{scenario} @ {url}", unit="req", leave=False,
                   disable=None) as bar:  # no bar when stderr is not a terminal
             report["scenarios"][scenario] = run(url, conversations, max_tokens=max_tokens, progress=bar.update,
@@ -222,10 +274,11 @@ def run_scenarios(url: str, scenarios: list[str], num_requests: int, max_tokens:
 def markdown(report: dict) -> str:
     """A `kvreuse bench replay` report ({"scenarios": {name: run(...)}}) as a Markdown table."""
     lines = ["| scenario | completed | failed | mean TTFT ms | p99 TTFT ms | mean TPOT ms | req/s | output tok/s | "
-             "cached tokens |", "|---" * 9 + "|"]
+             "cached tokens | session affinity |", "|---" * 10 + "|"]
     fmt = lambda v, spec: "-" if v is None else format(v, spec)
     for scenario, r in report["scenarios"].items():
         lines.append(f"| {scenario} | {r['completed']} | {r['failed']} | {r['mean_ttft_ms']:.0f} | "
                      f"{r['p99_ttft_ms']:.0f} | {fmt(r['mean_tpot_ms'], '.1f')} | {r['request_throughput']:.2f} | "
-                     f"{r['output_throughput']:.1f} | {fmt(r['exact_hit_rate'], '.1%')} |")
+                     f"{r['output_throughput']:.1f} | {fmt(r['exact_hit_rate'], '.1%')} | "
+                     f"{fmt(r.get('session_affinity'), '.2f')} |")
     return "\n".join(lines)
