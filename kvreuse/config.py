@@ -144,6 +144,8 @@ class ModelConfig(_Section):
     path: str = ""
     dtype: Literal["auto", "fp32", "bf16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # Weight-only quantization of the linear layers (an approximation: part of the fingerprint, so of every key).
+    quantization: Literal["none", "int8", "int4"] = "none"
 
 
 class EngineConfig(_Section):

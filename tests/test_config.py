@@ -72,7 +72,7 @@ ALL_CHANGED = Config(
         redis=RedisTierConfig(url="redis://:p%40ss@127.0.0.1:6380/2", ttl_s=3600, timeout_ms=50),
         tier_queue_mb=64,
     ),
-    model=ModelConfig(path="C:\\models\\a=b.gguf", dtype="bf16", device="cpu"),
+    model=ModelConfig(path="C:\\models\\a=b.gguf", dtype="bf16", device="cpu", quantization="int8"),
     engine=EngineConfig(
         num_kv_blocks=1000, kv_cache_memory_mb=1, max_num_seqs=2, max_num_batched_tokens=16, seed=-7
     ),
@@ -178,7 +178,7 @@ def test_config_to_ini_writes_every_key():
         "suffix.guard_margin", "disk.path", "disk.max_gb", "redis.url", "redis.ttl_s", "redis.timeout_ms",
         "tier_queue_mb",
     }
-    assert len(parser["server"]) == 12 and len(parser["model"]) == 3 and len(parser["engine"]) == 5
+    assert len(parser["server"]) == 12 and len(parser["model"]) == 4 and len(parser["engine"]) == 5
     assert len(parser["events"]) == 4 and len(parser["cluster"]) == 7
 
 
@@ -264,7 +264,7 @@ def test_parse_value_conversions():
     ("cache.blok_size=32", "unknown config key 'cache.blok_size'; did you mean 'cache.block_size'?"),
     ("cache.suffix.enabeld=true",
      "unknown config key 'cache.suffix.enabeld'; did you mean 'cache.suffix.enabled'?"),
-    ("model.zzz=1", "unknown config key 'model.zzz'; valid keys: device, dtype, path"),
+    ("model.zzz=1", "unknown config key 'model.zzz'; valid keys: device, dtype, path, quantization"),
     ("cachee.block_size=16",
      "unknown config section [cachee] in --set 'cachee.block_size=16'; did you mean [cache]? "
      "valid sections: cache, cluster, engine, events, model, server"),
