@@ -28,6 +28,8 @@ SHORTHANDS = {
     "host": "server.host",
     "port": "server.port",
     "api_keys": "server.api_keys_file",
+    "replicas": "cluster.replicas",
+    "ray_address": "cluster.ray_address",
 }
 
 
@@ -156,9 +158,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    config = build_config(args)
+    if config.cluster.replicas > 1:
+        from kvreuse.cluster.launch import ClusterStartError, serve_cluster
+
+        try:
+            return serve_cluster(config, served_model_name=args.served_model_name, log_level=args.log_level)
+        except ClusterStartError as exc:
+            print(f"kvreuse: {exc}", file=sys.stderr)
+            return 1
     from kvreuse.server.lifecycle import serve
 
-    return serve(build_config(args), served_model_name=args.served_model_name, log_level=args.log_level)
+    return serve(config, served_model_name=args.served_model_name, log_level=args.log_level)
 
 
 def _publish(name: str, report: dict, table: str, out: str | None) -> int:
@@ -361,6 +372,11 @@ def _add_serve(sub) -> None:
     serve.add_argument("--port", type=int, help=f"{_shorthand('port')} (default 8000; 0 = any free port)")
     serve.add_argument("--api-keys", help=f"file of API keys -> tenants ({_shorthand('api_keys')})")
     serve.add_argument("--served-model-name", help="model id clients use (default: the weights file name)")
+    serve.add_argument("--replicas", type=_positive_int,
+                       help=f"engine replicas on Ray Serve behind one endpoint ({_shorthand('replicas')}; default 1: "
+                            f"no Ray)")
+    serve.add_argument("--ray-address", help=f"a Ray cluster to join ({_shorthand('ray_address')}; default: start "
+                                             f"one for the server's lifetime)")
     serve.set_defaults(func=cmd_serve)
 
 

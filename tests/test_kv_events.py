@@ -366,3 +366,34 @@ def test_int_hashes_attach_and_tiers(make_publisher, ctx):
     assert [e.block_hashes for e in batch.events] == [[h[0]], [h[1]], [h[2]], h[:2]]
     publisher.tier_removed(keys[:1], "DISK")
     assert sub.receive() == [BlockRemoved(h[:1], "DISK")]
+
+
+def test_an_engine_publishes_its_pool(tiny_model_dir, ctx):
+    """The engine with `[events] endpoint`: a subscriber's view is the pool's registered keys, chained as computed."""
+    from kvreuse.llm import LLM
+    from kvreuse.sampling_params import SamplingParams
+
+    from .conftest import make_config
+
+    llm = LLM(make_config(model__path=tiny_model_dir, model__dtype="fp32", engine__num_kv_blocks=64,
+                          events__endpoint="tcp://127.0.0.1:*", events__replay_endpoint="tcp://127.0.0.1:*"))
+    publisher = llm.engine.events
+    try:
+        sub = Subscriber(ctx, publisher)
+        sub.sync()
+        prompt = "Every harbour keeps a log of the ships that enter and the cargo they carry. " * 6
+        llm.generate(prompt, SamplingParams(max_tokens=4))
+        events = sub.receive()
+        manager = llm.engine.kv_manager
+        req = manager.new_request(llm.tokenizer.encode(prompt))
+        keys = [manager._key(req, i) for i in range(req.num_tokens // manager.block_size)]
+        stored = [e for e in events if isinstance(e, BlockStored)]
+        assert [h for e in stored for h in e.block_hashes][:len(keys)] == keys
+        assert stored[0].parent_block_hash is None and stored[1].parent_block_hash == keys[0]
+        assert sub.view == set(manager.pool.key_to_block)
+        llm.engine.reset_prefix_cache()
+        sub.receive()
+        assert sub.view == set(manager.pool.key_to_block) == set()
+        assert llm.engine.stats_snapshot()["events"]["events_dropped"] == 0
+    finally:
+        llm.engine.close()

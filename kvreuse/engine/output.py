@@ -31,6 +31,7 @@ class RequestOutput:
     first_logits: object = None   # torch.Tensor [vocab] when SamplingParams.keep_first_logits
     error: str | None = None      # set when finish_reason is "error": the step computing it raised this
     tier_load_s: float = 0.0      # time its cached prefix took to load from lower tiers (0: it loaded none)
+    replica: str | None = None    # with `kvreuse serve --replicas N`: the replica that computed it
 
     @classmethod
     def from_sequence(cls, seq: Sequence) -> RequestOutput:
@@ -43,7 +44,8 @@ class RequestOutput:
         """Flat record, as `kvreuse generate --json` prints it."""
         record = asdict(self)
         record.pop("first_logits")
-        if record["error"] is None:  # only failed requests carry it
-            record.pop("error")
+        for optional in ("error", "replica"):  # only failed requests, and a cluster's, carry these
+            if record[optional] is None:
+                record.pop(optional)
         record.update(record.pop("usage"))
         return record

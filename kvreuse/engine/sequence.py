@@ -40,6 +40,7 @@ class Sequence:
     finish_time: float | None = None
     generator: torch.Generator | None = None
     first_logits: torch.Tensor | None = None  # [vocab] fp32, kept when params.keep_first_logits
+    cache_salt: str | None = None     # the salt in kv's extra key, for handing the request to another process
 
     def __post_init__(self):
         self.num_prompt_tokens = self.kv.num_tokens

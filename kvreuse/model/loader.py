@@ -38,6 +38,14 @@ class LoadedWeights:
     fingerprint: str                  # sha256 of the weight files' bytes
 
 
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a model is, without its weights: enough to tokenize, validate and key requests for it."""
+    args: ModelArgs
+    path: Path         # the GGUF file or the HF directory
+    fingerprint: str   # sha256 of the weight files' bytes
+
+
 class ModelLoadError(RuntimeError):
     pass
 
@@ -68,11 +76,35 @@ def resolve_model_path(path: str | None) -> Path:
 
 def load_weights(path: str | Path | None) -> LoadedWeights:
     """Load a GGUF file or an HF directory (config.json + *.safetensors); None loads the embedded model."""
+    resolved = _resolve_supported(path)
+    return _load_gguf(resolved) if resolved.suffix == ".gguf" else _load_hf_dir(resolved)
+
+
+def load_model_info(path: str | Path | None) -> ModelInfo:
+    """The model's shape and fingerprint, read from its metadata only (no tensor is loaded or dequantized): what an
+    ingress that never runs the model needs. None reads the embedded model's."""
+    resolved = _resolve_supported(path)
+    if resolved.suffix == ".gguf":
+        from gguf import GGUFReader
+
+        reader = GGUFReader(resolved)  # memory-mapped: only the header and the tensor table are read
+        shapes = {tensor.name: tensor.data.shape for tensor in reader.tensors}
+        return ModelInfo(_gguf_args(reader, resolved, shapes), resolved, file_sha256([resolved]))
+    from safetensors import safe_open
+
+    files = _safetensors_files(resolved)
+    names = set()
+    for file in files:
+        with safe_open(str(file), "pt") as f:
+            names.update(f.keys())
+    return ModelInfo(_hf_args(_hf_config(resolved), names), resolved, file_sha256(files))
+
+
+def _resolve_supported(path: str | Path | None) -> Path:
     resolved = resolve_model_path(str(path) if path else None)
-    if resolved.is_file() and resolved.suffix == ".gguf":
-        return _load_gguf(resolved)
-    if resolved.is_dir() and (resolved / "config.json").is_file():
-        return _load_hf_dir(resolved)
+    gguf = resolved.is_file() and resolved.suffix == ".gguf"
+    if gguf or (resolved.is_dir() and (resolved / "config.json").is_file()):
+        return resolved
     raise ModelLoadError(f"unsupported model path {resolved}: expected a .gguf file or a directory with config.json")
 
 
@@ -133,39 +165,43 @@ def _unpermute_rope(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     )
 
 
-def _load_gguf(path: Path) -> LoadedWeights:
-    from gguf import GGUFReader
-    from gguf.quants import dequantize
-
-    reader = GGUFReader(path)
+def _gguf_args(reader, path: Path, shapes: dict[str, tuple]) -> ModelArgs:
+    """The model's shape from a GGUF's metadata; `shapes` maps tensor names to their (rows first) shapes."""
     arch = _gguf_field(reader, "general.architecture")
     if arch != "llama":
         raise ModelLoadError(f"{path}: architecture {arch!r} is not supported (only llama-family GGUF)")
     num_heads = int(_gguf_field(reader, "llama.attention.head_count"))
     hidden_size = int(_gguf_field(reader, "llama.embedding_length"))
-    tensors: dict[str, torch.Tensor] = {}
-    for tensor in reader.tensors:
-        array = dequantize(tensor.data, tensor.tensor_type)
-        tensors[tensor.name] = torch.from_numpy(np.array(array, dtype=np.float32))
-    num_kv_heads = int(_gguf_field(reader, "llama.attention.head_count_kv", num_heads))
-    args = ModelArgs(
-        vocab_size=tensors["token_embd.weight"].shape[0],
+    return ModelArgs(
+        vocab_size=shapes["token_embd.weight"][0],
         hidden_size=hidden_size,
         intermediate_size=int(_gguf_field(reader, "llama.feed_forward_length")),
         num_layers=int(_gguf_field(reader, "llama.block_count")),
         num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
+        num_kv_heads=int(_gguf_field(reader, "llama.attention.head_count_kv", num_heads)),
         head_dim=int(_gguf_field(reader, "llama.rope.dimension_count", hidden_size // num_heads)),
         rope_theta=float(_gguf_field(reader, "llama.rope.freq_base", 10000.0)),
         rms_norm_eps=float(_gguf_field(reader, "llama.attention.layer_norm_rms_epsilon")),
         max_position_embeddings=int(_gguf_field(reader, "llama.context_length")),
-        tie_word_embeddings="output.weight" not in tensors,
+        tie_word_embeddings="output.weight" not in shapes,
     )
+
+
+def _load_gguf(path: Path) -> LoadedWeights:
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(path)
+    tensors: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        array = dequantize(tensor.data, tensor.tensor_type)
+        tensors[tensor.name] = torch.from_numpy(np.array(array, dtype=np.float32))
+    args = _gguf_args(reader, path, {name: tuple(t.shape) for name, t in tensors.items()})
     ours = _rename(args, tensors, ("token_embd.weight", "output_norm.weight", "output.weight"),
                    "blk.{i}.{name}.weight", _GGUF_LAYER_NAMES)
     for i in range(args.num_layers):
-        ours[f"layers.{i}.q_proj"] = _unpermute_rope(ours[f"layers.{i}.q_proj"], num_heads)
-        ours[f"layers.{i}.k_proj"] = _unpermute_rope(ours[f"layers.{i}.k_proj"], num_kv_heads)
+        ours[f"layers.{i}.q_proj"] = _unpermute_rope(ours[f"layers.{i}.q_proj"], args.num_heads)
+        ours[f"layers.{i}.k_proj"] = _unpermute_rope(ours[f"layers.{i}.k_proj"], args.num_kv_heads)
     return LoadedWeights(args, ours, path, file_sha256([path]))
 
 
@@ -184,21 +220,25 @@ _HF_LAYER_NAMES = {
 }
 
 
-def _load_hf_dir(path: Path) -> LoadedWeights:
-    from safetensors.torch import load_file
-
+def _hf_config(path: Path) -> dict:
     config = json.loads((path / "config.json").read_text())
     if config.get("model_type") != "llama":
         raise ModelLoadError(f"{path}: model_type {config.get('model_type')!r} is not a Llama-family model")
+    return config
+
+
+def _safetensors_files(path: Path) -> list[Path]:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{path}: no *.safetensors files")
-    tensors: dict[str, torch.Tensor] = {}
-    for file in files:
-        tensors.update({k: v.float() for k, v in load_file(str(file)).items()})
+    return files
+
+
+def _hf_args(config: dict, tensor_names: set[str]) -> ModelArgs:
+    """The model's shape from an HF config.json and the names of its checkpoint's tensors."""
     num_heads = config["num_attention_heads"]
     rope_theta = config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-    args = ModelArgs(
+    return ModelArgs(
         vocab_size=config["vocab_size"],
         hidden_size=config["hidden_size"],
         intermediate_size=config["intermediate_size"],
@@ -209,8 +249,19 @@ def _load_hf_dir(path: Path) -> LoadedWeights:
         rope_theta=float(rope_theta),
         rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=config.get("max_position_embeddings", 4096),
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)) or "lm_head.weight" not in tensors,
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)) or "lm_head.weight" not in tensor_names,
     )
+
+
+def _load_hf_dir(path: Path) -> LoadedWeights:
+    from safetensors.torch import load_file
+
+    config = _hf_config(path)
+    files = _safetensors_files(path)
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        tensors.update({k: v.float() for k, v in load_file(str(file)).items()})
+    args = _hf_args(config, set(tensors))
     ours = _rename(args, tensors, ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"),
                    "model.layers.{i}.{name}.weight", _HF_LAYER_NAMES)
     return LoadedWeights(args, ours, path, file_sha256(files))

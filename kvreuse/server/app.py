@@ -19,6 +19,7 @@ an error event and `[DONE]`.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
@@ -32,11 +33,17 @@ from kvreuse.server.metrics import Metrics
 from kvreuse.server.state import ServerState
 
 
-def create_app(engine: LLMEngine, model_name: str, api_keys: dict[str, str] | None = None) -> FastAPI:
+def create_app(engine: LLMEngine, model_name: str, api_keys: dict[str, str] | None = None,
+               runner: Callable[[Metrics], AsyncEngine] | None = None) -> FastAPI:
     """The ASGI app serving `engine` as `model_name`. With `api_keys` (key -> tenant), every route but /health
-    needs `Authorization: Bearer KEY`. The engine thread starts and stops with the app."""
+    needs `Authorization: Bearer KEY`. The engine thread starts and stops with the app.
+
+    `runner(metrics)` replaces the engine thread with what runs the requests elsewhere (the cluster's replicas:
+    `engine` is then a FrontEnd, without the model); it must offer AsyncEngine's start, submit, abort, call,
+    num_in_flight, is_alive and shutdown."""
     metrics = Metrics(model_name)
-    async_engine = AsyncEngine(engine, on_step=metrics.observe_step, on_finish=metrics.observe_finished)
+    async_engine = (runner(metrics) if runner is not None else
+                    AsyncEngine(engine, on_step=metrics.observe_step, on_finish=metrics.observe_finished))
     app = FastAPI(title="kvreuse", lifespan=_run_engine_thread)
     app.state.kvreuse = ServerState(engine, async_engine, metrics, model_name, api_keys)
     add_error_handlers(app)

@@ -36,6 +36,12 @@ def serve(config: Config, *, served_model_name: str | None = None, log_level: st
                    f"kv_capacity={engine.kv_capacity_tokens} tokens ({engine.num_kv_blocks} blocks x "
                    f"{engine.block_size}) prefix_caching={'on' if config.cache.enabled else 'off'} "
                    f"auth={'api-keys' if api_keys else 'off'}")
+    return run_http(app, config, description, log_level)
+
+
+def run_http(app, config: Config, description: str, log_level: str = "warning") -> int:
+    """Serve `app` on `server.host`:`server.port`, print the ready line with `description` once it accepts
+    connections, and drain on SIGTERM/SIGINT (see DrainingServer); returns the exit code (0 once drained)."""
     drain_s = config.server.drain_timeout_s
     # uvicorn's own timeout is only the backstop: at drain_s the app cuts what still runs, cleanly.
     server = DrainingServer(uvicorn.Config(app, host=config.server.host, port=config.server.port,

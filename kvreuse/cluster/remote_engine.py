@@ -1,0 +1,90 @@
+"""The ingress's engine: AsyncEngine's interface, with the requests run by the replicas instead of a thread here.
+
+`submit` sends the request's spec through a streaming DeploymentHandle (the router picks the replica) and relays
+the replica's deltas onto the asyncio.Queue the server reads, exactly as the engine thread would fill it. A replica
+that fails mid-request (its actor died, the call raised) ends the request with an error delta: 500, or an error
+event in a stream, and the server goes on. `abort` cancels the call, which cancels `generate` on the replica, which
+aborts the request there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from kvreuse.cluster.spec import RequestSpec
+from kvreuse.engine.output import RequestOutput
+from kvreuse.engine.sequence import Sequence
+from kvreuse.server.async_engine import Delta, EngineDeadError
+from kvreuse.server.errors import APIError
+
+logger = logging.getLogger(__name__)
+
+
+class RemoteEngine:
+    def __init__(self, handle, on_finish: Callable[[RequestOutput], None] | None = None):
+        self._generate = handle.options(stream=True).generate
+        self.on_finish = on_finish  # metrics: the ingress counts every replica's requests
+        self._relays: dict[str, asyncio.Task] = {}
+        self._running = False
+
+    def start(self) -> None:
+        self._running = True
+
+    @property
+    def num_in_flight(self) -> int:
+        """Submitted and not yet finished, on every replica (for backpressure)."""
+        return len(self._relays)
+
+    @property
+    def is_alive(self) -> bool:
+        """Serving; a replica that dies is replaced by Serve, and its requests fail, but the ingress stays up."""
+        return self._running
+
+    def submit(self, seq: Sequence) -> asyncio.Queue:
+        """Send a sequence made by the front end to a replica; its deltas arrive on the returned queue."""
+        if not self._running:
+            raise EngineDeadError("the cluster ingress is not running")
+        deltas: asyncio.Queue = asyncio.Queue()
+        relay = asyncio.get_running_loop().create_task(self._relay(seq, deltas))
+        self._relays[seq.request_id] = relay
+        relay.add_done_callback(lambda _: self._relays.pop(seq.request_id, None))
+        return deltas
+
+    async def _relay(self, seq: Sequence, deltas: asyncio.Queue) -> None:
+        stream = self._generate.remote(RequestSpec.of(seq))
+        try:
+            async for delta in stream:
+                deltas.put_nowait(delta)
+                if delta.finished:
+                    self._notify(delta.output)
+        except asyncio.CancelledError:
+            stream.cancel()  # the replica's generate is cancelled in turn, and aborts the request
+            raise
+        except Exception as exc:
+            logger.warning("request %s failed on its replica: %s: %s", seq.request_id, type(exc).__name__, exc)
+            seq.finish_reason, seq.error = "error", f"the replica computing this request failed: {exc}"
+            deltas.put_nowait(Delta("", RequestOutput.from_sequence(seq)))
+
+    def _notify(self, output: RequestOutput) -> None:
+        if self.on_finish is None:
+            return
+        try:
+            self.on_finish(output)
+        except Exception:  # serving matters more than a counter
+            logger.exception("on_finish failed; the ingress goes on")
+
+    def abort(self, request_id: str) -> None:
+        relay = self._relays.get(request_id)
+        if relay is not None:
+            relay.cancel()
+
+    async def call(self, fn):
+        """Engine-state admin work (`/reset_prefix_cache`, `/cache/stats`) has no single engine here: 501."""
+        raise APIError(501, "not available with --replicas > 1: each replica has its own KV pool and statistics "
+                            "(cluster mode serves completions, tokenization, /cache/warm, /health and /metrics)",
+                       "not_implemented")
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._running = False

@@ -1,0 +1,203 @@
+"""The request-preparation half of the engine: normalize, tokenize, validate, make the Sequence.
+
+It needs the model's metadata (shape, fingerprint, tokenizer), the dtype and the pool size, never its weights: the
+LLMEngine is one (it inherits this), and an ingress that never runs the model builds one from `load_model_info`
+(`FrontEnd.from_config`), so both prepare a request, and key its blocks, exactly alike.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+import torch
+
+from kvreuse.config import Config
+from kvreuse.engine.model_runner import kv_bytes_per_block
+from kvreuse.engine.sequence import Sequence
+from kvreuse.kvcache.hashing import extra_keys
+from kvreuse.kvcache.normalize import normalize_text
+from kvreuse.kvcache.request import CacheRequest
+from kvreuse.kvcache.tiers.store import TieredStore
+from kvreuse.model import dtype_probe
+from kvreuse.model.loader import ModelArgs, ModelInfo, load_model_info
+from kvreuse.model.tokenizer import ChatText, Tokenizer, check_unicode
+from kvreuse.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class RequestError(ValueError):
+    """A request the engine refuses; the message names the field and the limit. `field` is the request field it is
+    about (prompt, messages, stop, cache_salt), `code` a machine-readable reason (context_length_exceeded) or None."""
+
+    def __init__(self, message: str, field: str = "prompt", code: str | None = None):
+        super().__init__(message)
+        self.field, self.code = field, code
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("model.device = cuda, but no CUDA device is available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device, args: ModelArgs) -> tuple[torch.dtype, str]:
+    """The dtype of the weights and KV, and why (empty for an explicit `model.dtype`): `auto` is bf16 on CUDA
+    and, on a CPU, whichever dtype the probe measured faster on `args`' prefill-shaped GEMMs (logged at INFO)."""
+    if name != "auto":
+        return DTYPES[name], ""
+    if device.type == "cuda":
+        return torch.bfloat16, "auto: cuda"
+    result = dtype_probe.probe(args)
+    logger.info("model.dtype = auto: %s on this CPU; %s", dtype_name(result.dtype), result.describe())
+    return result.dtype, f"auto: {result.summary}"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return next(name for name, d in DTYPES.items() if d == dtype)
+
+
+class FrontEnd:
+    """Prepares requests for one model in one dtype; touches no engine state, so any thread may use it."""
+
+    tiers: TieredStore | None = None  # the lower tiers: the engine's own; a front end alone writes to none
+
+    def __init__(self, config: Config, info: ModelInfo, dtype: torch.dtype, why: str = ""):
+        self.config = config
+        self.model_path, self.model_args = info.path, info.args
+        self.dtype = dtype
+        self.dtype_description = f"{dtype_name(dtype)} ({why})" if why else dtype_name(dtype)
+        # Cache keys must change whenever the numbers in the KV would: weights and dtype.
+        self.fingerprint = f"{info.fingerprint}:{str(dtype).removeprefix('torch.')}"
+        self.tokenizer = Tokenizer.load(info.path, info.fingerprint)
+        self.block_size = config.cache.block_size
+        self.bytes_per_block = kv_bytes_per_block(info.args, self.block_size, dtype)
+        self.num_kv_blocks = config.engine.num_kv_blocks or max(1, config.engine.kv_cache_memory_mb * 2**20
+                                                                // self.bytes_per_block)
+        self.max_model_len = min(config.server.max_tokens, info.args.max_position_embeddings)
+        # Sampling of requests that bring no seed of their own draws from here: a run is reproducible.
+        self.generator = torch.Generator().manual_seed(config.engine.seed)
+        self._request_counter = itertools.count()
+
+    @classmethod
+    def from_config(cls, config: Config) -> FrontEnd:
+        """The front end of `config`'s model, from its metadata alone; `model.dtype = auto` is resolved here
+        (the probe), for the device `model.device` names. ModelLoadError for a bad model path."""
+        info = load_model_info(config.model.path or None)
+        dtype, why = resolve_dtype(config.model.dtype, resolve_device(config.model.device), info.args)
+        return cls(config, info, dtype, why)
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.num_kv_blocks * self.block_size
+
+    def normalize(self, text: str) -> str:
+        return normalize_text(text) if self.config.cache.normalize_input else text
+
+    def render_chat(self, messages: list[dict]) -> str:
+        """The prompt text for a conversation (what `tokenize_chat` tokenizes); with normalize_input, each message
+        is normalized first."""
+        return self._chat_text(messages).text
+
+    def _chat_text(self, messages: list[dict]) -> ChatText:
+        messages = [{**m, "content": self.normalize(m["content"])} if isinstance(m.get("content"), str) else m
+                    for m in messages]
+        return self.tokenizer.render_chat(messages)
+
+    def tokenize_chat(self, messages: list[dict]) -> list[int]:
+        """The prompt tokens of a conversation under the chat template: only the template's own markers become
+        special tokens; text inside a message is text, so it cannot forge a role or end a turn. RequestError
+        (field `messages`) for invalid Unicode and for a prompt too long by its character count alone."""
+        chat = self._chat_text(messages)
+        self._check_text(chat.text, "messages")
+        return self.tokenizer.encode_chat(chat)
+
+    def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
+        """The tokens of a raw prompt: a text is the caller's whole text (special-token text in it is the special
+        token; a conversation goes through `tokenize_chat`), token ids are checked against the vocabulary.
+        RequestError (field `prompt`) for invalid Unicode and for a text too long by its character count alone."""
+        if isinstance(prompt, str):
+            text = self.normalize(prompt)
+            self._check_text(text, "prompt")
+            return self.tokenizer.encode(text)
+        if not all(isinstance(t, int) and 0 <= t < self.model_args.vocab_size for t in prompt):
+            raise RequestError(f"prompt token ids must be integers in [0, {self.model_args.vocab_size})")
+        return list(prompt)
+
+    def _check_text(self, text: str, field: str) -> None:
+        """Before tokenizing: valid Unicode, and not so many characters that the tokens alone fill the context.
+        Tokenizing costs about a second and hundreds of MB per million characters; these checks, one scan."""
+        try:
+            check_unicode(text)
+        except ValueError as exc:
+            raise RequestError(f"{field}: {exc}", field) from None
+        least = self.tokenizer.min_tokens(text)
+        if least >= self.max_model_len:  # not even one completion token would fit
+            rendered = " (rendered with the chat template)" if field == "messages" else ""
+            raise RequestError(
+                f"{field}: {len(text):,} characters{rendered} need at least {least:,} tokens (no token of this model "
+                f"covers more than {self.tokenizer.max_token_chars} characters), which leaves no room for a "
+                f"completion within the context limit of {self.max_model_len} tokens (server.max_tokens)", field,
+                "context_length_exceeded")
+
+    def make_sequence(self, prompt: str | list[int], params: SamplingParams | None = None,
+                      request_id: str | None = None, *, cache_salt: str | None = None,
+                      use_cache: bool = True) -> Sequence:
+        """Tokenize and validate a request without touching engine state (safe from any thread); raises
+        RequestError naming the problem. Requests with different `cache_salt` never share KV;
+        `use_cache=False` opts out of reuse."""
+        if cache_salt is not None:
+            if not isinstance(cache_salt, str):
+                raise RequestError(f"cache_salt must be a string, got {type(cache_salt).__name__}", "cache_salt")
+            try:
+                check_unicode(cache_salt)  # it is hashed as UTF-8
+            except ValueError as exc:
+                raise RequestError(f"cache_salt: {exc}", "cache_salt") from None
+        params = params or SamplingParams(max_tokens=self.config.server.default_max_tokens)
+        self._check_stops(params.stop)
+        token_ids = self.tokenize_prompt(prompt)
+        if not token_ids:
+            raise RequestError("prompt is empty")
+        self.check_fits(len(token_ids), params.max_tokens)
+        request_id = request_id or f"req-{next(self._request_counter)}"
+        seq = Sequence(request_id, self.new_cache_request(list(token_ids), cache_salt, use_cache), params)
+        seq.generator = seq.generator or self.generator
+        seq.cache_salt = cache_salt
+        return seq
+
+    def new_cache_request(self, token_ids: list[int], cache_salt: str | None, use_cache: bool) -> CacheRequest:
+        """The cache's record of a new request: its extra key (fingerprint, block size, salt) is part of every
+        block key, the same as `KVCacheManager.new_request` gives."""
+        return CacheRequest(token_ids, extra_keys(self.fingerprint, self.block_size, cache_salt), use_cache)
+
+    def _check_stops(self, stops: list[str]) -> None:
+        # Every step searches the new text for every stop string: their number and length bound that work.
+        limits = self.config.server
+        if len(stops) > limits.max_stop_strings:
+            raise RequestError(f"stop: {len(stops)} stop strings, at most {limits.max_stop_strings} allowed "
+                               f"(server.max_stop_strings)", "stop")
+        longest = max(map(len, stops), default=0)
+        if longest > limits.max_stop_chars:
+            raise RequestError(f"stop: a stop string of {longest} characters, at most {limits.max_stop_chars} "
+                               f"allowed (server.max_stop_chars)", "stop")
+
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        needed = num_prompt_tokens + max_tokens
+        if needed > self.max_model_len:
+            raise RequestError(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {needed} tokens exceeds "
+                f"the context limit of {self.max_model_len} tokens (server.max_tokens)", code="context_length_exceeded"
+            )
+        if needed > self.kv_capacity_tokens:
+            raise RequestError(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {needed} tokens does not fit "
+                f"in the KV pool of {self.kv_capacity_tokens} tokens (engine.num_kv_blocks x cache.block_size)"
+            )
+
+    def close(self) -> None:
+        """Release what the front end holds: nothing of its own (the engine overrides this)."""

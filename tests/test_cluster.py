@@ -1,0 +1,262 @@
+"""`kvreuse serve --replicas N`: the routing decision alone (pure, fast), the Ray adapter around it (fakes), and the
+cluster end to end (real Ray, two replicas of the tiny model, `kvreuse serve` as a subprocess, bounded in time).
+
+Which replica served a request is `usage.replica` (set by the replica on its output; only in cluster mode).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+import openai
+
+from kvreuse.cluster.router import KVReuseRouter
+from kvreuse.cluster.routing import KEY_BYTES, CacheAwarePolicy, Holdings, RoundRobinPolicy, chain_keys, imbalanced
+from kvreuse.cluster.spec import RequestSpec
+from kvreuse.kvcache.manager import KVCacheManager
+from kvreuse.sampling_params import SamplingParams
+
+from .server_process import REPO_ROOT, http_client, start_server
+
+BLOCK = 16
+FP = "weights:float32"
+
+
+def keys(*blocks: int) -> list[bytes]:
+    """Chain keys of a prompt made of the given one-token-per-block fillers (block i is [value] * BLOCK)."""
+    return chain_keys([t for value in blocks for t in [value] * BLOCK], FP, BLOCK, None)
+
+
+# --- the decision, pure ----------------------------------------------------------------------------------------
+def test_chain_keys_are_the_engines_block_keys_salt_included():
+    tokens = list(range(100))
+    manager = KVCacheManager(8, BLOCK, fingerprint=FP)
+    for salt in (None, "tenant-a"):
+        req = manager.new_request(tokens, salt)
+        engine_keys = [manager._key(req, i)[:KEY_BYTES] for i in range(len(tokens) // BLOCK)]
+        assert chain_keys(tokens, FP, BLOCK, salt) == engine_keys
+    assert chain_keys(tokens, FP, BLOCK, "a") != chain_keys(tokens, FP, BLOCK, "b")
+    assert chain_keys(tokens[:15], FP, BLOCK, None) == []  # no full block, nothing to match
+
+
+def test_a_request_goes_where_its_longest_prefix_was_sent():
+    policy = CacheAwarePolicy(cache_threshold=0.3)
+    policy.record("a", keys(1, 2))
+    policy.record("b", keys(1, 2, 3, 4))
+    loads = {"a": 0, "b": 0}
+    assert policy.choose(keys(1, 2, 3, 4, 5), loads, {}) == "b"
+    assert policy.matched("a", keys(1, 2, 3, 4, 5), None) == 2
+    assert policy.choose(keys(1, 2, 9, 9), {"a": 0, "b": 3}, {}) == "a"  # equal matches: the less loaded
+
+
+def test_a_short_match_or_none_goes_to_the_least_loaded_and_new_conversations_spread():
+    policy = CacheAwarePolicy(cache_threshold=0.5)
+    policy.record("a", keys(1))
+    assert policy.choose(keys(1, 2, 3, 4), {"a": 0, "b": 1}, {}) == "a"  # 1/4 < 0.5: least loaded, a
+    assert policy.choose(keys(1, 2, 3, 4), {"a": 2, "b": 1}, {}) == "b"
+    # Equal loads and no match: the replica holding fewer blocks, so conversations spread over the replicas.
+    assert policy.choose(keys(7, 8), {"a": 0, "b": 0}, {}) == "b"
+
+
+def test_an_unbalanced_load_overrides_the_cache():
+    assert imbalanced({"a": 100, "b": 10}, 64, 1.5) and not imbalanced({"a": 70, "b": 10}, 64, 1.5)
+    assert not imbalanced({"a": 100, "b": 70}, 20, 1.5)
+    policy = CacheAwarePolicy(cache_threshold=0.1, balance_abs=4, balance_rel=1.5)
+    policy.record("a", keys(1, 2, 3))
+    assert policy.choose(keys(1, 2, 3), {"a": 4, "b": 0}, {}) == "a"   # 4 - 0 is not > 4
+    assert policy.choose(keys(1, 2, 3), {"a": 5, "b": 0}, {}) == "b"
+
+
+def test_reports_correct_the_record_evictions_and_blocks_the_router_never_sent():
+    policy = CacheAwarePolicy(cache_threshold=0.1)
+    policy.record("a", keys(1, 2, 3), now=1000.0)
+    # A report taken long after the send, without the third block: the replica evicted it.
+    evicted = Holdings(frozenset(keys(1, 2, 3)[:2]), time=2000.0)
+    assert policy.matched("a", keys(1, 2, 3), evicted) == 2
+    # A report taken right after the send proves nothing yet: the request may not have computed its prompt.
+    early = Holdings(frozenset(), time=1005.0)
+    assert policy.matched("a", keys(1, 2, 3), early) == 3
+    # What a replica reports counts even if this router never sent it (another ingress, a warm-up).
+    assert policy.choose(keys(5, 6), {"a": 0, "b": 0}, {"b": Holdings(frozenset(keys(5, 6)), 2000.0)}) == "b"
+    stats = {"time": 2000.0, "keys": b"".join(keys(5, 6)), "num_in_flight": 0}
+    assert Holdings.from_stats(stats) == Holdings(frozenset(keys(5, 6)), 2000.0)
+    assert Holdings.from_stats({}) is None and Holdings.from_stats(None) is None
+
+
+def test_the_record_is_bounded_and_forgets_replicas_that_left():
+    policy = CacheAwarePolicy(max_keys_per_replica=3)
+    policy.record("a", keys(1, 2, 3, 4, 5))
+    assert len(policy.sent["a"]) == 3 and policy.matched("a", keys(1), None) == 0  # oldest dropped
+    policy.forget({"b"})
+    assert policy.sent == {}
+
+
+def test_round_robin_takes_turns_in_name_order():
+    policy = RoundRobinPolicy()
+    assert [policy.choose([], {"b": 0, "a": 5}, {}) for _ in range(4)] == ["a", "b", "a", "b"]
+
+
+# --- the Ray adapter, with stand-ins for Ray's replicas and requests --------------------------------------------
+@dataclass(frozen=True)
+class FakeId:
+    unique_id: str
+
+
+@dataclass
+class FakeReplica:
+    name: str
+    routing_stats: dict = field(default_factory=dict)
+
+    @property
+    def replica_id(self) -> FakeId:
+        return FakeId(self.name)
+
+
+@dataclass
+class FakeMetadata:
+    internal_request_id: str
+
+
+@dataclass
+class FakePending:
+    args: list
+    metadata: FakeMetadata = field(default_factory=lambda: FakeMetadata("r1"))
+
+
+def fake_router(routing: str = "cache_aware") -> KVReuseRouter:
+    router = KVReuseRouter.__new__(KVReuseRouter)  # Ray's constructor needs a running Serve; the hooks do not
+    router.initialize_state(routing=routing, fingerprint=FP, block_size=BLOCK, cache_threshold=0.3)
+    return router
+
+
+def choose(router: KVReuseRouter, replicas: list, pending) -> list[list]:
+    return asyncio.run(router.choose_replicas(replicas, pending))
+
+
+def spec(*blocks: int) -> RequestSpec:
+    return RequestSpec("r", [t for value in blocks for t in [value] * BLOCK], SamplingParams(max_tokens=1))
+
+
+def test_the_router_ranks_the_chosen_replica_first_and_records_what_it_routed():
+    router = fake_router()
+    a, b = FakeReplica("a"), FakeReplica("b")
+    first = FakePending([spec(1, 2, 3)])
+    ranked = choose(router, [a, b], first)
+    chosen = ranked[0][0]
+    assert len(ranked) == 2 and ranked[1] == [b if chosen is a else a]
+    router.on_request_routed(first, FakeId(chosen.name), None)
+    assert router.in_flight[chosen.name] == {"r1"}
+    # The same conversation follows, although that replica is now the busier one.
+    assert choose(router, [a, b], FakePending([spec(1, 2, 3, 4)], FakeMetadata("r2")))[0] == [chosen]
+    router.on_request_completed(FakeId(chosen.name), "r1")
+    assert router.in_flight[chosen.name] == set()
+
+
+def test_the_router_never_raises_a_broken_request_or_policy_ranks_all_alike():
+    router = fake_router()
+    replicas = [FakeReplica("a"), FakeReplica("b", routing_stats={"keys": b"short", "time": "not a time"})]
+    assert choose(router, replicas, FakePending(["not a spec"])) == [replicas]
+    assert choose(router, replicas, None) == [replicas]
+    assert choose(router, replicas, FakePending([spec(1)])) == [replicas]  # bad stats: degraded
+    assert router.num_failures == 1
+    broken = KVReuseRouter.__new__(KVReuseRouter)  # initialize_state never ran
+    assert choose(broken, replicas, FakePending([spec(1)])) == [replicas]
+
+
+# --- end to end: kvreuse serve --replicas 2 --------------------------------------------------------------------
+SYSTEM = ("You are a concise assistant for the city library of Port Elling. You answer questions about opening "
+          "hours, borrowing rules and events. Keep answers short, friendly and factual.")
+
+
+def cluster(tmp_path, tiny_model_dir: str, routing: str):
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"  # inherited by the server and its Ray
+    return start_server("--replicas", "2", "--model", tiny_model_dir, "--dtype", "fp32",
+                        "--set", f"cluster.routing={routing}", "--set", "engine.num_kv_blocks=512",
+                        log_path=tmp_path / f"{routing}.log", ready_timeout=240.0, stop_timeout=60.0)
+
+
+def conversation(client: openai.OpenAI, model: str, turns: int = 4) -> list[dict]:
+    """A multi-turn chat, each turn the previous turns + the reply + a new question; per turn: the replica, the
+    prompt tokens and the cached tokens."""
+    messages = [{"role": "system", "content": SYSTEM}]
+    seen = []
+    for turn in range(turns):
+        messages.append({"role": "user", "content": f"Question {turn}: when does the library open on day {turn}?"})
+        reply = client.chat.completions.create(model=model, messages=messages, max_tokens=16, temperature=0)
+        usage = reply.usage
+        seen.append({"replica": usage.model_extra["replica"], "prompt": usage.prompt_tokens,
+                     "cached": usage.prompt_tokens_details.cached_tokens})
+        messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+    return seen
+
+
+def previous_prompt_blocks(seen: list[dict], turn: int) -> int:
+    """The tokens of the previous turn's full prompt blocks: what staying on its replica finds cached, at least."""
+    return seen[turn - 1]["prompt"] // BLOCK * BLOCK
+
+
+def test_cache_aware_keeps_a_conversation_on_one_replica_and_streams(tmp_path, tiny_model_dir):
+    with cluster(tmp_path, tiny_model_dir, "cache_aware") as server:
+        client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60,
+                               http_client=http_client())
+        seen = conversation(client, server.model)
+        assert len({turn["replica"] for turn in seen}) == 1, seen
+        assert seen[0]["cached"] == 0
+        for turn in range(1, len(seen)):
+            assert seen[turn]["cached"] >= previous_prompt_blocks(seen, turn) > 0, seen
+
+        chunks = list(client.chat.completions.create(
+            model=server.model, messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi"}],
+            max_tokens=8, temperature=0, stream=True, stream_options={"include_usage": True}))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text and chunks[-1].usage.completion_tokens == 8
+        assert chunks[-1].usage.model_extra["replica"] == seen[0]["replica"]  # the system prompt's blocks are there
+
+        with http_client(30) as raw:
+            assert raw.get(f"{server.root}/health").json() == {"status": "ok"}
+            stats = raw.get(f"{server.root}/cache/stats")
+            assert stats.status_code == 501 and "replicas" in stats.json()["error"]["message"]
+        assert server.metrics().get("vllm:prefix_cache_hits_total", model_name=server.model) > 0
+
+
+def test_round_robin_alternates_replicas_and_finds_less_in_the_cache(tmp_path, tiny_model_dir):
+    with cluster(tmp_path, tiny_model_dir, "round_robin") as server:
+        client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60,
+                               http_client=http_client())
+        seen = conversation(client, server.model)
+    replicas = [turn["replica"] for turn in seen]
+    assert len(set(replicas)) == 2 and all(replicas[i] != replicas[i + 1] for i in range(len(seen) - 1)), seen
+    assert seen[1]["cached"] == 0  # the second turn's replica never saw the conversation
+    for turn in range(1, len(seen)):
+        assert seen[turn]["cached"] < previous_prompt_blocks(seen, turn), seen
+
+
+def test_a_replica_that_cannot_start_is_a_clear_error_not_a_hang(tmp_path, tiny_model_dir):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    # The front end never opens the disk tier; each replica's engine does, and fails.
+    done = subprocess.run([sys.executable, "-m", "kvreuse", "serve", "--port", "0", "--replicas", "2",
+                           "--model", tiny_model_dir, "--dtype", "fp32", "--set", f"cache.disk.path={not_a_dir}/kv"],
+                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 1
+    assert "kvreuse: the replicas failed to start: NotADirectoryError" in done.stderr, done.stderr[-3000:]
+    assert "kvreuse ready" not in done.stdout
+
+
+def test_a_bad_model_path_fails_before_ray_starts(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "kvreuse", "serve", "--port", "0", "--replicas", "2",
+                           "--model", str(tmp_path / "missing")], cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 1 and "model path not found" in done.stderr
+
+
+def test_ray_prefix_routing_is_refused_with_the_reason(tiny_model_dir):
+    done = subprocess.run([sys.executable, "-m", "kvreuse", "serve", "--port", "0", "--replicas", "2",
+                           "--model", tiny_model_dir, "--set", "cluster.routing=ray_prefix"], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "ray_prefix is not available" in done.stderr
