@@ -1,5 +1,5 @@
-"""Command line: `kvreuse generate`, `serve`, `bench scenario|engine|prefix|tiers|replay`, `fidelity`, `analyze`,
-`cache warm|stats|clear`."""
+"""Command line: `kvreuse generate`, `serve`, `bench scenario|engine|prefix|tiers|cluster|replay`, `fidelity`,
+`analyze`, `cache warm|stats|clear`."""
 
 from __future__ import annotations
 
@@ -222,13 +222,26 @@ def cmd_bench_tiers(args: argparse.Namespace) -> int:
     return _publish("tiers", report, tiers_bench.markdown(report), args.out)
 
 
+def cmd_bench_cluster(args: argparse.Namespace) -> int:
+    from kvreuse.bench import cluster_bench
+
+    server_args = tuple(arg for item in args.overrides for arg in ("--set", item))
+    try:
+        report = cluster_bench.run(args.replicas, args.requests, args.turns, args.max_tokens, server_args,
+                                   progress=_progress)
+    except RuntimeError as exc:
+        raise InputError(str(exc)) from exc
+    return _publish("cluster", report, cluster_bench.markdown(report), args.out)
+
+
 def cmd_bench_replay(args: argparse.Namespace) -> int:
     from kvreuse.bench import replay
 
     try:
         report = replay.run_scenarios(args.url, _chosen_scenarios(args.scenarios), args.requests, args.max_tokens,
                                       model=args.served_model, concurrency=args.concurrency,
-                                      request_rate=args.request_rate, api_key=args.api_key)
+                                      request_rate=args.request_rate, api_key=args.api_key, sessions=args.sessions,
+                                      turns=args.turns)
     except (RuntimeError, ValueError) as exc:
         raise InputError(str(exc)) from exc
     return _publish("replay", report, replay.markdown(report), args.out)
@@ -439,6 +452,18 @@ def _add_bench(sub) -> None:
     _log_level_flag(tiers)
     tiers.set_defaults(func=cmd_bench_tiers)
 
+    cluster = suites.add_parser("cluster", help="chat and agent sessions against one server and against "
+                                                "--replicas N under each routing policy, one at a time")
+    cluster.add_argument("--replicas", type=_positive_int, default=2, help="replicas (default 2)")
+    cluster.add_argument("--requests", type=_positive_int, default=24, help="requests per scenario (default 24)")
+    cluster.add_argument("--turns", type=_positive_int, default=4, help="turns per chat session (default 4)")
+    cluster.add_argument("--max-tokens", type=_positive_int, default=16, help="completion tokens (default 16)")
+    cluster.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                         help="a config key for every server started; repeatable")
+    _out_flag(cluster, "cluster")
+    _log_level_flag(cluster)
+    cluster.set_defaults(func=cmd_bench_cluster)
+
     replay = suites.add_parser("replay", help="the scenarios replayed against an OpenAI-compatible server",
                                description="The scenarios replayed over HTTP, streaming, against any "
                                            "OpenAI-compatible server (ours, vLLM, llama.cpp); keys as "
@@ -453,6 +478,10 @@ def _add_bench(sub) -> None:
                         help="Poisson arrivals per second (default inf: all at once)")
     replay.add_argument("--served-model", help="model name to send (default: the first of GET /v1/models)")
     replay.add_argument("--api-key", default="EMPTY", help="bearer token")
+    replay.add_argument("--sessions", action="store_true",
+                        help="send each chat session's turns in order (each after the previous reply), the sessions "
+                             "side by side, as vLLM's multi-turn benchmark clients do")
+    replay.add_argument("--turns", type=_positive_int, help="turns per chat session (default 8)")
     _out_flag(replay, "replay")
     _log_level_flag(replay)
     replay.set_defaults(func=cmd_bench_replay)
