@@ -172,10 +172,11 @@ SYSTEM = ("You are a concise assistant for the city library of Port Elling. You 
           "hours, borrowing rules and events. Keep answers short, friendly and factual.")
 
 
-def cluster(tmp_path, tiny_model_dir: str, routing: str):
+def cluster(tmp_path, tiny_model_dir: str, routing: str, *sets: str):
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"  # inherited by the server and its Ray
+    extra = [arg for item in sets for arg in ("--set", item)]
     return start_server("--replicas", "2", "--model", tiny_model_dir, "--dtype", "fp32",
-                        "--set", f"cluster.routing={routing}", "--set", "engine.num_kv_blocks=512",
+                        "--set", f"cluster.routing={routing}", "--set", "engine.num_kv_blocks=512", *extra,
                         log_path=tmp_path / f"{routing}.log", ready_timeout=240.0, stop_timeout=60.0)
 
 
@@ -233,6 +234,75 @@ def test_round_robin_alternates_replicas_and_finds_less_in_the_cache(tmp_path, t
     assert seen[1]["cached"] == 0  # the second turn's replica never saw the conversation
     for turn in range(1, len(seen)):
         assert seen[turn]["cached"] < previous_prompt_blocks(seen, turn), seen
+
+
+def test_with_a_shared_redis_the_other_replica_loads_the_conversation(tmp_path, tiny_model_dir, redis_url):
+    """Round robin sends each turn to the other replica, which finds the conversation so far in Redis: a routing
+    miss costs a load instead of a prefill."""
+    with cluster(tmp_path, tiny_model_dir, "round_robin", f"cache.redis.url={redis_url}") as server:
+        client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60,
+                               http_client=http_client())
+        seen = conversation(client, server.model)
+        scrape = server.metrics()
+    assert len({turn["replica"] for turn in seen}) == 2
+    for turn in range(1, len(seen)):  # the previous turn's prompt blocks at least, written by the other replica
+        assert seen[turn]["cached"] >= previous_prompt_blocks(seen, turn) > 0, seen
+    assert scrape.get("kvreuse:tier_hit_tokens_total", tier="redis") > 0
+
+
+def replica_pids() -> list[int]:
+    """The processes of the engine replicas (Ray names them after the deployment)."""
+    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True, check=True).stdout
+    return [int(line.split()[0]) for line in out.splitlines() if "ServeReplica:" in line and "EngineReplica" in line]
+
+
+def test_a_killed_replica_fails_its_requests_cleanly_and_the_cluster_serves_on(tmp_path, tiny_model_dir):
+    import signal
+    import threading
+    import time
+
+    with cluster(tmp_path, tiny_model_dir, "cache_aware") as server:
+        pids = replica_pids()
+        assert len(pids) == 2, pids
+        client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120,
+                               http_client=http_client())
+        outcomes: dict[int, object] = {}
+        streaming = [threading.Event(), threading.Event()]
+        killed = threading.Event()
+
+        def long_stream(i: int) -> None:
+            try:
+                stream = client.completions.create(model=server.model, prompt=f"Story {i}: once upon a time",
+                                                   max_tokens=2000, temperature=0, stream=True,
+                                                   extra_body={"ignore_eos": True})
+                text = []
+                for chunk in stream:
+                    streaming[i].set()
+                    killed.wait(60)  # both run until the kill
+                    text.append(chunk.choices[0].text)
+                outcomes[i] = "".join(text)
+            except Exception as exc:  # noqa: BLE001 (what the client sees is the point)
+                outcomes[i] = exc
+
+        threads = [threading.Thread(target=long_stream, args=(i,)) for i in range(2)]
+        for i, thread in enumerate(threads):  # the second starts once the first runs: least loaded, the other replica
+            thread.start()
+            assert streaming[i].wait(60)
+        os.kill(pids[0], signal.SIGKILL)
+        killed.set()
+        for thread in threads:
+            thread.join(120)
+        assert not any(thread.is_alive() for thread in threads), "a request hung"
+        failed = [o for o in outcomes.values() if isinstance(o, Exception)]
+        assert len(failed) == 1 and len(outcomes) == 2, outcomes  # the killed replica's request, and only it
+        # The cluster goes on: new requests succeed, and Serve starts a replacement.
+        for i in range(4):
+            reply = client.completions.create(model=server.model, prompt=f"After {i}", max_tokens=4, temperature=0)
+            assert reply.choices[0].finish_reason == "length"
+        deadline = time.monotonic() + 120
+        while len(replica_pids()) < 2 and time.monotonic() < deadline:
+            time.sleep(1.0)
+        assert len(replica_pids()) == 2 and pids[0] not in replica_pids()
 
 
 def test_a_replica_that_cannot_start_is_a_clear_error_not_a_hang(tmp_path, tiny_model_dir):
