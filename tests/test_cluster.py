@@ -221,7 +221,11 @@ def test_cache_aware_keeps_a_conversation_on_one_replica_and_streams(tmp_path, t
             assert raw.get(f"{server.root}/health").json() == {"status": "ok"}
             stats = raw.get(f"{server.root}/cache/stats")
             assert stats.status_code == 501 and "replicas" in stats.json()["error"]["message"]
-        assert server.metrics().get("vllm:prefix_cache_hits_total", model_name=server.model) > 0
+        scrape = server.metrics()
+        assert scrape.get("vllm:prefix_cache_hits_total", model_name=server.model) > 0
+        # Gauges: the replicas' engines, as of their latest finished requests.
+        assert scrape.get("kvreuse:cached_blocks", model_name=server.model) > 0
+        assert scrape.get("kvreuse:replica_num_requests_running", replica=seen[0]["replica"]) == 0
 
 
 def test_round_robin_alternates_replicas_and_finds_less_in_the_cache(tmp_path, tiny_model_dir):

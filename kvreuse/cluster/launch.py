@@ -56,7 +56,7 @@ def serve_cluster(config: Config, *, served_model_name: str | None = None, log_l
 def _remote(handle, metrics):
     from kvreuse.cluster.remote_engine import RemoteEngine
 
-    return RemoteEngine(handle, on_finish=metrics.observe_finished)
+    return RemoteEngine(handle, on_finish=metrics.observe_finished, on_gauges=metrics.observe_replica)
 
 
 def pinned(config: Config, front: FrontEnd) -> Config:

@@ -23,9 +23,11 @@ logger = logging.getLogger(__name__)
 
 
 class RemoteEngine:
-    def __init__(self, handle, on_finish: Callable[[RequestOutput], None] | None = None):
+    def __init__(self, handle, on_finish: Callable[[RequestOutput], None] | None = None,
+                 on_gauges: Callable[[str, dict], None] | None = None):
         self._generate = handle.options(stream=True).generate
-        self.on_finish = on_finish  # metrics: the ingress counts every replica's requests
+        # Metrics: the ingress counts every replica's requests, and keeps each replica's gauges as of its last one.
+        self.on_finish, self.on_gauges = on_finish, on_gauges
         self._relays: dict[str, asyncio.Task] = {}
         self._running = False
 
@@ -58,7 +60,9 @@ class RemoteEngine:
             async for delta in stream:
                 deltas.put_nowait(delta)
                 if delta.finished:
-                    self._notify(delta.output)
+                    self._notify(self.on_finish, delta.output)
+                    if delta.gauges is not None and delta.output.replica:
+                        self._notify(self.on_gauges, delta.output.replica, delta.gauges)
         except asyncio.CancelledError:
             stream.cancel()  # the replica's generate is cancelled in turn, and aborts the request
             raise
@@ -67,13 +71,13 @@ class RemoteEngine:
             seq.finish_reason, seq.error = "error", f"the replica computing this request failed: {exc}"
             deltas.put_nowait(Delta("", RequestOutput.from_sequence(seq)))
 
-    def _notify(self, output: RequestOutput) -> None:
-        if self.on_finish is None:
+    def _notify(self, callback: Callable | None, *args) -> None:
+        if callback is None:
             return
         try:
-            self.on_finish(output)
+            callback(*args)
         except Exception:  # serving matters more than a counter
-            logger.exception("on_finish failed; the ingress goes on")
+            logger.exception("a metrics observer failed; the ingress goes on")
 
     def abort(self, request_id: str) -> None:
         relay = self._relays.get(request_id)

@@ -50,6 +50,8 @@ class EngineReplica:
                     raise EngineDeadError(f"the engine loop of replica {self.name} died: {self.runner.error!r}")
                 if delta.output is not None:
                     delta.output.replica = self.name
+                    # Read off the engine thread: counters and lengths only, a moment's inconsistency is harmless.
+                    delta.gauges = self.engine.stats_snapshot()
                     finished = True
                 yield delta
         finally:

@@ -33,6 +33,7 @@ class Delta:
     place of a Delta means the engine loop itself died."""
     text: str
     output: RequestOutput | None = None
+    gauges: dict | None = None  # from a cluster replica, on the last delta: its engine's stats_snapshot()
 
     @property
     def finished(self) -> bool:

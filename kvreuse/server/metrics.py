@@ -16,6 +16,9 @@ from kvreuse.kvcache.tiers.entry import REASONS
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
 LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 LOAD_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+# Snapshot values a cluster's gauges sum over its replicas.
+SUMMED = ("blocks_in_use", "blocks_total", "num_requests_running", "num_requests_waiting", "blocks_cached",
+          "evictions")
 # Counters of the lower tiers (TieredStore.snapshot, per tier): metric name -> (snapshot key, help).
 TIER_COUNTERS = {
     "kvreuse:tier_hit_blocks": ("hit_blocks", "Blocks loaded from a lower tier and checked"),
@@ -69,6 +72,15 @@ class Metrics:
         self.tier_dropped = Counter("kvreuse:tier_dropped_blocks", "Published blocks not written to the lower tiers: "
                                     "the write queue was full", labels, registry=r)
         self._tier_seen: dict[tuple, float] = {}  # last snapshot value of each mirrored counter
+        # With --replicas N: each replica's latest engine snapshot, and its gauges.
+        self.replica_snapshots: dict[str, dict] = {}
+        replica_labels = labels + ["replica"]
+        self.replica_kv_usage = Gauge("kvreuse:replica_kv_cache_usage_perc", "A replica's fraction of KV blocks held "
+                                      "by requests (as of its latest finished request)", replica_labels, registry=r)
+        self.replica_running = Gauge("kvreuse:replica_num_requests_running", "A replica's running requests",
+                                     replica_labels, registry=r)
+        self.replica_waiting = Gauge("kvreuse:replica_num_requests_waiting", "A replica's waiting requests",
+                                     replica_labels, registry=r)
         self.model_name = model_name
         for metric in (self.prefix_cache_queries, *self.reuse.values(), self.generation_tokens, self.kv_usage,
                        self.running, self.waiting):
@@ -76,7 +88,23 @@ class Metrics:
 
     def observe_step(self, engine: LLMEngine) -> None:
         """Gauges, from the engine thread after each step (and after an abort frees blocks)."""
-        m, s = self.model_name, engine.stats_snapshot()
+        self._set_gauges(engine.stats_snapshot())
+
+    def observe_replica(self, replica: str, snapshot: dict) -> None:
+        """A cluster replica's engine snapshot (as of its latest finished request): its own gauges, labeled with the
+        replica, and the cluster's gauges summed over the replicas' latest snapshots."""
+        m = self.model_name
+        self.replica_snapshots[replica] = snapshot
+        self.replica_kv_usage.labels(m, replica).set(snapshot["blocks_in_use"] / snapshot["blocks_total"])
+        self.replica_running.labels(m, replica).set(snapshot["num_requests_running"])
+        self.replica_waiting.labels(m, replica).set(snapshot["num_requests_waiting"])
+        total = {key: sum(s[key] for s in self.replica_snapshots.values()) for key in SUMMED}
+        self._set_gauges({**total, "eviction_policy": snapshot["eviction_policy"],
+                          "peak_kv_bytes_in_use": max(s["peak_kv_bytes_in_use"]
+                                                      for s in self.replica_snapshots.values())})
+
+    def _set_gauges(self, s: dict) -> None:
+        m = self.model_name
         self.kv_usage.labels(m).set(s["blocks_in_use"] / s["blocks_total"])
         self.running.labels(m).set(s["num_requests_running"])
         self.waiting.labels(m).set(s["num_requests_waiting"])
