@@ -334,3 +334,73 @@ def test_ray_prefix_routing_is_refused_with_the_reason(tiny_model_dir):
                            "--model", tiny_model_dir, "--set", "cluster.routing=ray_prefix"], cwd=REPO_ROOT,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "ray_prefix is not available" in done.stderr
+
+
+# --- the ingress's relay: a replica that dies before sending anything (a fault a live cluster cannot time) ------
+class FakeStream:
+    """A streaming call's response: yields its deltas, or raises `fault` before the first."""
+
+    def __init__(self, deltas: list, fault: Exception | None):
+        self.deltas, self.fault, self.cancelled = deltas, fault, False
+
+    def __aiter__(self):
+        return self._gen()
+
+    async def _gen(self):
+        if self.fault is not None:
+            raise self.fault
+        for delta in self.deltas:
+            yield delta
+
+    def cancel(self):
+        self.cancelled = True
+
+
+class FakeHandle:
+    """A DeploymentHandle whose calls fail `faults` times before the first delta, then stream normally."""
+
+    def __init__(self, deltas: list, faults: int):
+        self.deltas, self.faults, self.calls = deltas, faults, 0
+
+    def options(self, stream: bool):
+        assert stream
+        return self
+
+    @property
+    def generate(self):
+        return self
+
+    def remote(self, spec):
+        self.calls += 1
+        fault = RuntimeError("The actor died unexpectedly") if self.calls <= self.faults else None
+        return FakeStream(self.deltas, fault)
+
+
+def relay(faults: int, tiny_llm) -> tuple[list, FakeHandle]:
+    from kvreuse.cluster.remote_engine import RemoteEngine
+    from kvreuse.server.async_engine import Delta
+
+    seq = tiny_llm.engine.make_sequence("hello there", SamplingParams(max_tokens=2))
+    finished = Delta("", tiny_llm.engine.output(seq))
+    handle = FakeHandle([Delta("hi"), finished], faults)
+
+    async def run() -> list:
+        engine = RemoteEngine(handle)
+        engine.start()
+        queue = engine.submit(seq)
+        got = [await queue.get()]
+        while not got[-1].finished:
+            got.append(await queue.get())
+        return got
+
+    return asyncio.run(run()), handle
+
+
+def test_a_replica_failing_before_any_output_is_retried_once(tiny_llm):
+    got, handle = relay(1, tiny_llm)
+    assert handle.calls == 2 and [d.text for d in got] == ["hi", ""] and got[-1].error is None
+
+
+def test_a_second_failure_is_an_error_delta(tiny_llm):
+    got, handle = relay(2, tiny_llm)
+    assert handle.calls == 2 and len(got) == 1 and "The actor died unexpectedly" in got[0].error

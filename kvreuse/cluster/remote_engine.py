@@ -3,7 +3,8 @@
 `submit` sends the request's spec through a streaming DeploymentHandle (the router picks the replica) and relays
 the replica's deltas onto the asyncio.Queue the server reads, exactly as the engine thread would fill it. A replica
 that fails mid-request (its actor died, the call raised) ends the request with an error delta: 500, or an error
-event in a stream, and the server goes on. `abort` cancels the call, which cancels `generate` on the replica, which
+event in a stream, and the server goes on; one that fails before sending anything is retried once (the router
+then picks among the live replicas). `abort` cancels the call, which cancels `generate` on the replica, which
 aborts the request there.
 """
 
@@ -20,6 +21,8 @@ from kvreuse.server.async_engine import Delta, EngineDeadError
 from kvreuse.server.errors import APIError
 
 logger = logging.getLogger(__name__)
+
+RETRIES = 1  # a request whose replica fails before it sent anything is sent again, once
 
 
 class RemoteEngine:
@@ -55,21 +58,33 @@ class RemoteEngine:
         return deltas
 
     async def _relay(self, seq: Sequence, deltas: asyncio.Queue) -> None:
-        stream = self._generate.remote(RequestSpec.of(seq))
-        try:
-            async for delta in stream:
-                deltas.put_nowait(delta)
-                if delta.finished:
-                    self._notify(self.on_finish, delta.output)
-                    if delta.gauges is not None and delta.output.replica:
-                        self._notify(self.on_gauges, delta.output.replica, delta.gauges)
-        except asyncio.CancelledError:
-            stream.cancel()  # the replica's generate is cancelled in turn, and aborts the request
-            raise
-        except Exception as exc:
-            logger.warning("request %s failed on its replica: %s: %s", seq.request_id, type(exc).__name__, exc)
-            seq.finish_reason, seq.error = "error", f"the replica computing this request failed: {exc}"
-            deltas.put_nowait(Delta("", RequestOutput.from_sequence(seq)))
+        for attempt in range(1 + RETRIES):
+            relayed = 0
+            stream = self._generate.remote(RequestSpec.of(seq))
+            try:
+                async for delta in stream:
+                    relayed += 1
+                    deltas.put_nowait(delta)
+                    if delta.finished:
+                        self._finished(delta)
+                return
+            except asyncio.CancelledError:
+                stream.cancel()  # the replica's generate is cancelled in turn, and aborts the request
+                raise
+            except Exception as exc:
+                if relayed == 0 and attempt < RETRIES:  # nothing reached the client yet: another replica may take it
+                    logger.warning("request %s failed on its replica before any output (%s: %s); retrying once",
+                                   seq.request_id, type(exc).__name__, exc)
+                    continue
+                logger.warning("request %s failed on its replica: %s: %s", seq.request_id, type(exc).__name__, exc)
+                seq.finish_reason, seq.error = "error", f"the replica computing this request failed: {exc}"
+                deltas.put_nowait(Delta("", RequestOutput.from_sequence(seq)))
+                return
+
+    def _finished(self, delta: Delta) -> None:
+        self._notify(self.on_finish, delta.output)
+        if delta.gauges is not None and delta.output.replica:
+            self._notify(self.on_gauges, delta.output.replica, delta.gauges)
 
     def _notify(self, callback: Callable | None, *args) -> None:
         if callback is None:
