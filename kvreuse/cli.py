@@ -1,4 +1,4 @@
-"""Command line: `kvreuse generate`, `serve`, `bench scenario|engine|prefix|tiers|cluster|replay`, `fidelity`,
+"""Command line: `kvreuse generate`, `serve`, `bench scenario|engine|prefix|tiers|quant|cluster|replay`, `fidelity`,
 `analyze`, `cache warm|stats|clear`."""
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ SHORTHANDS = {
     "model": "model.path",
     "device": "model.device",
     "dtype": "model.dtype",
+    "quantization": "model.quantization",
     "block_size": "cache.block_size",
     "max_model_len": "server.max_tokens",
     "enable_prefix_caching": "cache.enabled",
@@ -63,6 +64,8 @@ def _common_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="a Llama-family .gguf file or Hugging Face directory (default: embedded)")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], help=_shorthand("device"))
     parser.add_argument("--dtype", choices=["auto", "fp32", "bf16"], help=_shorthand("dtype"))
+    parser.add_argument("--quantization", choices=["none", "int8", "int4"],
+                        help=f"weight-only, approximate ({_shorthand('quantization')})")
     parser.add_argument("--block-size", type=int, help=_shorthand("block_size"))
     parser.add_argument("--preset", choices=list(PRESETS),
                         help=f"scenario preset ({_shorthand('preset')}); explicit keys override it")
@@ -220,6 +223,14 @@ def cmd_bench_tiers(args: argparse.Namespace) -> int:
     report = tiers_bench.run(repeats=args.repeats, redis_url=args.redis_url, dtype=args.dtype,
                              prompt_tokens=args.prompt_tokens, progress=_progress, disk_dir=args.disk_dir)
     return _publish("tiers", report, tiers_bench.markdown(report), args.out)
+
+
+def cmd_bench_quant(args: argparse.Namespace) -> int:
+    from kvreuse.bench import quant_bench
+
+    report = quant_bench.run(modes=args.modes, dtype=args.dtype, repeats=args.repeats, progress=_progress,
+                             num_prompts=args.prompts, threads=args.threads)
+    return _publish("quant", report, quant_bench.markdown(report), args.out)
 
 
 def cmd_bench_cluster(args: argparse.Namespace) -> int:
@@ -451,6 +462,17 @@ def _add_bench(sub) -> None:
     _out_flag(tiers, "tiers")
     _log_level_flag(tiers)
     tiers.set_defaults(func=cmd_bench_tiers)
+
+    quant = suites.add_parser("quant", help="weight-only quantization: decode and prefill speed beside fidelity to "
+                                            "the unquantized model, interleaved rounds")
+    quant.add_argument("--modes", nargs="+", choices=["none", "int8", "int4"], default=["none", "int8", "int4"])
+    quant.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="fp32", help="model.dtype (default fp32)")
+    quant.add_argument("--repeats", type=_positive_int, default=3, help="measured rounds (after one warm-up round)")
+    quant.add_argument("--prompts", type=_positive_int, default=24, help="fidelity prompts (chat/rag/agent/eval)")
+    quant.add_argument("--threads", type=_positive_int, help="torch threads for the run (default: torch's)")
+    _out_flag(quant, "quant")
+    _log_level_flag(quant)
+    quant.set_defaults(func=cmd_bench_quant)
 
     cluster = suites.add_parser("cluster", help="chat and agent sessions against one server and against "
                                                 "--replicas N under each routing policy, one at a time")

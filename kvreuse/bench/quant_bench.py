@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 
+import torch
+
 from kvreuse.bench import workloads
 from kvreuse.bench.engine_bench import machine, synthetic_prompt
 from kvreuse.bench.metrics import fidelity_metrics
@@ -21,7 +23,7 @@ from kvreuse.bench.timing import Interleaved
 from kvreuse.config import Config, load_config
 from kvreuse.llm import LLM
 from kvreuse.model.dtype_probe import cpu_identity
-from kvreuse.model.quantize import quantization_tag, quantize_model, weight_bytes
+from kvreuse.model.quantize import quantization_tag, weight_bytes
 from kvreuse.sampling_params import SamplingParams
 
 MODES = ("none", "int8", "int4")
@@ -42,16 +44,9 @@ def bench_config(dtype: str = "auto", overrides: Sequence[str] = ()) -> Config:
 
 
 def quantized_llm(config: Config, mode: str) -> LLM:
-    """An engine for `config` with its model quantized in `mode` after loading, and the quantization tag added to
-    its fingerprint, as the engine itself would do it, so that its cache keys never match an unquantized engine's."""
-    llm = LLM(config)
-    engine = llm.engine
-    quantize_model(engine.runner.model, mode)
-    tag = quantization_tag(mode)
-    if tag:
-        assert engine.tiers is None, "the bench runs without lower tiers (their entries carry the fingerprint)"
-        engine.fingerprint = engine.kv_manager.fingerprint = f"{engine.fingerprint}:{tag}"
-    return llm
+    """An engine for `config` with `model.quantization = mode` (the engine quantizes after loading and puts the
+    mode's tag in its fingerprint, so its cache keys never match an unquantized engine's)."""
+    return LLM(config.with_changes(model=config.model.with_changes(quantization=mode)))
 
 
 def prefill_s(llm: LLM, ids: list[int]) -> float:
@@ -69,9 +64,12 @@ def fidelity_conversations(num_prompts: int = NUM_PROMPTS, seed: int = 0) -> lis
     """(workload, conversation) pairs, an equal share (rounded up) from each of FIDELITY_WORKLOADS; chats are
     first and second turns of different conversations."""
     per = -(-num_prompts // len(FIDELITY_WORKLOADS))
-    make = {"chat": lambda n: workloads.chat(n, turns=2, seed=seed)}
-    return [(name, c) for name in FIDELITY_WORKLOADS
-            for c in make.get(name, lambda n: workloads.WORKLOADS[name](n, seed=seed))(per)[:per]]
+    pairs = []
+    for name in FIDELITY_WORKLOADS:
+        conversations = (workloads.chat(per, turns=2, seed=seed) if name == "chat"
+                         else workloads.WORKLOADS[name](per, seed=seed))
+        pairs += [(name, c) for c in conversations[:per]]
+    return pairs
 
 
 def fidelity(outputs: dict[str, list], exact: list, names: list[str]) -> dict:
@@ -87,9 +85,23 @@ def fidelity(outputs: dict[str, list], exact: list, names: list[str]) -> dict:
 
 def run(modes: Sequence[str] = MODES, dtype: str = "auto", repeats: int = 3, progress: Callable[[str], None] = print,
         *, num_prompts: int = NUM_PROMPTS, continuation: int = CONTINUATION, prefill_tokens: int = PREFILL_TOKENS,
-        decode_tokens: int = DECODE_TOKENS, overrides: Sequence[str] = (), seed: int = 0) -> dict:
+        decode_tokens: int = DECODE_TOKENS, overrides: Sequence[str] = (), seed: int = 0,
+        threads: int | None = None) -> dict:
     """Speed and fidelity of each of `modes` (fidelity against "none", which is always built as the reference).
-    `overrides` (section.key=value) go to every engine's config (e.g. model.path=... for another model)."""
+    `overrides` (section.key=value) go to every engine's config (e.g. model.path=... for another model); `threads`
+    sets torch's thread count for the run (on a machine shared with other work, 1 thread times more steadily)."""
+    previous = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        return _run(modes, dtype, repeats, progress, num_prompts, continuation, prefill_tokens, decode_tokens,
+                    overrides, seed)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _run(modes, dtype, repeats, progress, num_prompts, continuation, prefill_tokens, decode_tokens, overrides,
+         seed) -> dict:
     config = bench_config(dtype, overrides)
     llms = {mode: quantized_llm(config, mode) for mode in dict.fromkeys(["none", *modes])}
     progress(f"engines built: {', '.join(llms)} ({llms['none'].engine.dtype_description})")
@@ -109,6 +121,16 @@ def run(modes: Sequence[str] = MODES, dtype: str = "auto", repeats: int = 3, pro
                         for mode in modes if mode != "none" and "none" in modes for m in metrics}
     report["samples"] = {f"{s}/{m}": v for (s, m), v in samples.samples.items()}
 
+    report["fidelity_prompts"], rows = measure_fidelity(llms, num_prompts, continuation, seed, progress)
+    for mode in modes:
+        report["modes"][mode].update(rows.get(mode, {}))
+    return report
+
+
+def measure_fidelity(llms: dict[str, LLM], num_prompts: int, continuation: int, seed: int,
+                     progress: Callable[[str], None]) -> tuple[dict[str, int], dict[str, dict]]:
+    """Every engine greedy on the same workload prompts, uncached; (prompts per workload, each quantized mode's
+    `fidelity` row against the "none" engine's outputs)."""
     pairs = fidelity_conversations(num_prompts, seed)
     names, conversations = [n for n, _ in pairs], [c for _, c in pairs]
     params = SamplingParams(max_tokens=continuation, keep_first_logits=True, ignore_eos=True)
@@ -117,10 +139,7 @@ def run(modes: Sequence[str] = MODES, dtype: str = "auto", repeats: int = 3, pro
         outputs[mode] = llm.chat(conversations, params, use_cache=False)
         progress(f"fidelity: {mode} done ({len(conversations)} prompts)")
     exact = outputs.pop("none")
-    report["fidelity_prompts"] = {w: names.count(w) for w in dict.fromkeys(names)}
-    for mode, row in fidelity({m: o for m, o in outputs.items() if m in modes}, exact, names).items():
-        report["modes"][mode].update(row)
-    return report
+    return {w: names.count(w) for w in dict.fromkeys(names)}, fidelity(outputs, exact, names)
 
 
 def time_modes(llms: dict[str, LLM], repeats: int, prefill_tokens: int, decode_tokens: int,

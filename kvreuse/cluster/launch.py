@@ -18,6 +18,7 @@ from collections.abc import Iterator
 
 from kvreuse.config import Config, ConfigError
 from kvreuse.engine.front_end import FrontEnd, dtype_name
+from kvreuse.server import lifecycle
 from kvreuse.server.app import create_app
 from kvreuse.server.auth import load_api_keys
 from kvreuse.server.lifecycle import model_name_of, run_http
@@ -67,11 +68,8 @@ def pinned(config: Config, front: FrontEnd) -> Config:
 
 
 def describe(config: Config, front: FrontEnd, model_name: str, api_keys: dict | None) -> str:
-    cluster = config.cluster
-    return (f"model={model_name} dtype={front.dtype_description} max_model_len={front.max_model_len} "
-            f"kv_capacity={front.kv_capacity_tokens} tokens ({front.num_kv_blocks} blocks x {front.block_size}) "
-            f"per replica replicas={cluster.replicas} routing={cluster.routing} "
-            f"prefix_caching={'on' if config.cache.enabled else 'off'} auth={'api-keys' if api_keys else 'off'}")
+    cluster = f"per replica replicas={config.cluster.replicas} routing={config.cluster.routing}"
+    return lifecycle.describe(config, front, model_name, api_keys, cluster)
 
 
 @contextlib.contextmanager

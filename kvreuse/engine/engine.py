@@ -29,6 +29,7 @@ from kvreuse.kvcache.manager import KVCacheManager
 from kvreuse.kvcache.tiers.store import TieredStore
 from kvreuse.model.llama import Llama
 from kvreuse.model.loader import ModelInfo, load_weights
+from kvreuse.model.quantize import quantize_model
 from kvreuse.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ class LLMEngine(FrontEnd):
         dtype, why = resolve_dtype(config.model.dtype, self.device, weights.args)
         super().__init__(config, ModelInfo(weights.args, weights.path, weights.fingerprint), dtype, why)
         model = Llama.from_weights(weights, self.dtype, self.device)
+        quantize_model(model, config.model.quantization)  # weight-only; "none" leaves it as loaded
         del weights
 
         num_blocks = self.num_kv_blocks

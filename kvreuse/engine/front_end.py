@@ -21,6 +21,7 @@ from kvreuse.kvcache.request import CacheRequest
 from kvreuse.kvcache.tiers.store import TieredStore
 from kvreuse.model import dtype_probe
 from kvreuse.model.loader import ModelArgs, ModelInfo, load_model_info
+from kvreuse.model.quantize import quantization_tag
 from kvreuse.model.tokenizer import ChatText, Tokenizer, check_unicode
 from kvreuse.sampling_params import SamplingParams
 
@@ -72,8 +73,9 @@ class FrontEnd:
         self.model_path, self.model_args = info.path, info.args
         self.dtype = dtype
         self.dtype_description = f"{dtype_name(dtype)} ({why})" if why else dtype_name(dtype)
-        # Cache keys must change whenever the numbers in the KV would: weights and dtype.
-        self.fingerprint = f"{info.fingerprint}:{str(dtype).removeprefix('torch.')}"
+        # Cache keys must change whenever the numbers in the KV would: weights, dtype and quantization.
+        tag = quantization_tag(config.model.quantization)
+        self.fingerprint = f"{info.fingerprint}:{str(dtype).removeprefix('torch.')}" + (f":{tag}" if tag else "")
         self.tokenizer = Tokenizer.load(info.path, info.fingerprint)
         self.block_size = config.cache.block_size
         self.bytes_per_block = kv_bytes_per_block(info.args, self.block_size, dtype)

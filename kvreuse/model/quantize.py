@@ -2,7 +2,7 @@
 
 Each decoder linear (qkv_proj, o_proj, gate_up_proj, down_proj) is replaced by a module that keeps its weight
 quantized and multiplies with it directly; embed_tokens stays as it is. The LM head is quantized too (int8 in both
-modes, see LM_HEAD): at batch 1 it is a fifth of the weight bytes each token streams, and its int8 error is small.
+modes, see LM_HEAD): it is a fifth of the weights each decode step streams, and its int8 error is small.
 
 - int8: per-output-channel symmetric scales, w = q * s with q in [-127, 127].
 - int4: group-wise asymmetric (INT4_GROUP_SIZE consecutive inputs of one output share a scale and a zero),
@@ -11,35 +11,42 @@ modes, see LM_HEAD): at batch 1 it is a fifth of the weight bytes each token str
 How a product is computed, on a CPU (torch's `_weight_int8pack_mm` and `_weight_int4pack_mm_for_cpu`, measured in
 torch 2.13 on an AVX512/AMX Xeon):
 - Up to KERNEL_MAX_ROWS rows (decode): the quantized kernel, in bf16. The kernels take fp32 and fp16 too, but only
-  their bf16 path is vectorized on x86 (fp32 ran 10-40x slower than bf16 and 5x slower than the fp32 GEMM), so the
-  activations are rounded to bf16 for the product, whatever the model dtype, and the result converted back.
-- More rows (prefill): the kernels are then slower than a dense GEMM (2x fp32's and 8x bf16's at 512 rows), so the
-  weight is dequantized to the activations' dtype and multiplied densely: prefill keeps the model dtype's speed,
-  plus the dequantization.
+  their bf16 path is vectorized on x86 (at batch 1, fp32 activations ran 14x (int8) and 100x (int4) slower than
+  bf16, and slower than the unquantized fp32 GEMM), so the activations are rounded to bf16 for the product,
+  whatever the model dtype, and the result converted back.
+- More rows (prefill): the kernels are then slower than a dense GEMM (~2x fp32's and ~9x bf16's at 512 rows), so
+  the weight is dequantized to the activations' dtype and multiplied densely: prefill keeps the model dtype's
+  speed, less the dequantization (5-10% of a 512-token fp32 prefill).
 On any other device (CUDA): dequantize-then-matmul in the model dtype for every call. Correct and memory-saving,
 but not faster: torch's CUDA int4 kernel (`_weight_int4pack_mm`, another packing) is not wired here.
 
 Quantization is an approximation: it changes the numbers in the KV, so its tag (`quantization_tag`) must be part of
-the model fingerprint and so of every cache key.
+the model fingerprint and so of every cache key. How far it moves the output depends on where the weights come
+from: the embedded SmolLM2's linears are Q4_1 (4 bits, a scale and a minimum per 32 inputs), already on int4's
+grid, so int4 (group 32) gives them back almost exactly and int8 (one scale per row) is the lossier of the two
+there; a bf16 checkpoint would lose more in int4 (the tiny random-weight test model: logit cosine 0.95-0.99).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvreuse.model.llama import Llama
+if TYPE_CHECKING:  # the front end imports quantization_tag: keep it from importing the model
+    from kvreuse.model.llama import Llama
 
 logger = logging.getLogger(__name__)
 
 MODES = ("none", "int8", "int4")
 INT4_GROUP_SIZE = 32
-# The LM head's mode under each model mode. int8 in both: int4 moved the first-token distribution of the real model
-# several times more than the int4 decoder linears did (see quant_bench), for a few percent of decode speed.
+# The LM head's mode under each model mode: int8 in both. On the embedded model (fp32, 24 workload prompts, 32 greedy
+# tokens) int4 linears with an int4 head gave mean first-token KL 0.036 and a greedy match of 11 tokens, with an int8
+# head 0.0026 and 27, with an fp32 head 0.0008 and 29; batch-1 decode 55, 50 and 41 tok/s (fp32 unquantized: 20).
 LM_HEAD = {"int8": "int8", "int4": "int8"}
 DECODER_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 # Rows up to which the quantized kernel beats dequantize + dense GEMM, measured on SmolLM2-135M's shapes (one thread,
@@ -55,7 +62,7 @@ INT8_KERNEL_K_MULTIPLE = 32
 
 def quantization_tag(mode: str, *, group_size: int = INT4_GROUP_SIZE, lm_head: str | None = None) -> str:
     """The short name of a quantization scheme, for the model fingerprint: "" for none, "w8", "w4g32"; a head mode
-    other than the mode's default (LM_HEAD) is appended: "w4g32.h4", "w8.hnone". Change it whenever the numbers a
+    other than the mode's default (LM_HEAD) is appended: "w4g32.h4g32", "w8.hnone". Change it whenever the numbers a
     scheme produces change."""
     _check_mode(mode)
     if mode == "none":
@@ -119,12 +126,12 @@ class QuantizedLinear(nn.Module):
     mode: str
     kernel_max_rows: int
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, use_kernel: bool | None = None):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.model_dtype = weight.dtype
-        # The CPU kernel where torch has one and the shape suits it; subclasses may turn it off.
-        self.use_kernel = weight.device.type == "cpu"
+        # The CPU kernel (None: where torch has one), if the shape suits it (subclasses check).
+        self.use_kernel = weight.device.type == "cpu" if use_kernel is None else use_kernel
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, mode={self.mode}, "
@@ -158,8 +165,9 @@ class Int8Linear(QuantizedLinear):
     mode = "int8"
     kernel_max_rows = KERNEL_MAX_ROWS["int8"]
 
-    def __init__(self, weight: torch.Tensor):
-        super().__init__(weight)
+    def __init__(self, weight: torch.Tensor, use_kernel: bool | None = None):
+        """weight: [out, in] in the model dtype; `use_kernel=False` always dequantizes (what non-CPU devices do)."""
+        super().__init__(weight, use_kernel)
         w = weight.float()                                               # [out, in]
         # Scales are stored in the kernel's dtype and the codes computed against the stored (rounded) scales.
         scale = (w.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny).to(KERNEL_DTYPE)  # [out]
@@ -186,16 +194,20 @@ class Int4Linear(QuantizedLinear):
     mode = "int4"
     kernel_max_rows = KERNEL_MAX_ROWS["int4"]
 
-    def __init__(self, weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE):
-        super().__init__(weight)
+    def __init__(self, weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE, use_kernel: bool | None = None):
+        """weight: [out, in] in the model dtype, in a multiple of `group_size`; `use_kernel=False` keeps the codes
+        in order and always dequantizes (what non-CPU devices do)."""
+        super().__init__(weight, use_kernel)
         out, k = weight.shape
         self.group_size = group_size
         self.padded_out = -(-out // INT4_ROW_MULTIPLE) * INT4_ROW_MULTIPLE
         w = F.pad(weight.float(), (0, 0, 0, self.padded_out - out))      # [out', in], zero rows appended
         groups = w.view(self.padded_out, k // group_size, group_size)    # [out', G, group]
         low, high = groups.amin(dim=-1), groups.amax(dim=-1)             # [out', G]
-        scale = ((high - low) / 15).to(KERNEL_DTYPE)
-        scale = torch.where(scale == 0, torch.ones_like(scale), scale)   # constant groups (padding): any scale
+        scale = ((high - low) / 15).to(KERNEL_DTYPE)                     # [out', G]
+        # A constant group c: a scale of |c| / 8 makes the value of code 0 exactly c (and 1 where c = 0, padding).
+        scale = torch.where(scale == 0, (low.abs() / 8).to(KERNEL_DTYPE), scale)
+        scale = torch.where(scale == 0, torch.ones_like(scale), scale)
         zero = (low + 8 * scale.float()).to(KERNEL_DTYPE)                # the value of code 8
         offset = zero.float() - 8 * scale.float()                        # the value of code 0, as stored
         q = torch.round((groups - offset[..., None]) / scale.float()[..., None]).clamp_(0, 15)
@@ -241,10 +253,11 @@ class Int4Linear(QuantizedLinear):
 @functools.cache
 def _cpu_int4_layout() -> tuple[int, torch.Tensor | None]:
     """How torch's CPU int4 packing (`_convert_weight_to_int4pack_for_cpu`) lays codes out on this machine, learned
-    from a probe: (block_rows, order). The packed [N, K/2] bytes, viewed as [N / block_rows, K, block_rows / 2],
-    hold for each block of rows and each input k the low nibbles, then the high nibbles, of the block's rows
-    `order` [block_rows] (None: in order). torch 2.13 packs blocks of 64 rows (lanes 0|2, 1|3) with AVX512, 32 with
-    AVX2, and pairs of rows elsewhere; the probe finds whichever it is."""
+    from a probe: (block_rows, gather). The packed [N, K/2] bytes, viewed as [N / block_rows, K, block_rows / 2],
+    hold for each block of rows and each input k the low nibbles, then the high nibbles, of the block's rows in
+    some order; `gather` [block_rows] picks them back into row order (None: already in order). torch 2.13 packs
+    blocks of 64 rows (lanes 0|2, 1|3) with AVX512, 32 with AVX2, and pairs of rows elsewhere; the probe finds
+    whichever it is, and every packed weight is checked against its codes (Int4Linear._pack)."""
     rows, k = INT4_ROW_MULTIPLE, 2
     row = torch.arange(rows, dtype=torch.int32)[:, None].expand(rows, k)
     col = torch.arange(k, dtype=torch.int32)[None, :].expand(rows, k)
@@ -263,11 +276,11 @@ def _cpu_int4_layout() -> tuple[int, torch.Tensor | None]:
 
 def _unpack_cpu(packed: torch.Tensor, rows: int, k: int) -> torch.Tensor:
     """Codes packed by `_convert_weight_to_int4pack_for_cpu` ([rows, k/2] uint8) -> [rows, k] uint8."""
-    block_rows, inverse = _cpu_int4_layout()
+    block_rows, gather = _cpu_int4_layout()
     b = packed.view(rows // block_rows, k, block_rows // 2).transpose(1, 2)  # [blocks, block_rows/2, k]
     codes = torch.cat([b & 15, b >> 4], dim=1)                           # [blocks, block_rows, k], packed order
-    if inverse is not None:
-        codes = codes[:, inverse]
+    if gather is not None:
+        codes = codes[:, gather]
     return codes.reshape(rows, k)
 
 

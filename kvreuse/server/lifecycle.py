@@ -12,6 +12,7 @@ import uvicorn
 
 from kvreuse.config import Config
 from kvreuse.engine.engine import LLMEngine
+from kvreuse.engine.front_end import FrontEnd
 from kvreuse.sampling_params import SamplingParams
 from kvreuse.server.app import create_app
 from kvreuse.server.auth import load_api_keys
@@ -32,11 +33,16 @@ def serve(config: Config, *, served_model_name: str | None = None, log_level: st
     warm_up(engine)
     model_name = served_model_name or model_name_of(engine.model_path)
     app = create_app(engine, model_name, api_keys)
-    description = (f"model={model_name} dtype={engine.dtype_description} max_model_len={engine.max_model_len} "
-                   f"kv_capacity={engine.kv_capacity_tokens} tokens ({engine.num_kv_blocks} blocks x "
-                   f"{engine.block_size}) prefix_caching={'on' if config.cache.enabled else 'off'} "
-                   f"auth={'api-keys' if api_keys else 'off'}")
-    return run_http(app, config, description, log_level)
+    return run_http(app, config, describe(config, engine, model_name, api_keys), log_level)
+
+
+def describe(config: Config, front: FrontEnd, model_name: str, api_keys: dict | None, cluster: str = "") -> str:
+    """What the ready line says after the URL (`cluster`: what a cluster adds, after the per-replica pool)."""
+    quantized = f" quantization={config.model.quantization}" if config.model.quantization != "none" else ""
+    return (f"model={model_name} dtype={front.dtype_description}{quantized} max_model_len={front.max_model_len} "
+            f"kv_capacity={front.kv_capacity_tokens} tokens ({front.num_kv_blocks} blocks x {front.block_size})"
+            f"{' ' + cluster if cluster else ''} prefix_caching={'on' if config.cache.enabled else 'off'} "
+            f"auth={'api-keys' if api_keys else 'off'}")
 
 
 def run_http(app, config: Config, description: str, log_level: str = "warning") -> int:
