@@ -153,7 +153,17 @@ def test_the_router_ranks_the_chosen_replica_first_and_records_what_it_routed():
     # The same conversation follows, although that replica is now the busier one.
     assert choose(router, [a, b], FakePending([spec(1, 2, 3, 4)], FakeMetadata("r2")))[0] == [chosen]
     router.on_request_completed(FakeId(chosen.name), "r1")
-    assert router.in_flight[chosen.name] == set()
+    assert router.in_flight[chosen.name] == {"r2"}  # counted when chosen
+
+
+def test_a_burst_is_spread_before_ray_reports_any_routing():
+    router = fake_router()
+    a, b = FakeReplica("a"), FakeReplica("b")
+    burst = [FakePending([spec(10 + i, 99)], FakeMetadata(f"r{i}")) for i in range(6)]
+    chosen = [choose(router, [a, b], pending)[0][0].name for pending in burst]
+    assert sorted(chosen) == ["a", "a", "a", "b", "b", "b"]
+    router.on_request_routed(burst[0], FakeId("b" if chosen[0] == "a" else "a"), None)  # Ray sent it elsewhere
+    assert sum(len(ids) for ids in router.in_flight.values()) == 6 and "r0" not in router.in_flight[chosen[0]]
 
 
 def test_the_router_never_raises_a_broken_request_or_policy_ranks_all_alike():

@@ -12,11 +12,12 @@ def result(hit_rate: float, ttft_ms: float, affinity: float | None = None) -> di
 
 
 def servers(aware: tuple[float, float], probe_aware: float = 12.0) -> dict:
-    return {"single": {"probe_ttft_ms": 10.0, "scenarios": {"chat": result(0.60, 100), "agent": result(0.1, 90)}},
+    return {"single": {"probe_ttft_ms": 10.0, "scenarios": {"document-chat": result(0.60, 100),
+                                                             "agent": result(0.1, 90)}},
             "cache_aware": {"probe_ttft_ms": probe_aware,
-                            "scenarios": {"chat": result(*aware, 1.0), "agent": result(0.1, 95, 1.0)}},
+                            "scenarios": {"document-chat": result(*aware, 1.0), "agent": result(0.1, 95, 1.0)}},
             "round_robin": {"probe_ttft_ms": 12.0,
-                            "scenarios": {"chat": result(0.30, 200, 0.5), "agent": result(0.05, 99, 1.0)}}}
+                            "scenarios": {"document-chat": result(0.30, 200, 0.5), "agent": result(0.05, 99, 1.0)}}}
 
 
 def test_targets_met_and_missed_by_their_own_margins():
@@ -24,7 +25,7 @@ def test_targets_met_and_missed_by_their_own_margins():
     assert all(t["met"] for t in met.values())
     missed = cluster_bench.targets(servers((0.44, 130), probe_aware=31.0))
     assert [t["met"] for t in missed.values()] == [False, False, False, False]
-    assert missed["hit rate within 5 points of the single server (chat)"]["margin"] == 0.6 - 0.44
+    assert missed["hit rate within 5 points of the single server (document-chat)"]["margin"] == 0.6 - 0.44
     assert missed["Ray path adds < 20 ms per request"]["margin"] == 31.0 - 10.0 - 20.0
 
 
@@ -33,5 +34,5 @@ def test_markdown_has_a_row_per_server_and_scenario():
               "cpu": {"cpu": "Test CPU", "machine": "x86_64", "flags": ["avx2"]},
               "servers": servers((0.58, 110)), "targets": cluster_bench.targets(servers((0.58, 110)))}
     table = cluster_bench.markdown(report)
-    assert table.count("\n| ") == 6 and "| cache_aware | chat | 58.0% | 110 | 220 | 1.00 | 1.00 | 0 |" in table
+    assert table.count("\n| ") == 6 and "| cache_aware | document-chat | 58.0% | 110 | 220 | 1.00 | 1.00 | 0 |" in table
     assert "Test CPU" in table and "Ray path adds < 20 ms per request: met" in table

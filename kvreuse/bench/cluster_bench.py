@@ -26,7 +26,7 @@ import httpx
 
 from kvreuse.bench import replay
 from kvreuse.bench.engine_bench import machine
-from kvreuse.bench.workloads import agent, chat
+from kvreuse.bench.workloads import agent, chat, document_chat
 from kvreuse.model.dtype_probe import cpu_identity
 
 READY = re.compile(r"kvreuse ready: (http://127\.0\.0\.1:\d+)/v1")
@@ -82,7 +82,8 @@ def probe_ttft_ms(root: str) -> float:
 
 def run(replicas: int = 2, num_requests: int = 24, turns: int = 4, max_tokens: int = 16,
         server_args: tuple[str, ...] = (), progress: Callable[[str], None] = print) -> dict:
-    workloads = {"chat": chat(num_requests, turns), "agent": agent(num_requests)}
+    workloads = {"chat": chat(num_requests, turns), "document-chat": document_chat(num_requests, turns),
+                 "agent": agent(num_requests)}
     servers = {"single": [], "cache_aware": ["--replicas", str(replicas), "--set", "cluster.routing=cache_aware"],
                "round_robin": ["--replicas", str(replicas), "--set", "cluster.routing=round_robin"]}
     results: dict[str, dict] = {}
@@ -104,13 +105,14 @@ def targets(results: dict[str, dict]) -> dict:
     def rate(server: str, scenario: str) -> float:
         return results[server]["scenarios"][scenario]["exact_hit_rate"] or 0.0
 
-    chat_ttft = {s: results[s]["scenarios"]["chat"]["mean_ttft_ms"] for s in results}
+    scenario = "document-chat"  # its sessions' own context: chat's is mostly the system prompt every replica holds
+    ttft = {s: results[s]["scenarios"][scenario]["mean_ttft_ms"] for s in results}
     checks = {
-        "hit rate within 5 points of the single server (chat)": (
-            rate("single", "chat") - rate("cache_aware", "chat"), 0.05),
-        "hit rate >= 1.5x round_robin's (chat)": (
-            1.5 * rate("round_robin", "chat") - rate("cache_aware", "chat"), 0.0),
-        "mean TTFT <= 0.6x round_robin's (chat)": (chat_ttft["cache_aware"] - 0.6 * chat_ttft["round_robin"], 0.0),
+        f"hit rate within 5 points of the single server ({scenario})": (
+            rate("single", scenario) - rate("cache_aware", scenario), 0.05),
+        f"hit rate >= 1.5x round_robin's ({scenario})": (
+            1.5 * rate("round_robin", scenario) - rate("cache_aware", scenario), 0.0),
+        f"mean TTFT <= 0.6x round_robin's ({scenario})": (ttft["cache_aware"] - 0.6 * ttft["round_robin"], 0.0),
         "Ray path adds < 20 ms per request": (
             results["cache_aware"]["probe_ttft_ms"] - results["single"]["probe_ttft_ms"] - 20.0, 0.0),
     }
@@ -129,8 +131,9 @@ def markdown(report: dict) -> str:
     probes = ", ".join(f"{s} {row['probe_ttft_ms']:.1f} ms" for s, row in report["servers"].items())
     verdicts = "; ".join(f"{text}: {'met' if t['met'] else 'not met'}" for text, t in report["targets"].items())
     cpu = report["cpu"]
-    lines += ["", f"{report['replicas']} replicas; chat: {report['requests']} requests in sessions of "
-                  f"{report['turns']} turns, agent: {report['requests']} steps; {report['max_tokens']} tokens each. "
+    lines += ["", f"{report['replicas']} replicas; chat and document-chat: {report['requests']} requests in "
+                  f"sessions of {report['turns']} turns, agent: {report['requests']} steps; {report['max_tokens']} "
+                  "tokens each. "
                   f"One-token probe, median: {probes}. CPU: {cpu['cpu']} ({', '.join(cpu['flags']) or 'no flags'}).",
               f"Targets: {verdicts}."]
     return "\n".join(lines)

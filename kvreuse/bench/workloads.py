@@ -134,6 +134,28 @@ def chat(num_requests: int = 24, turns: int = 8, seed: int = 0) -> list[list[dic
     return requests[:num_requests]
 
 
+def document_chat(num_requests: int = 24, turns: int = 4, docs_per_session: int = 2,
+                  seed: int = 0) -> list[list[dict]]:
+    """Multi-turn chats about documents: each session opens with its own documents (a few hundred tokens that no
+    other session shares) and a question, then follow-ups, one request per turn, sessions listed one after another.
+    Unlike `chat`, whose fixed system prompt is most of every prompt, what a turn can reuse is mostly its own
+    session's: the workload where sending a session's turns to the replica that holds them matters."""
+    rng = random.Random(seed)
+    pool = documents()
+    requests = []
+    while len(requests) < num_requests:
+        picked = rng.sample(pool, docs_per_session)
+        body = "\n\n".join(f"{d['title']}\n{d['text']}" for d in picked)
+        messages = [{"role": "system", "content": CHAT_SYSTEM},
+                    {"role": "user", "content": f"Read these documents:\n\n{body}\n\nWhat do they have in common? "
+                                                f"{CHAT_TAIL}"}]
+        for _ in range(turns):
+            requests.append([dict(m) for m in messages])
+            messages += [{"role": "assistant", "content": rng.choice(picked)["text"][:200]},
+                         {"role": "user", "content": f"{rng.choice(CHAT_FOLLOW_UPS)} {CHAT_TAIL}"}]
+    return requests[:num_requests]
+
+
 class LiveReplies:
     """Multi-turn replay as `vllm`'s multi-turn benchmark does it: an assistant turn is sent as the reply the
     model gave to the request that ended just before it, so each turn resends what was generated (and a

@@ -1,8 +1,10 @@
 """The Ray Serve RequestRouter of the engine replicas: routing.py's decision, fed from Ray's view of the replicas.
 
 It runs in the process that holds the DeploymentHandle (the ingress). Load is the number of requests this router
-has in flight on each replica (exact for one ingress), kept by Ray's routed/completed hooks; holdings come from
-the routing policy's own record, corrected by each replica's `record_routing_stats`. It never raises and never
+has in flight on each replica (exact for one ingress): counted when it chooses (a burst of requests is routed
+before Ray's routed hook runs for the first of them, and must not all see the same empty replica), moved if Ray
+routed elsewhere, and dropped when Ray says it completed; holdings come from the routing policy's own record,
+corrected by each replica's `record_routing_stats`. It never raises and never
 waits: any failure ranks every candidate alike, and Ray then picks the least loaded of them.
 """
 
@@ -50,8 +52,16 @@ class KVReuseRouter(RequestRouter):
         self.policy.forget(set(by_name))
         loads = {name: len(self.in_flight.get(name, ())) for name in by_name}
         reports = {name: Holdings.from_stats(replica.routing_stats) for name, replica in by_name.items()}
-        chosen = by_name[self.policy.choose(self.keys_of(spec, pending), loads, reports)]
+        name = self.policy.choose(self.keys_of(spec, pending), loads, reports)
+        self._count(pending.metadata.internal_request_id, name)
+        chosen = by_name[name]
         return [[chosen], [replica for replica in candidates if replica is not chosen]]
+
+    def _count(self, request_id: str, name: str) -> None:
+        """`request_id` is in flight on replica `name` (and on no other)."""
+        for requests in self.in_flight.values():
+            requests.discard(request_id)
+        self.in_flight.setdefault(name, set()).add(request_id)
 
     def keys_of(self, spec: RequestSpec, pending: PendingRequest) -> list[bytes]:
         """The request's chain keys (none for a request that neither reuses nor publishes, nor for round_robin)."""
@@ -66,7 +76,7 @@ class KVReuseRouter(RequestRouter):
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         try:
             name = replica_id.unique_id
-            self.in_flight.setdefault(name, set()).add(pending_request.metadata.internal_request_id)
+            self._count(pending_request.metadata.internal_request_id, name)  # where Ray really sent it
             self.policy.record(name, getattr(pending_request, KEYS_ATTR, None) or [], time.time())
         except Exception:
             logger.exception("recording a routed request failed; routing goes on")
