@@ -410,6 +410,10 @@ def _scenario_names(parser: argparse.ArgumentParser) -> None:
                              "generated-shared-prefix)")
 
 
+def _repeats_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--repeats", type=_positive_int, default=3, help="measured rounds (after one warm-up round)")
+
+
 def _out_flag(parser: argparse.ArgumentParser, name: str, extra: str = "") -> None:
     parser.add_argument("--out", metavar="DIR", help=f"directory for {name}.json and {name}.md{extra}")
 
@@ -439,21 +443,21 @@ def _add_bench(sub) -> None:
 
     engine = suites.add_parser("engine", help="cold prefill and decode vs HF transformers / llama.cpp, "
                                               "medians of interleaved rounds")
-    engine.add_argument("--repeats", type=_positive_int, default=3, help="measured rounds (after one warm-up round)")
+    _repeats_flag(engine)
     engine.add_argument("--no-bf16", action="store_true", help="skip HF bf16 (slow without AVX512-BF16)")
     _out_flag(engine, "engine")
     _log_level_flag(engine)
     engine.set_defaults(func=cmd_bench_engine)
 
     prefix = suites.add_parser("prefix", help="cold vs warm TTFT of a 2048-token prompt sharing 1984 tokens")
-    prefix.add_argument("--repeats", type=_positive_int, default=3, help="measured rounds (after one warm-up round)")
+    _repeats_flag(prefix)
     _out_flag(prefix, "prefix")
     _log_level_flag(prefix)
     prefix.set_defaults(func=cmd_bench_prefix)
 
     tiers = suites.add_parser("tiers", help="TTFT of a prompt cold vs its prefix from memory, disk and Redis, "
                                             "interleaved rounds, with load bandwidth")
-    tiers.add_argument("--repeats", type=_positive_int, default=3, help="measured rounds (after one warm-up round)")
+    _repeats_flag(tiers)
     tiers.add_argument("--prompt-tokens", type=_positive_int, default=2048, help="prompt length (default 2048)")
     tiers.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto",
                        help="model.dtype (default auto: the machine's faster dtype)")
@@ -467,7 +471,7 @@ def _add_bench(sub) -> None:
                                             "the unquantized model, interleaved rounds")
     quant.add_argument("--modes", nargs="+", choices=["none", "int8", "int4"], default=["none", "int8", "int4"])
     quant.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="fp32", help="model.dtype (default fp32)")
-    quant.add_argument("--repeats", type=_positive_int, default=3, help="measured rounds (after one warm-up round)")
+    _repeats_flag(quant)
     quant.add_argument("--prompts", type=_positive_int, default=24, help="fidelity prompts (chat/rag/agent/eval)")
     quant.add_argument("--threads", type=_positive_int, help="torch threads for the run (default: torch's)")
     _out_flag(quant, "quant")
