@@ -339,11 +339,16 @@ def test_a_bad_model_path_fails_before_ray_starts(tmp_path):
     assert done.returncode == 1 and "model path not found" in done.stderr
 
 
-def test_ray_prefix_routing_is_refused_with_the_reason(tiny_model_dir):
-    done = subprocess.run([sys.executable, "-m", "kvreuse", "serve", "--port", "0", "--replicas", "2",
-                           "--model", tiny_model_dir, "--set", "cluster.routing=ray_prefix"], cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2 and "ray_prefix is not available" in done.stderr
+def test_ray_prefix_runs_rays_own_router_as_the_peer(tmp_path, tiny_model_dir):
+    """Ray's PrefixCacheAffinityRouter matches the prompt text the ingress sends beside the tokens: a conversation
+    whose turns extend each other stays on the replica that has seen it."""
+    with cluster(tmp_path, tiny_model_dir, "ray_prefix") as server:
+        client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60,
+                               http_client=http_client())
+        seen = conversation(client, server.model)
+    assert len({turn["replica"] for turn in seen}) == 1, seen
+    for turn in range(1, len(seen)):
+        assert seen[turn]["cached"] >= previous_prompt_blocks(seen, turn) > 0, seen
 
 
 # --- the ingress's relay: a replica that dies before sending anything (a fault a live cluster cannot time) ------

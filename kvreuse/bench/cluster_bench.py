@@ -1,5 +1,6 @@
 """`kvreuse bench cluster`: the chat and agent scenarios replayed (`bench replay --sessions`) against one
-single-process server and against `kvreuse serve --replicas N` under each routing policy, in one run.
+single-process server and against `kvreuse serve --replicas N` under each routing policy (ours, and Ray's own
+character-prefix router as the peer), in one run.
 
 Each server is started as a subprocess on a free port, warmed, replayed against, and stopped before the next, so
 they never share the cores. Reported per server and scenario: exact hit rate, mean and p99 TTFT, throughput and
@@ -85,7 +86,8 @@ def run(replicas: int = 2, num_requests: int = 24, turns: int = 4, max_tokens: i
     workloads = {"chat": chat(num_requests, turns), "document-chat": document_chat(num_requests, turns),
                  "agent": agent(num_requests)}
     servers = {"single": [], "cache_aware": ["--replicas", str(replicas), "--set", "cluster.routing=cache_aware"],
-               "round_robin": ["--replicas", str(replicas), "--set", "cluster.routing=round_robin"]}
+               "round_robin": ["--replicas", str(replicas), "--set", "cluster.routing=round_robin"],
+               "ray_prefix": ["--replicas", str(replicas), "--set", "cluster.routing=ray_prefix"]}
     results: dict[str, dict] = {}
     for name, args in servers.items():
         with served([*server_args, *args], progress) as root:

@@ -38,8 +38,7 @@ def serve_cluster(config: Config, *, served_model_name: str | None = None, log_l
     """Serve `config`'s model on `cluster.replicas` replicas until SIGTERM or SIGINT; returns the exit code.
     Raises ConfigError, ModelLoadError (before Ray starts) or ClusterStartError."""
     if config.cluster.routing == "ray_prefix":
-        raise ConfigError("cluster.routing = ray_prefix is not available: Ray's PrefixCacheAffinityRouter is private "
-                          "API that matches raw prompt text, not our block keys; use cache_aware or round_robin")
+        ray_prefix_router()  # a Ray without it fails here, before anything starts
     api_keys = load_api_keys(config.server.api_keys_file) if config.server.api_keys_file else None
     front = FrontEnd.from_config(config)
     config = pinned(config, front)
@@ -48,16 +47,22 @@ def serve_cluster(config: Config, *, served_model_name: str | None = None, log_l
     with ray_session(config) as joined:
         try:
             handle = deploy(config, front)
-            app = create_app(front, model_name, api_keys, runner=lambda metrics: _remote(handle, metrics))
+            app = create_app(front, model_name, api_keys, runner=lambda metrics: _remote(handle, metrics, front))
             return run_http(app, config, describe(config, front, model_name, api_keys), log_level)
         finally:
             _stop_serve(joined)
 
 
-def _remote(handle, metrics):
+def _remote(handle, metrics, front: FrontEnd):
     from kvreuse.cluster.remote_engine import RemoteEngine
 
-    return RemoteEngine(handle, on_finish=metrics.observe_finished, on_gauges=metrics.observe_replica)
+    # Ray's prefix router matches the prompt's text: the ingress sends it beside the tokens (decoded, so it is
+    # exactly what the tokens say, special tokens included).
+    text = None
+    if front.config.cluster.routing == "ray_prefix":
+        text = lambda seq: front.tokenizer.decode(seq.prompt_token_ids, skip_special_tokens=False)  # noqa: E731
+    return RemoteEngine(handle, on_finish=metrics.observe_finished, on_gauges=metrics.observe_replica,
+                        prompt_text=text)
 
 
 def pinned(config: Config, front: FrontEnd) -> Config:
@@ -123,6 +128,8 @@ def _deployment(config: Config, front: FrontEnd):
         request_router_class=KVReuseRouter, request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
         request_router_kwargs={"routing": cluster.routing, "fingerprint": front.fingerprint,
                                "block_size": front.block_size, **_thresholds(config, front)})
+    if cluster.routing == "ray_prefix":  # the peer: Ray's own character-prefix router, with its defaults
+        router = RequestRouterConfig(request_router_class=ray_prefix_router())
     # The ingress admits at most server.max_queue requests; a replica takes all it is sent and queues them in its
     # scheduler, as the single server's engine does.
     return serve.deployment(EngineReplica, name="EngineReplica", num_replicas=cluster.replicas,
@@ -131,6 +138,19 @@ def _deployment(config: Config, front: FrontEnd):
                             max_constructor_retry_count=1,
                             # kvreuse logs what matters (cache hits at INFO); Serve's line per call is noise here.
                             logging_config={"log_level": "WARNING", "enable_access_log": False})
+
+
+def ray_prefix_router() -> type:
+    """Ray's PrefixCacheAffinityRouter (`cluster.routing = ray_prefix`), from the private path it lives at without
+    vLLM; ConfigError naming the problem if this Ray lacks it."""
+    try:
+        from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import (
+            PrefixCacheAffinityRouter,
+        )
+    except ImportError as exc:
+        raise ConfigError(f"cluster.routing = ray_prefix needs Ray's PrefixCacheAffinityRouter, which this Ray does "
+                          f"not have ({exc}); use cache_aware or round_robin") from exc
+    return PrefixCacheAffinityRouter
 
 
 def _thresholds(config: Config, front: FrontEnd) -> dict:

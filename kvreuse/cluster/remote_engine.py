@@ -27,8 +27,10 @@ RETRIES = 1  # a request whose replica fails before it sent anything is sent aga
 
 class RemoteEngine:
     def __init__(self, handle, on_finish: Callable[[RequestOutput], None] | None = None,
-                 on_gauges: Callable[[str, dict], None] | None = None):
+                 on_gauges: Callable[[str, dict], None] | None = None,
+                 prompt_text: Callable[[Sequence], str] | None = None):
         self._generate = handle.options(stream=True).generate
+        self._prompt_text = prompt_text  # for a router that matches prompt text (ray_prefix)
         # Metrics: the ingress counts every replica's requests, and keeps each replica's gauges as of its last one.
         self.on_finish, self.on_gauges = on_finish, on_gauges
         self._relays: dict[str, asyncio.Task] = {}
@@ -60,7 +62,8 @@ class RemoteEngine:
     async def _relay(self, seq: Sequence, deltas: asyncio.Queue) -> None:
         for attempt in range(1 + RETRIES):
             relayed = 0
-            stream = self._generate.remote(RequestSpec.of(seq))
+            text = self._prompt_text(seq) if self._prompt_text else None
+            stream = self._generate.remote(RequestSpec.of(seq, text))
             try:
                 async for delta in stream:
                     relayed += 1

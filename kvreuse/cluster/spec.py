@@ -15,8 +15,10 @@ class RequestSpec:
     params: SamplingParams
     cache_salt: str | None = None
     use_cache: bool = True
+    # The prompt as text, only for `cluster.routing = ray_prefix`: Ray's character-prefix router reads `.prompt`.
+    prompt: str | None = None
 
     @classmethod
-    def of(cls, seq: Sequence) -> RequestSpec:
+    def of(cls, seq: Sequence, prompt: str | None = None) -> RequestSpec:
         """The spec of a sequence the ingress's front end made (`FrontEnd.make_sequence`)."""
-        return cls(seq.request_id, list(seq.prompt_token_ids), seq.params, seq.cache_salt, seq.kv.use_cache)
+        return cls(seq.request_id, list(seq.prompt_token_ids), seq.params, seq.cache_salt, seq.kv.use_cache, prompt)
