@@ -166,6 +166,16 @@ def test_a_burst_is_spread_before_ray_reports_any_routing():
     assert sum(len(ids) for ids in router.in_flight.values()) == 6 and "r0" not in router.in_flight[chosen[0]]
 
 
+def test_admin_work_goes_to_the_replica_it_names():
+    from kvreuse.cluster.spec import AdminSpec
+
+    router = fake_router()
+    a, b = FakeReplica("a"), FakeReplica("b")
+    assert choose(router, [a, b], FakePending([AdminSpec("b", "stats")])) == [[b]]
+    assert choose(router, [a, b], FakePending([AdminSpec("gone", "stats")])) == [[a, b]]  # refused by whoever gets it
+    assert router.in_flight == {}  # admin work is not load
+
+
 def test_the_router_never_raises_a_broken_request_or_policy_ranks_all_alike():
     router = fake_router()
     replicas = [FakeReplica("a"), FakeReplica("b", routing_stats={"keys": b"short", "time": "not a time"})]
@@ -229,8 +239,13 @@ def test_cache_aware_keeps_a_conversation_on_one_replica_and_streams(tmp_path, t
 
         with http_client(30) as raw:
             assert raw.get(f"{server.root}/health").json() == {"status": "ok"}
-            stats = raw.get(f"{server.root}/cache/stats")
-            assert stats.status_code == 501 and "replicas" in stats.json()["error"]["message"]
+            stats = raw.get(f"{server.root}/cache/stats").json()  # every replica that served, by name
+            served = stats["replicas"][seen[0]["replica"]]
+            assert served["blocks_cached"] > 0 and stats["memory"]["blocks_cached"] >= served["blocks_cached"]
+            reset = raw.post(f"{server.root}/reset_prefix_cache").json()
+            assert reset["dropped"]["memory"] == stats["memory"]["blocks_cached"]
+            after = raw.get(f"{server.root}/cache/stats").json()
+            assert after["memory"]["blocks_cached"] == 0
         scrape = server.metrics()
         assert scrape.get("vllm:prefix_cache_hits_total", model_name=server.model) > 0
         # Gauges: the replicas' engines, as of their latest finished requests.
@@ -373,6 +388,8 @@ class FakeStream:
 
 class FakeHandle:
     """A DeploymentHandle whose calls fail `faults` times before the first delta, then stream normally."""
+
+    admin = None  # no admin work in these tests
 
     def __init__(self, deltas: list, faults: int):
         self.deltas, self.faults, self.calls = deltas, faults, 0

@@ -14,7 +14,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from kvreuse.cluster.spec import RequestSpec
+from kvreuse.cluster.spec import AdminSpec, RequestSpec
 from kvreuse.engine.output import RequestOutput
 from kvreuse.engine.sequence import Sequence
 from kvreuse.server.async_engine import Delta, EngineDeadError
@@ -30,6 +30,8 @@ class RemoteEngine:
                  on_gauges: Callable[[str, dict], None] | None = None,
                  prompt_text: Callable[[Sequence], str] | None = None):
         self._generate = handle.options(stream=True).generate
+        self._admin = handle.admin
+        self.replicas: set[str] = set()  # replicas that have served a request: where admin work goes
         self._prompt_text = prompt_text  # for a router that matches prompt text (ray_prefix)
         # Metrics: the ingress counts every replica's requests, and keeps each replica's gauges as of its last one.
         self.on_finish, self.on_gauges = on_finish, on_gauges
@@ -85,6 +87,8 @@ class RemoteEngine:
                 return
 
     def _finished(self, delta: Delta) -> None:
+        if delta.output.replica:
+            self.replicas.add(delta.output.replica)
         self._notify(self.on_finish, delta.output)
         if delta.gauges is not None and delta.output.replica:
             self._notify(self.on_gauges, delta.output.replica, delta.gauges)
@@ -103,10 +107,31 @@ class RemoteEngine:
             relay.cancel()
 
     async def call(self, fn):
-        """Engine-state admin work (`/reset_prefix_cache`, `/cache/stats`) has no single engine here: 501."""
-        raise APIError(501, "not available with --replicas > 1: each replica has its own KV pool and statistics "
-                            "(cluster mode serves completions, tokenization, /cache/warm, /health and /metrics)",
-                       "not_implemented")
+        """Arbitrary engine-state work has no single engine here: 501 (the admin routes use the methods below)."""
+        raise APIError(501, "not available with --replicas > 1: each replica has its own engine", "not_implemented")
+
+    async def reset_prefix_cache(self, tiers: bool = False) -> dict[str, int]:
+        """Every replica that has served drops its cached blocks (and with `tiers` its tiers); the sums per tier. A
+        replica that never served holds nothing to drop."""
+        total: dict[str, int] = {}
+        for dropped in (await self._fan_out("reset_prefix_cache", tiers)).values():
+            for tier, count in dropped.items():
+                total[tier] = total.get(tier, 0) + count
+        return total
+
+    async def snapshots(self) -> dict[str, dict]:
+        """The engine snapshot of every replica that has served, by name."""
+        return await self._fan_out("stats")
+
+    async def _fan_out(self, operation: str, tiers: bool = False) -> dict[str, dict]:
+        results = {}
+        for name in sorted(self.replicas):
+            try:
+                results[name] = await self._admin.remote(AdminSpec(name, operation, tiers))
+            except Exception as exc:  # replaced since (a new replica has a new name): forget it
+                logger.info("replica %s did not take %s (%s); it is forgotten", name, operation, exc)
+                self.replicas.discard(name)
+        return results
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._running = False

@@ -6,6 +6,7 @@ streaming DeploymentHandle; Serve's controller calls `record_routing_stats` and 
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 
@@ -13,7 +14,7 @@ import torch
 from ray import serve
 
 from kvreuse.cluster.routing import KEY_BYTES
-from kvreuse.cluster.spec import RequestSpec
+from kvreuse.cluster.spec import AdminSpec, RequestSpec
 from kvreuse.config import Config
 from kvreuse.engine.engine import LLMEngine
 from kvreuse.server.async_engine import AsyncEngine, Delta, EngineDeadError
@@ -57,6 +58,17 @@ class EngineReplica:
         finally:
             if not finished:
                 self.runner.abort(spec.request_id)
+
+    async def admin(self, spec: AdminSpec) -> dict:
+        """`spec`'s operation on this replica's engine: the dropped blocks per tier, or its snapshot."""
+        if spec.replica != self.name:
+            raise LookupError(f"admin work for replica {spec.replica} reached replica {self.name}")
+        if spec.operation == "stats":
+            return await self.runner.call(LLMEngine.stats_snapshot)
+        dropped = await self.runner.call(LLMEngine.reset_prefix_cache)
+        if spec.tiers and self.engine.tiers is not None:  # off the engine thread: it waits for queued writes
+            dropped.update(await asyncio.to_thread(self.engine.tiers.clear))
+        return dropped
 
     async def record_routing_stats(self) -> dict:
         """What the router corrects its picture with: the keys the pool holds now, and the queue."""

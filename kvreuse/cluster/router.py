@@ -16,7 +16,7 @@ import time
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from kvreuse.cluster.routing import Holdings, chain_keys, make_policy
-from kvreuse.cluster.spec import RequestSpec
+from kvreuse.cluster.spec import AdminSpec, RequestSpec
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +46,9 @@ class KVReuseRouter(RequestRouter):
     def rank(self, candidates: list[RunningReplica], pending: PendingRequest | None) -> list[list[RunningReplica]]:
         """[[the chosen replica], [the others]]: Ray takes the first rank unless that replica's queue is full."""
         spec = pending.args[0] if pending is not None and pending.args else None
+        if isinstance(spec, AdminSpec):  # addressed to one replica; gone (replaced): any, which refuses it
+            addressed = [replica for replica in candidates if replica.replica_id.unique_id == spec.replica]
+            return [addressed or candidates]
         if len(candidates) < 2 or not isinstance(spec, RequestSpec):
             return [candidates]
         by_name = {replica.replica_id.unique_id: replica for replica in candidates}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from kvreuse.engine.sequence import Sequence
 from kvreuse.sampling_params import SamplingParams
@@ -22,3 +23,12 @@ class RequestSpec:
     def of(cls, seq: Sequence, prompt: str | None = None) -> RequestSpec:
         """The spec of a sequence the ingress's front end made (`FrontEnd.make_sequence`)."""
         return cls(seq.request_id, list(seq.prompt_token_ids), seq.params, seq.cache_salt, seq.kv.use_cache, prompt)
+
+
+@dataclass(frozen=True)
+class AdminSpec:
+    """Admin work for one replica, by name (the router sends it there): drop its cached blocks (`tiers`: and empty
+    its lower tiers), or report its engine snapshot."""
+    replica: str
+    operation: Literal["reset_prefix_cache", "stats"]
+    tiers: bool = False

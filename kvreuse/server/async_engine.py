@@ -102,6 +102,17 @@ class AsyncEngine:
         self._commands.put(("call", fn, future))
         return await asyncio.wrap_future(future)
 
+    async def reset_prefix_cache(self, tiers: bool = False) -> dict[str, int]:
+        """Drop the cached blocks no request holds (`tiers`: and empty the lower tiers); how many per tier."""
+        dropped = await self.call(LLMEngine.reset_prefix_cache)
+        if tiers and self.engine.tiers is not None:  # off the engine thread: it waits for queued writes first
+            dropped.update(await asyncio.to_thread(self.engine.tiers.clear))
+        return dropped
+
+    async def snapshots(self) -> dict[str, dict]:
+        """The engine's snapshot, under the name "" (a cluster's ingress names one per replica)."""
+        return {"": await self.call(LLMEngine.stats_snapshot)}
+
     def abort(self, request_id: str) -> None:
         """Stop a request (client gone); its blocks are freed on the engine thread."""
         self._commands.put(("abort", request_id, None))

@@ -11,7 +11,6 @@ import asyncio
 
 from fastapi import APIRouter, Depends, Request
 
-from kvreuse.engine.engine import LLMEngine
 from kvreuse.kvcache.accounting import ReuseRecord
 from kvreuse.server.auth import TenantDep, authenticate
 from kvreuse.server.prompts import chat_sequence, check_model, completion_sequence, off_loop
@@ -56,19 +55,21 @@ async def _warm_one(state: ServerState, item: WarmItem, request: Request, tenant
 
 @router.post("/reset_prefix_cache")
 async def reset_prefix_cache(state: StateDep, tiers: bool = False):
-    dropped = await state.async_engine.call(LLMEngine.reset_prefix_cache)
-    if tiers and state.engine.tiers is not None:  # off the engine thread: it waits for queued writes first
-        dropped.update(await asyncio.to_thread(state.engine.tiers.clear))
-    return {"status": "ok", "dropped": dropped}
+    return {"status": "ok", "dropped": await state.async_engine.reset_prefix_cache(tiers)}
+
+
+MEMORY_KEYS = ("blocks_cached", "blocks_in_use", "blocks_total", "kv_bytes_cached")
 
 
 @router.get("/cache/stats")
 async def cache_stats(state: StateDep):
-    snapshot = await state.async_engine.call(LLMEngine.stats_snapshot)
-    tiers = state.engine.tiers
+    snapshots = await state.async_engine.snapshots()
+    memory = {key: sum(s[key] for s in snapshots.values()) for key in MEMORY_KEYS}
+    if "" not in snapshots:  # a cluster: each replica's pool (the tiers are theirs too)
+        return {"memory": memory, "replicas": {name: {key: s[key] for key in MEMORY_KEYS} | {"tiers": s.get("tiers")}
+                                               for name, s in snapshots.items()}}
+    snapshot, tiers = snapshots[""], state.engine.tiers
     usage = await asyncio.to_thread(tiers.usage) if tiers else []
-    return {"memory": {"blocks_cached": snapshot["blocks_cached"], "blocks_in_use": snapshot["blocks_in_use"],
-                       "blocks_total": snapshot["blocks_total"], "kv_bytes_cached": snapshot["kv_bytes_cached"]},
-            "tiers": [{**u.__dict__, **snapshot["tiers"]["tiers"][u.name]} for u in usage],
+    return {"memory": memory, "tiers": [{**u.__dict__, **snapshot["tiers"]["tiers"][u.name]} for u in usage],
             "write_queue": {k: snapshot["tiers"][k] for k in ("queued_blocks", "dropped_blocks", "queued_bytes")}
             if tiers else None}
