@@ -361,6 +361,8 @@ def test_ray_prefix_runs_rays_own_router_as_the_peer(tmp_path, tiny_model_dir):
         client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60,
                                http_client=http_client())
         seen = conversation(client, server.model)
+        with http_client(30) as raw:  # no admin fan-out: Ray's router cannot address a replica (and must not hang)
+            assert raw.post(f"{server.root}/reset_prefix_cache").status_code == 501
     assert len({turn["replica"] for turn in seen}) == 1, seen
     for turn in range(1, len(seen)):
         assert seen[turn]["cached"] >= previous_prompt_blocks(seen, turn) > 0, seen

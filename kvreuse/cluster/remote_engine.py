@@ -124,6 +124,9 @@ class RemoteEngine:
         return await self._fan_out("stats")
 
     async def _fan_out(self, operation: str, tiers: bool = False) -> dict[str, dict]:
+        if self._prompt_text is not None:  # ray_prefix: Ray's router picks by prompt text, it cannot address one
+            raise APIError(501, "not available with cluster.routing = ray_prefix: Ray's router cannot address a "
+                                "replica by name", "not_implemented")
         results = {}
         for name in sorted(self.replicas):
             try:
