@@ -6,7 +6,6 @@ streaming DeploymentHandle; Serve's controller calls `record_routing_stats` and 
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 
@@ -64,11 +63,8 @@ class EngineReplica:
         if spec.replica != self.name:
             raise LookupError(f"admin work for replica {spec.replica} reached replica {self.name}")
         if spec.operation == "stats":
-            return await self.runner.call(LLMEngine.stats_snapshot)
-        dropped = await self.runner.call(LLMEngine.reset_prefix_cache)
-        if spec.tiers and self.engine.tiers is not None:  # off the engine thread: it waits for queued writes
-            dropped.update(await asyncio.to_thread(self.engine.tiers.clear))
-        return dropped
+            return (await self.runner.snapshots())[""]
+        return await self.runner.reset_prefix_cache(spec.tiers)
 
     async def record_routing_stats(self) -> dict:
         """What the router corrects its picture with: the keys the pool holds now, and the queue."""
