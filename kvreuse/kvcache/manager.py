@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from concurrent.futures import TimeoutError as FutureTimeout  # the builtin from 3.11, not on 3.10
 
 from kvreuse.config import CacheConfig
 from kvreuse.kvcache.block_pool import BlockPool
@@ -118,7 +119,7 @@ only registered blocks are written to the lower tiers."""
         if self.is_loading(req):
             try:
                 req.tier_load.result(timeout)
-            except TimeoutError:
+            except FutureTimeout:  # still loading: the caller asks again
                 pass
 
     def match_loads(self, req: CacheRequest, hits: Sequence[int]) -> list[LoadedBlock]:
