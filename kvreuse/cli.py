@@ -1,5 +1,5 @@
 """Command line: `kvreuse generate`, `serve`, `bench scenario|engine|prefix|tiers|quant|cluster|replay`, `fidelity`,
-`analyze`, `cache warm|stats|clear`."""
+`analyze`, `cache warm|stats|clear`, `tokenizer export`."""
 
 from __future__ import annotations
 
@@ -375,6 +375,27 @@ def cmd_cache_clear(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- tokenizer: the served tokenizer as a Hugging Face directory, for clients that want one -------------------------
+def cmd_tokenizer_export(args: argparse.Namespace) -> int:
+    from kvreuse.model.loader import load_model_info
+    from kvreuse.model.tokenizer import Tokenizer
+
+    out = Path(args.dir)
+    if out.exists() and not out.is_dir():
+        raise InputError(f"{out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not args.force:
+        raise InputError(f"{out} is not empty: choose an empty or new directory, or pass --force to overwrite the "
+                         "tokenizer files in it")
+    info = load_model_info(args.model)  # metadata only: no weights are loaded
+    # The context limit `kvreuse serve` would report, so that clients truncate where the server does.
+    server = load_config(None, [f"server.max_tokens={args.max_model_len}"] if args.max_model_len else []).server
+    max_model_len = min(server.max_tokens, info.args.max_position_embeddings)
+    written = Tokenizer.load(info.path, info.fingerprint).export(out, max_model_len)
+    print(f"wrote {', '.join(p.name for p in written)} to {out} (model_max_length {max_model_len}); load it with "
+          f"transformers.AutoTokenizer.from_pretrained({str(out)!r})")
+    return 0
+
+
 def _add_generate(sub) -> None:
     gen = sub.add_parser("generate", help="generate completions offline")
     _common_flags(gen)
@@ -563,10 +584,25 @@ def _add_cache(sub) -> None:
     clear.set_defaults(func=cmd_cache_clear)
 
 
+def _add_tokenizer(sub) -> None:
+    tok = sub.add_parser("tokenizer", help="the model's tokenizer for other tools")
+    actions = tok.add_subparsers(dest="action", required=True, metavar="ACTION")
+    export = actions.add_parser("export", help="write the tokenizer as a Hugging Face directory (tokenizer.json, "
+                                               "tokenizer_config.json with the chat template, special_tokens_map.json)"
+                                               " without loading the weights")
+    export.add_argument("dir", metavar="DIR", help="output directory: new or empty (or see --force)")
+    export.add_argument("--model", help="a Llama-family .gguf file or Hugging Face directory (default: embedded)")
+    export.add_argument("--max-model-len", type=_positive_int,
+                        help="model_max_length to write (default: the context limit `kvreuse serve` uses)")
+    export.add_argument("--force", action="store_true", help="write into DIR even if it is not empty")
+    _log_level_flag(export)
+    export.set_defaults(func=cmd_tokenizer_export)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvreuse", description="LLM inference built around KV-cache reuse")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_generate, _add_serve, _add_bench, _add_fidelity, _add_analyze, _add_cache):
+    for add in (_add_generate, _add_serve, _add_bench, _add_fidelity, _add_analyze, _add_cache, _add_tokenizer):
         add(sub)
     return parser
 

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from kvreuse.engine.detokenizer import detokenize
 from kvreuse.engine.engine import RequestError
+from kvreuse.engine.model_runner import StepOutput
 from kvreuse.engine.sequence import Sequence
 from kvreuse.kvcache.request import CacheRequest
 from kvreuse.llm import LLM
@@ -181,8 +182,8 @@ def scripted_llm(tiny_model_dir):
     script: dict[str, list[int]] = {}
 
     def run(seqs, reuse):
-        return [script[s.request_id][s.num_completion_tokens] if s.num_computed_tokens + s.num_scheduled_tokens
-                == s.num_tokens else None for s in seqs], {}
+        return StepOutput([[(script[s.request_id][s.num_completion_tokens], None)]
+                           if s.num_computed_tokens + s.num_scheduled_tokens == s.num_tokens else None for s in seqs])
 
     llm.engine.runner.run = run
     llm.script = script

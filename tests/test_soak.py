@@ -29,6 +29,7 @@ from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 from kvreuse.engine.engine import LLMEngine, RequestError
+from kvreuse.engine.model_runner import StepOutput
 from kvreuse.engine.sequence import Sequence
 from kvreuse.llm import LLM
 from kvreuse.model.tokenizer import Tokenizer
@@ -63,7 +64,7 @@ class Faults:
         self.forward, self.armed = engine.runner.run, False
         engine.runner.run = self.run
 
-    def run(self, seqs: list[Sequence], reuse) -> tuple[list[int | None], dict]:
+    def run(self, seqs: list[Sequence], reuse) -> StepOutput:
         if self.armed:
             self.armed = False
             raise InjectedFault("injected by the soak")
@@ -97,8 +98,9 @@ class RecordingForward:
     def slot(self, seq: Sequence, position: int) -> int:
         return seq.kv.block_table[position // self.bs] * self.bs + position % self.bs
 
-    def run(self, seqs: list[Sequence], reuse) -> tuple[list[int | None], dict]:
-        return [self.forward(seq) for seq in seqs], {}
+    def run(self, seqs: list[Sequence], reuse) -> StepOutput:
+        tokens = [self.forward(seq) for seq in seqs]
+        return StepOutput([None if t is None else [(t, None)] for t in tokens])
 
     def forward(self, seq: Sequence) -> int | None:
         start, end = seq.num_computed_tokens, seq.num_computed_tokens + seq.num_scheduled_tokens

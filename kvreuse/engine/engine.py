@@ -17,7 +17,7 @@ from kvreuse.engine.front_end import (  # noqa: F401 (RequestError, DTYPES, dtyp
     resolve_device,
     resolve_dtype,
 )
-from kvreuse.engine.model_runner import ModelRunner
+from kvreuse.engine.model_runner import Draw, ModelRunner
 from kvreuse.engine.output import RequestOutput
 from kvreuse.engine.repair import RepairOutcome
 from kvreuse.engine.scheduler import Scheduler
@@ -26,7 +26,9 @@ from kvreuse.engine.stats import EngineStats
 from kvreuse.kvcache.accounting import ReuseRecord
 from kvreuse.kvcache.events import KVEventPublisher
 from kvreuse.kvcache.manager import KVCacheManager
+from kvreuse.kvcache.request import CacheRequest
 from kvreuse.kvcache.tiers.store import TieredStore
+from kvreuse.layers.sampler import TokenLogprob
 from kvreuse.model.llama import Llama
 from kvreuse.model.loader import ModelInfo, load_weights
 from kvreuse.model.quantize import quantize_model
@@ -48,7 +50,8 @@ class LLMEngine(FrontEnd):
         del weights
 
         num_blocks = self.num_kv_blocks
-        self.runner = ModelRunner(model, num_blocks, self.block_size, self.dtype, self.device)
+        self.runner = ModelRunner(model, num_blocks, self.block_size, self.dtype, self.device,
+                                  self.tokenizer.eos_token_ids)
         self.tiers = TieredStore.from_config(config.cache, PoolBlockIO(self.runner.kv_cache, self.fingerprint))
         self.kv_manager = KVCacheManager.from_config(config.cache, num_blocks, self.fingerprint, tiers=self.tiers)
         self.reuse = config.cache.suffix  # segment reuse settings: immutable, replaced only by set_reuse
@@ -78,6 +81,8 @@ class LLMEngine(FrontEnd):
         if seq.request_id in self.sequences:
             raise RequestError(f"request id {seq.request_id!r} is already in use")
         self.sequences[seq.request_id] = seq
+        if seq.params.num_sequences > 1 and not seq.choices:
+            seq.choices = [seq, *(self._choice(seq, i) for i in range(1, seq.params.num_sequences))]
         self.scheduler.add(seq)
         self.kv_manager.prefetch(seq.kv)  # the prefix the pool lacks, read from the lower tiers while it waits
         return seq
@@ -87,11 +92,21 @@ class LLMEngine(FrontEnd):
         """`make_sequence` + `add_sequence`."""
         return self.add_sequence(self.make_sequence(prompt, params, request_id, **cache_options))
 
+    def _choice(self, seq: Sequence, index: int) -> Sequence:
+        """Choice `index` of `seq`'s request: its prompt, its own seed stream (seed + index) and grammar state; it gets
+        its K/V and first token when `seq` draws its own (`_fork`)."""
+        kv = CacheRequest(list(seq.prompt_token_ids), seq.kv.extra_key, seq.kv.use_cache)
+        choice = Sequence(f"{seq.request_id}#{index}", kv, seq.params, arrival_time=seq.arrival_time, index=index,
+                          group_id=seq.request_id, parent=seq, grammar=seq.grammar, cache_salt=seq.cache_salt)
+        choice.generator = choice.generator or self.generator
+        return choice
+
     def abort(self, request_id: str) -> None:
         seq = self.sequences.pop(request_id, None)
-        if seq is not None and not seq.is_finished:
-            self.scheduler.finish(seq, "abort")
-            seq.finish_time = time.perf_counter()
+        for choice in (seq.choices or [seq]) if seq is not None else []:
+            if not choice.is_finished:
+                self.scheduler.finish(choice, "abort")
+                choice.finish_time = time.perf_counter()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -119,26 +134,72 @@ class LLMEngine(FrontEnd):
     def _run(self, seqs: list[Sequence], num_prefill_tokens: int, updated: list[Sequence]) -> None:
         """The forward and its postprocess; appends to `updated` as it goes, so that if it raises, the sequences
         that already finished are still reported."""
-        token_ids, outcomes = self.runner.run(seqs, self.reuse)
+        step = self.runner.run(seqs, self.reuse)
         now = time.perf_counter()
         self.stats.record_step(self.kv_manager, num_prefill_tokens)
-        for seq, token_id in zip(seqs, token_ids, strict=True):
-            self._account(seq, outcomes.get(seq.request_id))
+        for seq, draws in zip(seqs, step.draws, strict=True):
+            self._account(seq, step.outcomes.get(seq.request_id))
             seq.num_computed_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
             self.kv_manager.cache_computed_blocks(seq.kv, seq.num_computed_tokens)
-            if token_id is None:
+            if seq.kv.prompt_logprobs is not None:
+                self._add_prompt_logprobs(seq, *step.prompt_logprobs.get(seq.request_id, (0, [])))
+            if draws is None:
                 continue
-            seq.token_ids.append(token_id)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            self._check_finished(seq, token_id, now)
+            if seq.params.max_tokens == 0:  # it only scores its prompt: the prompt is done
+                self._finish(seq, "length", now)
+                updated.append(seq)
+                continue
+            forked = seq.unforked_choices
+            self._append(seq, *draws[0], now)
             updated.append(seq)
+            for choice, draw in zip(forked, draws[1:], strict=True):
+                self._fork(seq, choice, draw, now)
+                updated.append(choice)
+
+    def _add_prompt_logprobs(self, seq: Sequence, first: int, records: list) -> None:
+        """Merge the prompt logprobs a step computed (from position `first` on) after those taken from the cache at
+        admission, keeping the ones already known, and store those of its published blocks."""
+        known = seq.prompt_logprobs
+        for position, record in enumerate(seq.kv.cached_logprob_records):
+            if position >= len(known):
+                known.append(record)
+        seq.kv.cached_logprob_records = []
+        if records and not known:
+            known.append(None)  # position 0: nothing before it
+        assert first <= len(known) or not records, f"{seq.request_id}: prompt logprobs from {first}, {len(known)} known"
+        known.extend(records[len(known) - first:])
+        self.kv_manager.store_prompt_logprobs(seq.kv, known)
+
+    def _append(self, seq: Sequence, token_id: int, logprob: TokenLogprob | None, now: float) -> None:
+        seq.token_ids.append(token_id)
+        if logprob is not None:
+            seq.cumulative_logprob += logprob.logprob
+            if seq.params.logprobs is not None:
+                seq.logprobs.append(logprob)
+        if seq.matcher is not None and not seq.matcher.is_finished():
+            seq.matcher.accept(token_id)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        self._check_finished(seq, token_id, now)
+
+    def _fork(self, seq: Sequence, choice: Sequence, draw: Draw, now: float) -> None:
+        """Start `choice` from `seq`'s computed prompt with its own first token `draw`: it shares `seq`'s full blocks
+        and gets a copy of its partial last block. Without a block free for that copy, it waits at the head of the
+        queue and computes its prompt again (from the prefix cache, mostly)."""
+        num_computed = seq.num_computed_tokens
+        choice.reuse = ReuseRecord()  # the prompt is its request's, accounted once, on `seq`
+        if self.kv_manager.can_fork(seq.kv, num_computed):
+            self.runner.copy_blocks(self.kv_manager.fork(seq.kv, choice.kv, num_computed))
+            choice.num_computed_tokens = num_computed
+        self.scheduler.add_forked(choice, running=choice.num_computed_tokens > 0)
+        self._append(choice, *draw, now)
 
     def _fail(self, seqs: list[Sequence], exc: Exception) -> list[Sequence]:
         """Finish the unfinished of `seqs` with finish_reason "error" and free their blocks; returns them. Like
         aborted requests, they are not added to the stats."""
-        failed = [s for s in seqs if not s.is_finished]
+        groups = [s.parent or s for s in seqs]  # a choice fails with its whole request
+        failed = list({id(c): c for g in groups for c in (g.choices or [g]) if not c.is_finished}.values())
         logger.error("a step failed; failing its %d request(s): %s", len(failed),
                      " ".join(s.request_id for s in failed), exc_info=exc)
         now = time.perf_counter()
@@ -146,7 +207,7 @@ class LLMEngine(FrontEnd):
             seq.error = f"the engine failed while computing this request: {type(exc).__name__}: {exc}"
             seq.finish_time = now
             self.scheduler.finish(seq, "error")
-            self.sequences.pop(seq.request_id, None)
+            self.sequences.pop(seq.group_id, None)
         self.check_integrity()  # blocks published by earlier steps were computed whole: the cache stays valid
         return failed
 
@@ -173,7 +234,7 @@ class LLMEngine(FrontEnd):
         the whole text every step (see detokenizer.py)."""
         params = seq.params
         reason = None
-        if not params.ignore_eos and token_id in self.tokenizer.eos_token_ids:
+        if (not params.ignore_eos and token_id in self.tokenizer.eos_token_ids) or token_id in params.stop_token_ids:
             reason = "stop"
         search_from = stop_search_start(len(seq.output_text), params.stop)
         pending = detokenize(self.tokenizer, seq)    # a character still cut short, if any
@@ -186,17 +247,36 @@ class LLMEngine(FrontEnd):
             reason = "length"
         if reason is not None:
             seq.output_text = text  # what decoding the whole completion gives, a cut-short character as U+FFFD
-            seq.finish_time = now
-            self.scheduler.finish(seq, reason)
-            self.sequences.pop(seq.request_id, None)
-            self.stats.record_finished(seq)
+            self._finish(seq, reason, now)
+
+    def _finish(self, seq: Sequence, reason: str, now: float) -> None:
+        seq.finish_time = now
+        self.scheduler.finish(seq, reason)
+        if seq.group_finished:
+            self.sequences.pop(seq.group_id, None)
+        self.stats.record_finished(seq)
+        if seq.index == 0:
             reuse = " ".join(f"{k}={v}" for k, v in seq.reuse_or_planned.as_dict().items())
             logger.info("cache-hit request=%s %s completion=%d ttft_ms=%.1f finish=%s hit_rate_total=%.3f",
                         seq.request_id, reuse, seq.num_completion_tokens, (seq.ttft_s or 0) * 1000, reason,
                         self.stats.reuse.hit_rate)
 
     def output(self, seq: Sequence) -> RequestOutput:
-        return RequestOutput.from_sequence(seq)
+        """The output of the request `seq` started (its choice 0): with n > 1, every choice returned is in `choices`
+        (with best_of, the n of highest cumulative logprob, re-indexed)."""
+        if not seq.choices:
+            return RequestOutput.from_sequence(seq)
+        ranked = seq.choices
+        if seq.params.num_sequences > seq.params.n:
+            ranked = sorted(seq.choices, key=lambda c: c.cumulative_logprob, reverse=True)[:seq.params.n]
+        # The prompt is choice 0's: its prompt logprobs (echo) stand for every choice, and the usage counts it once
+        # (the other choices' records are empty), with the tokens of every choice generated.
+        prompt_logprobs = list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None
+        outputs = [replace(RequestOutput.from_sequence(c, index=i), prompt_logprobs=prompt_logprobs)
+                   for i, c in enumerate(ranked)]
+        usage = sum((RequestOutput.from_sequence(c).usage for c in seq.choices[1:]),
+                    RequestOutput.from_sequence(seq).usage)
+        return replace(RequestOutput.of_choices(outputs), usage=usage)
 
     def stats_snapshot(self) -> dict:
         """Engine state and accounting as one flat dict: the only view of the engine that metrics and logs read.

@@ -149,10 +149,11 @@ class FrontEnd:
 
     def make_sequence(self, prompt: str | list[int], params: SamplingParams | None = None,
                       request_id: str | None = None, *, cache_salt: str | None = None,
-                      use_cache: bool = True) -> Sequence:
+                      use_cache: bool = True, grammar: object | None = None) -> Sequence:
         """Tokenize and validate a request without touching engine state (safe from any thread); raises
         RequestError naming the problem. Requests with different `cache_salt` never share KV;
-        `use_cache=False` opts out of reuse."""
+        `use_cache=False` opts out of reuse. `grammar` (a kvreuse.structured CompiledGrammar) constrains what
+        every choice generates."""
         if cache_salt is not None:
             if not isinstance(cache_salt, str):
                 raise RequestError(f"cache_salt must be a string, got {type(cache_salt).__name__}", "cache_salt")
@@ -162,12 +163,19 @@ class FrontEnd:
                 raise RequestError(f"cache_salt: {exc}", "cache_salt") from None
         params = params or SamplingParams(max_tokens=self.config.server.default_max_tokens)
         self._check_stops(params.stop)
+        out_of_range = params.token_ids_in_range(self.model_args.vocab_size)
+        if out_of_range:
+            raise RequestError(f"{out_of_range}: token ids must be in [0, {self.model_args.vocab_size})", out_of_range)
+        if params.max_tokens == 0 and params.num_sequences > 1:
+            raise RequestError("n: a request that only scores its prompt (max_tokens 0) has one choice", "n")
         token_ids = self.tokenize_prompt(prompt)
         if not token_ids:
             raise RequestError("prompt is empty")
         self.check_fits(len(token_ids), params.max_tokens)
         request_id = request_id or f"req-{next(self._request_counter)}"
-        seq = Sequence(request_id, self.new_cache_request(list(token_ids), cache_salt, use_cache), params)
+        kv = self.new_cache_request(list(token_ids), cache_salt, use_cache)
+        kv.prompt_logprobs = params.prompt_logprobs
+        seq = Sequence(request_id, kv, params, grammar=grammar)
         seq.generator = seq.generator or self.generator
         seq.cache_salt = cache_salt
         return seq

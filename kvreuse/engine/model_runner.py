@@ -1,9 +1,13 @@
 """Builds one forward's tensors from scheduled sequences, runs the model over the paged KV pool, samples.
 
 Sequences that reuse cached segments ride in the same forward as the rest of the batch; repair.py repairs their
-reused K/V and says what it recomputed."""
+reused K/V and says what it recomputed. Logits are computed only for the rows that need them: each sampling
+sequence's last row, and every prompt row of a sequence scoring its prompt (in slices, so a long prompt never holds
+[T, vocab] logits at once)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 
@@ -11,9 +15,12 @@ from kvreuse.config import SuffixConfig
 from kvreuse.engine.repair import RepairOutcome, forward_reusing
 from kvreuse.engine.sequence import Sequence
 from kvreuse.layers.attention import AttentionMetadata
-from kvreuse.layers.sampler import sample
+from kvreuse.layers.logits_processors import SamplingRow
+from kvreuse.layers.sampler import TokenLogprob, sample_rows
 from kvreuse.model.llama import Llama
 from kvreuse.model.loader import ModelArgs
+
+PROMPT_LOGITS_ROWS = 256  # prompt rows turned into logits at once: [256, vocab] fp32 is 48 MiB for a 48K vocabulary
 
 
 def kv_bytes_per_block(args: ModelArgs, block_size: int, dtype: torch.dtype) -> int:
@@ -21,38 +28,108 @@ def kv_bytes_per_block(args: ModelArgs, block_size: int, dtype: torch.dtype) -> 
     return args.num_layers * 2 * block_size * args.num_kv_heads * args.head_dim * dtype.itemsize
 
 
+Draw = tuple[int, TokenLogprob | None]  # a sampled token, and its logprob when asked for
+
+
+@dataclass
+class StepOutput:
+    # Per scheduled sequence: None if its step does not reach its last token, else the token drawn for it, then one
+    # for each of its unforked choices (n > 1), in order.
+    draws: list[list[Draw] | None]
+    # Per request id that scores its prompt: (first position, the records of the positions this step computed).
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
+    outcomes: dict[str, RepairOutcome] = field(default_factory=dict)  # of sequences that reused segments
+
+
 class ModelRunner:
-    def __init__(self, model: Llama, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, model: Llama, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
+                 eos_token_ids: frozenset[int] = frozenset()):
         args = model.args
         self.model, self.block_size, self.device = model, block_size, device
+        self.eos_token_ids = eos_token_ids  # masked, with stop_token_ids, until min_tokens
         # [num_layers, K/V, num_blocks, block_size, num_kv_heads, head_dim]
         self.kv_cache = torch.zeros(args.num_layers, 2, num_blocks, block_size, args.num_kv_heads, args.head_dim,
                                     dtype=dtype, device=device)
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], reuse: SuffixConfig) -> tuple[list[int | None], dict[str, RepairOutcome]]:
+    def run(self, seqs: list[Sequence], reuse: SuffixConfig) -> StepOutput:
         """Compute each sequence's `num_scheduled_tokens` tokens from `num_computed_tokens` on. A sequence with a
-        segment plan is scheduled whole and reuses the plan's K/V, repaired per `reuse` (see repair.py).
-        Returns a sampled token for each sequence whose step reaches its last token (else None), and the repair
-        outcome of each sequence that reused segments, by request id."""
+        segment plan is scheduled whole and reuses the plan's K/V, repaired per `reuse` (see repair.py). A sequence
+        whose step reaches its last token draws the next one (and one per unforked choice)."""
         starts = [s.num_computed_tokens for s in seqs]
         lens = [s.num_scheduled_tokens for s in seqs]
         input_ids = torch.tensor([t for s, a, n in zip(seqs, starts, lens, strict=True) for t in s.token_ids[a:a + n]],
                                  device=self.device)                                   # [T]
         positions = torch.cat([torch.arange(a, a + n) for a, n in zip(starts, lens, strict=True)])  # [T]
+        offsets = [0, *torch.tensor(lens).cumsum(0).tolist()]
         samples = [a + n == s.num_tokens for s, a, n in zip(seqs, starts, lens, strict=True)]
-        logits_rows = (torch.tensor(lens).cumsum(0) - 1)[torch.tensor(samples)]        # [S] each sampler's last row
+        sample_rows = [offsets[i + 1] - 1 for i, s in enumerate(samples) if s]
+        prompt_rows = {i: range(a, min(a + n, s.num_prompt_tokens - 1))            # rows r score position r + 1
+                       for i, (s, a, n) in enumerate(zip(seqs, starts, lens, strict=True))
+                       if s.kv.prompt_logprobs is not None and a < s.num_prompt_tokens - 1}
+        rows = sorted({*sample_rows, *(offsets[i] + r - starts[i] for i, rs in prompt_rows.items() for r in rs)})
+        rows_t = torch.tensor(rows)                                                    # [R] ascending
         meta = AttentionMetadata.build(starts, lens, [s.kv.block_table for s in seqs], self.block_size, self.device)
-        outcomes: dict[str, RepairOutcome] = {}
+        out = StepOutput([None] * len(seqs))
         if any(s.kv.segment_plan is not None for s in seqs):
-            logits, outcomes = forward_reusing(self.model, self.kv_cache, seqs, input_ids, positions, meta,
-                                               logits_rows, reuse)
+            hidden, out.outcomes = forward_reusing(self.model, self.kv_cache, seqs, input_ids, positions, meta,
+                                                   rows_t, reuse)
         else:
-            logits = self.model(input_ids, positions.to(self.device), meta, self.kv_cache,
-                                logits_rows.to(self.device))
+            hidden = self.model.hidden_states(input_ids, positions.to(self.device), meta, self.kv_cache,
+                                              rows_t.to(self.device))                  # [R, hidden]
+        index_of = {row: k for k, row in enumerate(rows)}
+        for i, scored in prompt_rows.items():
+            h = hidden[[index_of[offsets[i] + r - starts[i]] for r in scored]]
+            out.prompt_logprobs[seqs[i].request_id] = (scored.start + 1, self._prompt_logprobs(seqs[i], scored, h))
+        if sample_rows:
+            self._draw(seqs, samples, hidden[[index_of[r] for r in sample_rows]], out)
+        return out
+
+    def _draw(self, seqs: list[Sequence], samples: list[bool], hidden: torch.Tensor, out: StepOutput) -> None:
+        """Sample the next token of every sampling sequence (hidden: [S, hidden], their last rows), and of each of its
+        unforked choices from the same logits."""
         sampling = [seq for seq, s in zip(seqs, samples, strict=True) if s]
+        logits = self.model.compute_logits(hidden)                                     # [S, vocab]
         for row, seq in enumerate(sampling):
             if seq.params.keep_first_logits and seq.first_logits is None:
                 seq.first_logits = logits[row].cpu()
-        tokens = iter(sample(logits, [s.params for s in sampling], [s.generator for s in sampling]))
-        return [next(tokens) if s else None for s in samples], outcomes
+        drawers = [[seq, *seq.unforked_choices] for seq in sampling]
+        if any(len(d) > 1 for d in drawers):
+            repeat = torch.tensor([len(d) for d in drawers], device=logits.device)
+            logits = logits.repeat_interleave(repeat, dim=0)                          # [S', vocab]
+        flat = [c for d in drawers for c in d]
+        token_ids, logprobs = sample_rows(logits, [self._sampling_row(c) for c in flat])
+        draws = iter(zip(token_ids, logprobs, strict=True))
+        per_seq = iter([[next(draws) for _ in d] for d in drawers])
+        out.draws = [next(per_seq) if s else None for s in samples]
+
+    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+        p = seq.params
+        if not p.processes_logits:
+            return SamplingRow(p, seq.generator, grammar=seq.matcher)
+        stop_ids = self.eos_token_ids | frozenset(p.stop_token_ids) if not p.ignore_eos else frozenset(p.stop_token_ids)
+        return SamplingRow(p, seq.generator, seq.prompt_token_ids, seq.completion_token_ids, seq.matcher, stop_ids)
+
+    def _prompt_logprobs(self, seq: Sequence, scored: range, hidden: torch.Tensor) -> list[TokenLogprob]:
+        """The model's own logprob of each prompt token after the rows `scored` (hidden: [len(scored), hidden]), with
+        the top `seq.kv.prompt_logprobs` alternatives."""
+        num_top = seq.kv.prompt_logprobs
+        next_ids = torch.tensor(seq.token_ids[scored.start + 1:scored.stop + 1], device=hidden.device)  # [R]
+        records: list[TokenLogprob] = []
+        for a in range(0, len(scored), PROMPT_LOGITS_ROWS):
+            logprobs = torch.log_softmax(self.model.compute_logits(hidden[a:a + PROMPT_LOGITS_ROWS]), dim=-1)  # [r, V]
+            ids = next_ids[a:a + PROMPT_LOGITS_ROWS]
+            chosen = logprobs.gather(1, ids[:, None])                                  # [r, 1]
+            ranks = (logprobs > chosen).sum(dim=1) + 1                                 # [r]
+            top_values, top_ids = logprobs.topk(num_top, dim=1) if num_top else (None, None)
+            for j, (token_id, value, rank) in enumerate(zip(ids.tolist(), chosen[:, 0].tolist(), ranks.tolist(),
+                                                            strict=True)):
+                top = tuple(zip(top_ids[j].tolist(), top_values[j].tolist(), strict=True)) if num_top else ()
+                records.append(TokenLogprob(token_id, value, rank, top))
+        return records
+
+    @torch.inference_mode()
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy the K/V of every layer from block `source` to block `destination`, for each pair (copy on write)."""
+        for source, destination in copies:
+            self.kv_cache[:, :, destination] = self.kv_cache[:, :, source]

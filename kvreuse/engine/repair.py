@@ -156,12 +156,12 @@ class BatchRepair:
 
 
 def forward_reusing(model: Llama, kv_cache: torch.Tensor, seqs: list[Sequence], input_ids: torch.Tensor,
-                    positions: torch.Tensor, meta: AttentionMetadata, logits_rows: torch.Tensor,
+                    positions: torch.Tensor, meta: AttentionMetadata, rows: torch.Tensor,
                     settings: SuffixConfig) -> tuple[torch.Tensor, dict[str, RepairOutcome]]:
     """The forward of a batch in which some sequences reuse cached segments (each scheduled whole, so each
     samples); the others (prefill chunks, decodes) are computed in full. input_ids, positions: [T] (positions on
-    the CPU); logits_rows: [S] rows of the batch that sample. Returns fp32 logits [S, vocab] and the outcome of
-    each reusing sequence, by request id."""
+    the CPU); rows: [S] rows of the batch that give logits (every sampling row among them). Returns their final
+    hidden states [S, hidden] and the outcome of each reusing sequence, by request id."""
     device = kv_cache.device
     for seq in seqs:
         if seq.kv.segment_plan is not None:
@@ -169,36 +169,39 @@ def forward_reusing(model: Llama, kv_cache: torch.Tensor, seqs: list[Sequence], 
     batch = BatchRepair(seqs, positions, kv_cache, settings)
     if settings.mode == "shift":
         batch.kept = (~batch.reused).nonzero().flatten()
-        logits = model(input_ids[batch.kept.to(device)], positions[batch.kept].to(device),
-                       batch.metadata_for(batch.kept), kv_cache, torch.searchsorted(batch.kept, logits_rows).to(device))
+        hidden = model.hidden_states(input_ids[batch.kept.to(device)], positions[batch.kept].to(device),
+                                     batch.metadata_for(batch.kept), kv_cache,
+                                     torch.searchsorted(batch.kept, rows).to(device))
     else:
-        logits = model.forward_selective(input_ids, positions.to(device), meta, kv_cache, logits_rows.to(device),
+        hidden = model.forward_selective(input_ids, positions.to(device), meta, kv_cache, rows.to(device),
                                          SELECT_LAYER, batch.select, batch.metadata_for)
     recomputed = torch.zeros_like(batch.reused)
     recomputed[batch.kept] = True
     recomputed &= batch.reused                                                          # [T] reused rows redone
-    logits_row_of = {row: i for i, row in enumerate(logits_rows.tolist())}
+    hidden_row_of = {row: i for i, row in enumerate(rows.tolist())}
     outcomes = {}
     for seq, a, b in batch.spans():
         plan = seq.kv.segment_plan
         if plan is None:
             continue
-        i = logits_row_of[b - 1]
+        i = hidden_row_of[b - 1]
         num_recomputed, num_discarded, guarded = int(recomputed[a:b].sum()), 0, False
-        if num_recomputed < plan.num_tokens and near_tie(logits[i], settings.guard_margin):
-            logits[i] = _forward_exact(model, kv_cache, seq, input_ids[a:b], positions[a:b])
+        if num_recomputed < plan.num_tokens and near_tie(model.compute_logits(hidden[i:i + 1])[0],
+                                                         settings.guard_margin):
+            hidden[i] = _forward_exact(model, kv_cache, seq, input_ids[a:b], positions[a:b])
             num_discarded = b - a - int(batch.reused[a:b].sum()) + num_recomputed  # the approximate pass's rows
             num_recomputed, guarded = plan.num_tokens, True
         outcomes[seq.request_id] = RepairOutcome(num_recomputed, num_discarded, guarded,
                                                  exact=num_recomputed == plan.num_tokens)
-    return logits, outcomes
+    return hidden, outcomes
 
 
 def _forward_exact(model: Llama, kv_cache: torch.Tensor, seq: Sequence, input_ids: torch.Tensor,
                    positions: torch.Tensor) -> torch.Tensor:
-    """Compute one sequence's scheduled rows [n] exactly (overwriting the repaired K/V); fp32 logits [vocab]."""
+    """Compute one sequence's scheduled rows [n] exactly (overwriting the repaired K/V); its last row's final hidden
+    state [hidden]."""
     n = len(input_ids)
     meta = AttentionMetadata.build([seq.num_computed_tokens], [n], [seq.kv.block_table], kv_cache.shape[3],
                                    kv_cache.device)
-    return model(input_ids, positions.to(kv_cache.device), meta, kv_cache,
-                 torch.tensor([n - 1], device=kv_cache.device))[0]
+    return model.hidden_states(input_ids, positions.to(kv_cache.device), meta, kv_cache,
+                               torch.tensor([n - 1], device=kv_cache.device))[0]

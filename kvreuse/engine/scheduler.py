@@ -41,6 +41,15 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    def add_forked(self, seq: Sequence, running: bool) -> None:
+        """A choice forked from a running sequence (n > 1): running beside it (it holds its blocks, may exceed
+        max_num_seqs for as long as it runs), or else first in the queue."""
+        if running:
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+        else:
+            self.waiting.appendleft(seq)
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 

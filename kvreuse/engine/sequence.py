@@ -10,6 +10,8 @@ import torch
 
 from kvreuse.kvcache.accounting import ReuseRecord
 from kvreuse.kvcache.request import CacheRequest
+from kvreuse.layers.logits_processors import TokenMask
+from kvreuse.layers.sampler import TokenLogprob
 from kvreuse.sampling_params import SamplingParams
 
 
@@ -19,7 +21,7 @@ class SequenceStatus(Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # a sequence is itself: compared by identity
 class Sequence:
     request_id: str
     kv: CacheRequest                  # its tokens, block table, keys and reuse plan, as the KV cache sees them
@@ -41,11 +43,26 @@ class Sequence:
     generator: torch.Generator | None = None
     first_logits: torch.Tensor | None = None  # [vocab] fp32, kept when params.keep_first_logits
     cache_salt: str | None = None     # the salt in kv's extra key, for handing the request to another process
+    # n / best_of > 1: the request's sequence is choice 0 and holds every choice (itself first) in `choices`; the
+    # others are forked from it once its prompt is computed, sharing its blocks (see LLMEngine._fork).
+    index: int = 0
+    group_id: str = ""                # the request id of choice 0 (its own id for choice 0)
+    choices: list[Sequence] = field(default_factory=list)
+    parent: Sequence | None = field(default=None, repr=False)  # choice 0, on the other choices
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of the completion tokens, when asked for
+    cumulative_logprob: float = 0.0   # their sum (best_of ranks choices by it)
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # position 0 has none
+    grammar: object | None = None     # the compiled response_format (kvreuse.structured), shared by the choices
+    matcher: TokenMask | None = None  # the grammar's state along this choice's tokens
 
     def __post_init__(self):
         self.num_prompt_tokens = self.kv.num_tokens
+        self.group_id = self.group_id or self.request_id
         if self.params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.params.seed)
+            seed = self.params.seed + self.index
+            self.generator = torch.Generator().manual_seed(seed - 2**64 if seed >= 2**64 else seed)
+        if self.grammar is not None and self.matcher is None:
+            self.matcher = self.grammar.matcher()
 
     @property
     def token_ids(self) -> list[int]:
@@ -84,6 +101,17 @@ class Sequence:
     @property
     def ttft_s(self) -> float | None:
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def unforked_choices(self) -> list[Sequence]:
+        """The choices still to be forked from this one: they draw their first token beside its first token."""
+        return [c for c in self.choices[1:] if not c.num_completion_tokens and not c.is_finished]
+
+    @property
+    def group_finished(self) -> bool:
+        """Every choice of its request has finished (a request of one choice: itself)."""
+        request = self.parent or self
+        return all(c.is_finished for c in request.choices) if request.choices else self.is_finished
 
     @property
     def reuse_or_planned(self) -> ReuseRecord:

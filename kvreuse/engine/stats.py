@@ -35,7 +35,7 @@ class EngineStats:
         self.peak_blocks_in_use_or_cached = max(self.peak_blocks_in_use_or_cached, in_use + pool.num_cached_blocks)
 
     def record_finished(self, seq: Sequence) -> None:
-        self.num_requests += 1
+        self.num_requests += seq.index == 0  # the other choices of a request (n > 1) are not requests of their own
         self.reuse += seq.reuse_or_planned
         self.completion_tokens += seq.num_completion_tokens
         self.num_preemptions += seq.num_preemptions

@@ -11,6 +11,7 @@ from concurrent.futures import TimeoutError as FutureTimeout  # the builtin from
 from kvreuse.config import CacheConfig
 from kvreuse.kvcache.block_pool import BlockPool
 from kvreuse.kvcache.hashing import BlockHashFn, extra_keys, sha256_block_key
+from kvreuse.kvcache.prompt_logprobs import PromptLogprobStore
 from kvreuse.kvcache.request import CacheRequest
 from kvreuse.kvcache.segment import SegmentIndex, SegmentPlan
 from kvreuse.kvcache.tiers.store import LoadedBlock, StoredBlock, TieredStore
@@ -36,6 +37,7 @@ only registered blocks are written to the lower tiers."""
         self.pool = BlockPool(num_blocks, max_cached_blocks if enable_caching else 0, policy)
         self.segments = SegmentIndex(block_size)
         self.tiers = tiers if enable_caching else None  # disk / Redis under the pool
+        self.prompt_logprobs = PromptLogprobStore(self.pool, block_size)
         # Indexed whenever caching is on, so segment reuse can be switched on for a running engine.
         if enable_caching:
             self.pool.on_register.append(self.segments.add)
@@ -75,7 +77,18 @@ only registered blocks are written to the lower tiers."""
         if not self.caches(req):
             return []
         hits = self._pool_run(req)
+        if req.prompt_logprobs is not None:
+            # Only blocks with stored prompt logprobs, and the last of those is computed again: its last row's logits
+            # give the first position after it.
+            hits = hits[:max(0, self._num_logprob_blocks(req, len(hits)) - 1)]
         return hits if len(hits) >= max(1, self.min_match_blocks) else []
+
+    def _num_logprob_blocks(self, req: CacheRequest, num_blocks: int) -> int:
+        """How many of `req`'s first `num_blocks` blocks, in a row, have prompt logprobs stored as rich as it asks."""
+        for i in range(num_blocks):
+            if self.prompt_logprobs.get(self._key(req, i), req.prompt_logprobs) is None:
+                return i
+        return num_blocks
 
     def _pool_run(self, req: CacheRequest) -> list[int]:
         """Block ids of the leading run of `req`'s full blocks (before its last token) that the pool holds."""
@@ -98,8 +111,8 @@ only registered blocks are written to the lower tiers."""
     def prefetch(self, req: CacheRequest) -> None:
         """Start reading, in the background, the part of `req`'s prefix chain that the pool lacks from the lower
         tiers; `match_loads` hands it over at admission. Nothing to do without tiers."""
-        if self.tiers is None or not self.caches(req):
-            return
+        if self.tiers is None or not self.caches(req) or req.prompt_logprobs is not None:
+            return  # (the tiers keep K/V only: a request scoring its prompt needs the logprobs too)
         start = len(self._pool_run(req))
         if start < max(1, self.min_match_blocks):
             start = 0  # a pool run too short to be used at admission: the tiers' run must stand on its own
@@ -126,7 +139,7 @@ only registered blocks are written to the lower tiers."""
         """The prefetched blocks that continue `hits` (the pool's prefix hits at admission): empty if there are none,
         if the pool lost blocks before them since the prefetch, or if all together are fewer than
         `min_match_blocks`."""
-        if req.tier_load is None or not req.tier_load.done():
+        if req.tier_load is None or not req.tier_load.done() or req.prompt_logprobs is not None:
             return []
         load = req.tier_load.result()
         offset = len(hits) - load.start
@@ -139,8 +152,8 @@ only registered blocks are written to the lower tiers."""
         beside the request's own blocks until they are copied, so it is cut (tail first) to what fits in the
         whole pool with them: a plan that could never fit would keep its request out forever, and strict
         arrival order would keep out everyone behind it."""
-        if not (self.enable_segments and req.use_cache):
-            return None
+        if not (self.enable_segments and req.use_cache) or req.prompt_logprobs is not None:
+            return None  # scored prompts are exact
         runs = self.segments.find_runs(req.token_ids, num_prefix_blocks * self.block_size, req.num_tokens - 1,
                                        req.extra_key, self.min_match_blocks)
         if not runs:
@@ -165,6 +178,8 @@ only registered blocks are written to the lower tiers."""
         for other, num_computed in publishing:
             if not self.caches(other) or other.extra_key != req.extra_key:
                 continue
+            if req.prompt_logprobs is not None and (other.prompt_logprobs or -1) < req.prompt_logprobs:
+                continue  # it publishes K/V without the prompt logprobs req needs
             end = other.num_publishable_tokens(num_computed) // bs
             if end <= len(other.block_uids):
                 continue  # publishes nothing new this step (a decode, mostly): nothing to wait for
@@ -214,6 +229,8 @@ only registered blocks are written to the lower tiers."""
             req.block_table = list(hits)
             req.block_uids = [self.pool.blocks[b].uid for b in hits]
             req.num_cached_tokens = (len(hits) + len(loads)) * self.block_size
+            if req.prompt_logprobs is not None and hits:  # before allocating below can evict the block after them
+                self._take_logprob_records(req, len(hits) + 1)
         assert not (hits or loads) or len(req.block_table) == len(hits), "hits and loads only apply at admission"
         if plan is not None:
             self.pool.hold(plan.source_block_ids)
@@ -223,6 +240,26 @@ only registered blocks are written to the lower tiers."""
         if loads:
             self._fill(req, len(hits), loads)
         req.tier_load = None
+
+    def _take_logprob_records(self, req: CacheRequest, num_blocks: int) -> None:
+        entries = [self.prompt_logprobs.get(self._key(req, i), req.prompt_logprobs) for i in range(num_blocks)]
+        assert all(entries), "a matched block lost its prompt logprobs"
+        req.cached_logprob_records = [r for entry in entries for r in entry.records]
+        req.num_logprob_blocks_stored = num_blocks
+        self.prompt_logprobs.num_hits += num_blocks
+
+    def store_prompt_logprobs(self, req: CacheRequest, records: Sequence) -> None:
+        """Keep the prompt logprob `records` (one per prompt position computed so far) of `req`'s published blocks
+        whose every position is known, under their chain keys."""
+        if not self.caches(req) or req.prompt_logprobs is None:
+            return
+        bs = self.block_size
+        for i in range(req.num_logprob_blocks_stored, min(len(records) // bs, len(req.block_uids))):
+            if req.block_uids[i] is None:
+                return  # the chain broke: nothing after it is published
+            if self.prompt_logprobs.can_put(req.block_keys[i], req.prompt_logprobs):
+                self.prompt_logprobs.put(req.block_keys[i], req.prompt_logprobs, records[i * bs:(i + 1) * bs])
+            req.num_logprob_blocks_stored = i + 1
 
     def _fill(self, req: CacheRequest, first: int, loads: Sequence[LoadedBlock]) -> None:
         """Copy loaded K/V into the request's blocks `first`, ... and publish them. A block from a farther tier is
@@ -276,6 +313,29 @@ only registered blocks are written to the lower tiers."""
         if stored and tiers:
             self.tiers.store(stored, stored_ids, tiers)
 
+    # --- n > 1: choices forked from one prompt ---------------------------------------------------------
+    def can_fork(self, req: CacheRequest, num_computed_tokens: int) -> bool:
+        """A block is free for the copy of `req`'s partial last block, if it has one."""
+        return self.pool.can_allocate(int(num_computed_tokens % self.block_size > 0))
+
+    def fork(self, parent: CacheRequest, child: CacheRequest, num_computed_tokens: int) -> list[tuple[int, int]]:
+        """Give `child` (a request with the parent's tokens and no blocks) the parent's K/V for its first
+        `num_computed_tokens`: the full blocks shared (one more reference each), the partial last block copied on
+        write. Returns the (source, destination) blocks whose K/V the caller must copy."""
+        assert not child.block_table and child.token_ids[:num_computed_tokens] == parent.token_ids[:num_computed_tokens]
+        num_full = num_computed_tokens // self.block_size
+        shared = parent.block_table[:num_full]
+        self.pool.hold(shared)
+        child.block_table = list(shared)
+        child.block_keys = parent.block_keys[:num_full]
+        child.block_uids = parent.block_uids[:num_full]
+        child.num_exact_tokens = parent.num_exact_tokens
+        if num_computed_tokens % self.block_size == 0:
+            return []
+        copy = self.pool.allocate(1)[0]
+        child.block_table.append(copy)
+        return [(parent.block_table[num_full], copy)]
+
     def free(self, req: CacheRequest) -> None:
         self.release_sources(req)
         req.tier_load = None
@@ -303,3 +363,4 @@ only registered blocks are written to the lower tiers."""
             assert self.pool.blocks[block_id].ref_cnt == count, f"block {block_id} held {count}x, ref_cnt differs"
         if self.enable_caching:
             self.segments.check_integrity(self.pool.blocks)
+        self.prompt_logprobs.check_integrity()

@@ -26,6 +26,11 @@ class CacheRequest:
     # that took (reading on the loader thread, then copying into the pool).
     num_loaded_tokens: dict[str, int] = field(default_factory=dict)
     load_seconds: float = 0.0
+    # Scoring the prompt (echo + logprobs): the alternatives per position asked for, else None. Such a request reuses
+    # only exact prefix blocks whose prompt logprobs are stored (prompt_logprobs.py), and at admission takes them here.
+    prompt_logprobs: int | None = None
+    cached_logprob_records: list = field(default_factory=list)
+    num_logprob_blocks_stored: int = 0  # leading blocks whose records are in the store (put or found there)
 
     @property
     def num_tokens(self) -> int:

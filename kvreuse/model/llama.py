@@ -108,7 +108,7 @@ class Llama(nn.Module):
         return model.to(device).eval()
 
     def forward_selective(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                          kv_cache: torch.Tensor, logits_index: torch.Tensor, select_layer: int,
+                          kv_cache: torch.Tensor, rows: torch.Tensor, select_layer: int,
                           select: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
                           meta_for: Callable[[torch.Tensor], AttentionMetadata]) -> torch.Tensor:
         """Selective recomputation (CacheBlend) for a batch whose pool already holds reused K/V.
@@ -118,7 +118,8 @@ class Llama(nn.Module):
         overwritten, so it can compare against the reused K/V) returns the rows to keep, ascending; from there
         on only those rows are computed (with attention metadata `meta_for(rows)`), and the other rows' K/V
         stay as reused.
-        `logits_index` [S] names rows of the full batch, which must be kept. Returns fp32 logits [S, vocab]."""
+        `rows` [S] names rows of the full batch, which must be kept. Returns their final hidden states [S, hidden]
+        (`compute_logits` turns them into logits)."""
         x = self.embed_tokens(input_ids)                                  # [T, hidden]
         cos, sin = self.rotary.cos_sin(positions, x.dtype)                # [T, 1, D] each
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, layer_caches(kv_cache), strict=True)):
@@ -126,22 +127,30 @@ class Llama(nn.Module):
                 x = layer(x, cos, sin, k_cache, v_cache, meta)
                 continue
             q, k, v = layer.qkv(x, cos, sin)
-            rows = select(k, v, meta.slot_mapping)                        # [T'] kept rows, ascending
+            kept = select(k, v, meta.slot_mapping)                        # [T'] kept rows, ascending
             store_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-            kept_index = torch.searchsorted(rows, logits_index).clamp_max(len(rows) - 1)  # [S] their new rows
-            assert bool((rows[kept_index] == logits_index).all()), "a row that gives logits was not kept"
-            meta, logits_index = meta_for(rows), kept_index
-            x, q, cos, sin = x[rows], q[rows], cos[rows], sin[rows]
+            kept_index = torch.searchsorted(kept, rows).clamp_max(len(kept) - 1)  # [S] their new rows
+            assert bool((kept[kept_index] == rows).all()), "a row that gives logits was not kept"
+            meta, rows = meta_for(kept), kept_index
+            x, q, cos, sin = x[kept], q[kept], cos[kept], sin[kept]
             x = layer.attend_and_mlp(x, q, k_cache, v_cache, meta)
-        return self.lm_head(self.norm(x[logits_index])).float()
+        return self.norm(x[rows])
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: torch.Tensor, logits_index: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [T]; kv_cache: [num_layers, 2, num_blocks, block_size, Hkv, D];
         logits_index: [S] rows of the batch to produce logits for. Returns fp32 logits [S, vocab]."""
+        return self.compute_logits(self.hidden_states(input_ids, positions, meta, kv_cache, logits_index))
+
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                      kv_cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """`forward` up to the LM head: the final (normed) hidden states [S, hidden] of `rows` [S]."""
         x = self.embed_tokens(input_ids)                                  # [T, hidden]
         cos, sin = self.rotary.cos_sin(positions, x.dtype)                # [T, 1, D] each
         for layer, (k_cache, v_cache) in zip(self.layers, layer_caches(kv_cache), strict=True):
             x = layer(x, cos, sin, k_cache, v_cache, meta)
-        x = self.norm(x[logits_index])                                    # [S, hidden]
-        return self.lm_head(x).float()                                    # [S, vocab]
+        return self.norm(x[rows])                                         # [S, hidden]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [S, hidden] final hidden states -> fp32 logits [S, vocab]."""
+        return self.lm_head(hidden).float()

@@ -8,6 +8,7 @@ so a message cannot forge a role or end its turn.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -180,3 +181,66 @@ class Tokenizer:
         parts = [(self._backend if marker else self._text_backend).encode(text, add_special_tokens=False)
                  for text, marker in chat.pieces if text]
         return self._backend.post_process(Encoding.merge(parts, growing_offsets=True), add_special_tokens=True).ids
+
+    # --- for outside clients: vLLM's add_special_tokens, token strings, a Hugging Face directory ---------------
+
+    def post_processor_additions(self) -> tuple[list[int], list[int]]:
+        """The token ids the tokenizer's post-processing adds before and after a single text (a BOS, an EOS):
+        what `add_special_tokens=True` adds over `False`. Empty lists for a model that adds none (SmolLM2)."""
+        bare = self._backend.encode("a", add_special_tokens=False).ids
+        full = self._backend.encode("a", add_special_tokens=True).ids
+        start = next(i for i in range(len(full) - len(bare) + 1) if full[i:i + len(bare)] == bare)
+        return full[:start], full[start + len(bare):]
+
+    def without_additions(self, token_ids: list[int]) -> list[int]:
+        """`token_ids` (from `encode` or `encode_chat`) as `add_special_tokens=False` would have given them: the
+        post-processor's additions at either end dropped."""
+        before, after = self.post_processor_additions()
+        if before and token_ids[:len(before)] == before:
+            token_ids = token_ids[len(before):]
+        if after and token_ids[len(token_ids) - len(after):] == after:
+            token_ids = token_ids[:len(token_ids) - len(after)]
+        return token_ids
+
+    def token_strings(self, token_ids: list[int]) -> list[str]:
+        """Each token's vocabulary string (byte-level symbols such as `Ġthe`), as HF's `convert_ids_to_tokens`."""
+        return [self._backend.id_to_token(i) for i in token_ids]
+
+    def tokenizer_config(self, model_max_length: int) -> dict:
+        """The tokenizer's `tokenizer_config.json`, for the tokenizer.json this tokenizer serializes to: its special
+        tokens, every added token and the chat template. The class is PreTrainedTokenizerFast, which transformers 4
+        and 5 both build from tokenizer.json alone (the class transformers 5 saves, TokenizersBackend, is unknown to
+        4). No `add_bos_token`: transformers 5 would rebuild the post-processor from it instead of keeping ours."""
+        added = {str(i): {"content": t.content, "lstrip": t.lstrip, "normalized": t.normalized, "rstrip": t.rstrip,
+                          "single_word": t.single_word, "special": t.special}
+                 for i, t in sorted(self._backend.get_added_tokens_decoder().items())}
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model_max_length,
+                  "clean_up_tokenization_spaces": False,  # our decode never cleans up spaces
+                  **self.special_tokens_map(), "added_tokens_decoder": added}
+        if self.hf.chat_template:
+            config["chat_template"] = self.hf.chat_template
+        return config
+
+    def special_tokens_map(self) -> dict[str, str | None]:
+        """The named special tokens (`bos_token`, `eos_token`, `pad_token`, `unk_token`), None where the model has
+        none."""
+        return {name: getattr(self.hf, name) for name in ("bos_token", "eos_token", "pad_token", "unk_token")}
+
+    def export(self, directory: Path, model_max_length: int) -> list[Path]:
+        """Writes the tokenizer as a Hugging Face directory (tokenizer.json, tokenizer_config.json with the chat
+        template, special_tokens_map.json) that `AutoTokenizer.from_pretrained` loads and that encodes exactly as
+        `encode`. Returns the files written."""
+        directory.mkdir(parents=True, exist_ok=True)
+        # A fresh copy, so that no padding or truncation a caller set on the live tokenizer is written.
+        backend = RustTokenizer.from_str(self._backend.to_str())
+        backend.no_padding()
+        backend.no_truncation()
+        files = {"tokenizer.json": backend.to_str(pretty=True),
+                 "tokenizer_config.json": json.dumps(self.tokenizer_config(model_max_length), indent=2,
+                                                     ensure_ascii=False),
+                 "special_tokens_map.json": json.dumps(
+                     {k: v for k, v in self.special_tokens_map().items() if v is not None}, indent=2,
+                     ensure_ascii=False)}
+        for name, text in files.items():
+            (directory / name).write_text(text + "\n", encoding="utf-8")
+        return [directory / name for name in files]

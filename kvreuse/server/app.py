@@ -25,7 +25,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from kvreuse.engine.engine import LLMEngine
-from kvreuse.server import routes_admin, routes_cache, routes_openai, routes_tokenize
+from kvreuse.server import routes_admin, routes_cache, routes_models, routes_openai, routes_tokenize
 from kvreuse.server.async_engine import AsyncEngine
 from kvreuse.server.errors import add_error_handlers
 from kvreuse.server.gates import AuthGate, BodyLimitGate, DrainingGate
@@ -51,7 +51,8 @@ def create_app(engine: LLMEngine, model_name: str, api_keys: dict[str, str] | No
     app.add_middleware(BodyLimitGate, max_body_mb=engine.config.server.max_body_mb)
     app.add_middleware(AuthGate, api_keys=api_keys)
     app.add_middleware(DrainingGate)
-    for router in (routes_admin.router, routes_cache.router, routes_openai.router, routes_tokenize.router):
+    for router in (routes_admin.router, routes_cache.router, routes_models.router, routes_openai.router,
+                   routes_tokenize.router):
         app.include_router(router)
     return app
 

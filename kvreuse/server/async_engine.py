@@ -13,12 +13,13 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from kvreuse.engine.engine import LLMEngine
 from kvreuse.engine.output import RequestOutput
 from kvreuse.engine.sequence import Sequence
+from kvreuse.layers.sampler import TokenLogprob
 
 logger = logging.getLogger(__name__)
 
@@ -28,12 +29,17 @@ T = TypeVar("T")
 
 @dataclass
 class Delta:
-    """New text of one request since the last delta; `output` is set on the last one. On the last one, `error`
-    says why the request failed (a step computing it raised; finish_reason "error"), else None. A `None` in
-    place of a Delta means the engine loop itself died."""
+    """New text of one choice of a request since its last delta (choice `index`; a request has one unless n > 1), with
+    the logprobs of its new tokens when asked for. `output` is set on the request's last delta (all choices done;
+    `output.all_choices` has each one's). On the last one, `error` says why the request failed (a step computing it
+    raised; finish_reason "error"), else None. A `None` in place of a Delta means the engine loop itself died."""
     text: str
     output: RequestOutput | None = None
     gauges: dict | None = None  # from a cluster replica, on the last delta: its engine's stats_snapshot()
+    index: int = 0
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None  # set when choice `index` is done
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # the prompt's (echo), on the request's first delta
 
     @property
     def finished(self) -> bool:
@@ -48,7 +54,9 @@ class Delta:
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
-    sent_chars: int = 0
+    sent_chars: dict[int, int] = field(default_factory=dict)   # per choice index
+    sent_tokens: dict[int, int] = field(default_factory=dict)  # completion tokens whose logprobs were sent
+    sent_prompt_logprobs: bool = False
 
 
 class EngineDeadError(RuntimeError):
@@ -167,19 +175,26 @@ class AsyncEngine:
 
     def _deliver(self, updated: list[Sequence]) -> None:
         for seq in updated:
-            stream = self._streams.get(seq.request_id)
+            stream = self._streams.get(seq.group_id)
             if stream is None:
                 continue
+            request = seq.parent or seq  # its request's choice 0
             if seq.error is not None:  # a failed request says nothing more: its client gets the error instead
-                self._finish_stream(seq.request_id, self.engine.output(seq))
+                self._finish_stream(seq.group_id, self.engine.output(request))
                 continue
             text = seq.output_text if seq.is_finished else _stable_prefix(seq.output_text, seq.params.stop)
-            if len(text) > stream.sent_chars or seq.is_finished:
-                delta = Delta(text[stream.sent_chars:])
-                stream.sent_chars = max(stream.sent_chars, len(text))
+            sent_chars, sent_tokens = stream.sent_chars.get(seq.index, 0), stream.sent_tokens.get(seq.index, 0)
+            logprobs = seq.logprobs[sent_tokens:] if seq.params.logprobs is not None else None
+            if len(text) > sent_chars or logprobs or seq.is_finished:
+                delta = Delta(text[sent_chars:], index=seq.index, logprobs=logprobs,
+                              finish_reason=seq.finish_reason if seq.is_finished else None)
+                if request.params.prompt_logprobs is not None and not stream.sent_prompt_logprobs:
+                    delta.prompt_logprobs, stream.sent_prompt_logprobs = list(request.prompt_logprobs), True
+                stream.sent_chars[seq.index] = max(sent_chars, len(text))
+                stream.sent_tokens[seq.index] = len(seq.logprobs)
                 stream.loop.call_soon_threadsafe(stream.queue.put_nowait, delta)
-            if seq.is_finished:
-                self._finish_stream(seq.request_id, self.engine.output(seq))
+            if seq.group_finished:
+                self._finish_stream(seq.group_id, self.engine.output(request))
 
     def _finish_stream(self, request_id: str, output: RequestOutput | None) -> None:
         stream = self._streams.pop(request_id, None)

@@ -24,6 +24,7 @@ from kvreuse.server.protocol import (
     TokenizeRequest,
     make_id,
 )
+from kvreuse.server.responses import Prompt
 from kvreuse.server.truncation import fit_conversation
 
 # Two threads. Each job is bounded: the engine refuses, before tokenizing, any text longer than the context could
@@ -63,13 +64,21 @@ def refusal(exc: RequestError, chat: bool) -> APIError:
     return APIError(400, str(exc), param=field, code=exc.code)
 
 
-def completion_sequence(engine: LLMEngine, body: CompletionRequest, tenant: str | None) -> Sequence:
-    """The Sequence of a /v1/completions body: its prompt is the caller's whole text (or token ids)."""
-    return _sequence(engine, lambda: engine.tokenize_prompt(body.prompt), body, tenant, chat=False)
+def completion_prompts(engine: LLMEngine, body: CompletionRequest, tenant: str | None) -> list[Prompt]:
+    """The prompts of a /v1/completions body (one, or a batch): each is the caller's whole text (or token ids)."""
+    prompts = []
+    for prompt in body.prompts:
+        seq = _sequence(engine, lambda p=prompt: engine.tokenize_prompt(p), body, tenant, chat=False)
+        echo = None
+        if body.echo:
+            echo = prompt if isinstance(prompt, str) else engine.tokenizer.decode(prompt, skip_special_tokens=False)
+        prompts.append(Prompt(seq, echo))
+    return prompts
 
 
-def chat_sequence(engine: LLMEngine, body: ChatCompletionRequest, tenant: str | None) -> tuple[Sequence, int]:
-    """The Sequence of a /v1/chat/completions body, and how many turns `server.truncate = oldest` dropped."""
+def chat_prompt(engine: LLMEngine, body: ChatCompletionRequest, tenant: str | None) -> tuple[Prompt, int]:
+    """The prompt of a /v1/chat/completions body, and how many turns `server.truncate = oldest` dropped."""
+    check_tools(engine, body)
     messages = message_dicts(body.messages)
     dropped = 0
     try:
@@ -77,7 +86,17 @@ def chat_sequence(engine: LLMEngine, body: ChatCompletionRequest, tenant: str | 
             messages, dropped = fit_conversation(engine, messages, body.max_tokens)
     except RequestError as exc:
         raise refusal(exc, chat=True) from exc
-    return _sequence(engine, lambda: engine.tokenize_chat(messages), body, tenant, chat=True), dropped
+    return Prompt(_sequence(engine, lambda: engine.tokenize_chat(messages), body, tenant, chat=True)), dropped
+
+
+def check_tools(engine: LLMEngine, body: ChatCompletionRequest) -> None:
+    """`tools` reach the model only through its chat template: refused (400) for a template that cannot render them,
+    rather than silently dropped. kvreuse does not parse tool calls out of the answer."""
+    asks = bool(body.tools) or body.tool_choice not in (None, "none", "auto")
+    if asks:
+        param = "tools" if body.tools else "tool_choice"
+        raise APIError(400, f"{param}: tool calling is not supported by kvreuse (the model's chat template renders no "
+                            f"tools, and kvreuse parses no tool calls); leave out tools and tool_choice", param=param)
 
 
 def tokenize_body(engine: LLMEngine, body: TokenizeRequest) -> list[int]:
@@ -101,9 +120,7 @@ def _sequence(engine: LLMEngine, tokenize: Callable[[], list[int]], body: Sampli
         if max_tokens is None:
             room = engine.max_model_len - len(token_ids)
             max_tokens = max(1, min(engine.config.server.default_max_tokens, room))
-        params = SamplingParams(max_tokens=max_tokens, temperature=body.temperature,
-                                top_k=max(0, body.top_k), top_p=body.top_p, seed=body.seed,
-                                stop=body.stop_list, ignore_eos=body.ignore_eos)
+        params = SamplingParams(max_tokens=max_tokens, **body.sampling_options())
         return engine.make_sequence(token_ids, params, make_id("req"), cache_salt=salt, use_cache=body.use_cache)
     except RequestError as exc:
         raise refusal(exc, chat) from exc

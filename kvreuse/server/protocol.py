@@ -1,11 +1,12 @@
 """The OpenAI wire format (the subset kvreuse serves), as pydantic models.
 
 Every field of OpenAI's completion and chat requests has one of three fates here:
-- modelled: kvreuse serves it (`max_tokens`, `stop`, `seed`, ...), and kvreuse's own extensions (`top_k`,
-  `ignore_eos`, `cache_salt`, `use_cache`);
+- modelled: kvreuse serves it (`max_tokens`, `stop`, `seed`, `n`, `logprobs`, penalties, `response_format`, ...),
+  vLLM's extensions that clients send (`top_k`, `repetition_penalty`, `min_tokens`, `stop_token_ids`, `guided_*`,
+  `ignore_eos`) and kvreuse's own (`cache_salt`, `use_cache`);
 - IGNORED: accepted and ignored, because it cannot change the answer (`user`, `metadata`, `store`, ...);
 - unsupported (`UNSUPPORTED` of each request): refused with 400 naming the field, unless its value asks for nothing
-  (`logprobs: false`, `presence_penalty: 0`, `tools: []`, ...).
+  (`suffix: ""`, `audio: null`, ...); `tools` are refused unless the model's chat template renders them.
 A field that is neither OpenAI's nor kvreuse's is refused too, with the closest known name ("did you mean
 'max_tokens'?"): a typo silently ignored would answer another request than the one meant. Every error names its field
 in `param`; a check of the whole body raises `FieldError` to do so.
@@ -22,19 +23,18 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvreuse.model.tokenizer import check_unicode
-from kvreuse.sampling_params import SEED_RANGE
+from kvreuse.sampling_params import MAX_CHOICES, MAX_LOGPROBS, SEED_RANGE
+
+MAX_BATCHED_PROMPTS = 64  # prompts in one /v1/completions request (each is a sequence, admitted together)
 
 # OpenAI fields that cannot change the answer: accepted, ignored.
 IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
                      "prompt_cache_retention", "safety_identifier", "prediction"})
 # OpenAI fields kvreuse does not implement -> the values besides null that ask for nothing (accepted).
-_UNSUPPORTED_IN_BOTH = {"logit_bias": ({},), "presence_penalty": (0,), "frequency_penalty": (0,)}
 CHAT_UNSUPPORTED = {
-    **_UNSUPPORTED_IN_BOTH, "logprobs": (False,), "top_logprobs": (0,), "tools": ([],), "tool_choice": ("none", "auto"),
-    "functions": ([],), "function_call": ("none", "auto"), "response_format": ({"type": "text"},), "audio": (),
-    "modalities": (["text"],), "reasoning_effort": (), "verbosity": (), "web_search_options": ()}
-COMPLETION_UNSUPPORTED = {**_UNSUPPORTED_IN_BOTH, "logprobs": (False,), "echo": (False,), "best_of": (1,),
-                          "suffix": ("",)}
+    "functions": ([],), "function_call": ("none", "auto"), "audio": (), "modalities": (["text"],),
+    "reasoning_effort": (), "verbosity": (), "web_search_options": ()}
+COMPLETION_UNSUPPORTED = {"suffix": ("",)}
 
 
 class FieldError(ValueError):
@@ -82,15 +82,26 @@ class SamplingFields(BaseModel):
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {}
 
     model: str
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: Annotated[int, Field(ge=0)] | None = None  # 0 only to score a prompt (echo + logprobs)
+    max_completion_tokens: Annotated[int, Field(ge=0)] | None = None  # OpenAI's newer name; wins over max_tokens
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     top_k: Annotated[int, Field(ge=-1)] = -1
     seed: Annotated[int, Field(ge=SEED_RANGE[0], lt=SEED_RANGE[1])] | None = None
     stop: str | list[str] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Annotated[int, Field(ge=1)] = 1
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=2.0)] | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
     ignore_eos: bool = False
     # kvreuse extensions: narrow cache sharing within the caller's tenant, or opt out of reuse.
     cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
@@ -117,12 +128,18 @@ class SamplingFields(BaseModel):
     def _valid_text(cls, value: Any) -> Any:
         return _check_texts(value)
 
-    @field_validator("n")
+    @field_validator("logit_bias")
     @classmethod
-    def _one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError("n > 1 is not supported; send separate requests")
-        return n
+    def _token_id_keys(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        if bias and not all(key.isdigit() for key in bias):
+            raise ValueError("logit_bias keys must be token ids (decimal strings, as JSON object keys are)")
+        return bias
+
+    @model_validator(mode="after")
+    def _max_completion_tokens(self):
+        if self.max_completion_tokens is not None:
+            self.max_tokens = self.max_completion_tokens
+        return self
 
     @field_validator("stop")
     @classmethod
@@ -137,11 +154,41 @@ class SamplingFields(BaseModel):
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
+    # What the request asks of the engine beyond the common fields; each endpoint says it its own way.
+    @property
+    def num_logprobs(self) -> int | None:
+        """Top alternatives per generated token, or None for no logprobs."""
+        return None
+
+    @property
+    def echo_prompt(self) -> bool:
+        return False
+
+    @property
+    def num_best_of(self) -> int | None:
+        return None
+
+    def sampling_options(self) -> dict[str, Any]:
+        """The SamplingParams fields these sampling fields set (max_tokens and the guided decoding aside)."""
+        logprobs = self.num_logprobs
+        return {"temperature": self.temperature, "top_k": max(0, self.top_k), "top_p": self.top_p, "seed": self.seed,
+                "stop": self.stop_list, "stop_token_ids": list(self.stop_token_ids or ()),
+                "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens, "n": self.n,
+                "best_of": self.num_best_of, "logprobs": logprobs,
+                "prompt_logprobs": logprobs if self.echo_prompt else None,
+                "presence_penalty": self.presence_penalty or 0.0, "frequency_penalty": self.frequency_penalty or 0.0,
+                "repetition_penalty": self.repetition_penalty or 1.0,
+                "logit_bias": {int(k): v for k, v in (self.logit_bias or {}).items()}}
+
 
 class CompletionRequest(SamplingFields):
     UNSUPPORTED: ClassVar[dict[str, tuple]] = COMPLETION_UNSUPPORTED
 
-    prompt: str | list[int] | list[str]
+    # One prompt (text or token ids) or a batch of them (texts or token-id lists): one choice per prompt and n.
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: bool = False
+    best_of: Annotated[int, Field(ge=1, le=MAX_CHOICES)] | None = None
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -150,14 +197,39 @@ class CompletionRequest(SamplingFields):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, prompt: str | list[int] | list[str]) -> str | list[int]:
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            if len(prompt) != 1:
-                raise ValueError("one prompt per request (a list of several strings is not supported)")
-            prompt = prompt[0]
+    def _non_empty(cls, prompt: str | list[int] | list[str] | list[list[int]]):
         if not prompt:
             raise ValueError("prompt must not be empty")
+        if isinstance(prompt, list) and isinstance(prompt[0], str | list):
+            if len(prompt) > MAX_BATCHED_PROMPTS:
+                raise ValueError(f"at most {MAX_BATCHED_PROMPTS} prompts per request, got {len(prompt)}")
+            if not all(prompt):
+                raise ValueError("prompt: every prompt of the batch must be non-empty")
         return prompt
+
+    @model_validator(mode="after")
+    def _streamable(self):
+        if self.stream and self.best_of is not None and self.best_of > self.n:
+            raise FieldError("best_of", "best_of > n cannot stream: the best choices are known only at the end")
+        return self
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The batch of prompts (a single prompt is a batch of one)."""
+        p = self.prompt
+        return list(p) if isinstance(p, list) and isinstance(p[0], str | list) else [p]
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+    @property
+    def echo_prompt(self) -> bool:
+        return self.echo
+
+    @property
+    def num_best_of(self) -> int | None:
+        return self.best_of
 
 
 class ChatMessage(BaseModel):
@@ -184,13 +256,20 @@ class ChatCompletionRequest(SamplingFields):
     UNSUPPORTED: ClassVar[dict[str, tuple]] = CHAT_UNSUPPORTED
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
 
     @model_validator(mode="after")
-    def _max_completion_tokens(self):
-        if self.max_completion_tokens is not None:
-            self.max_tokens = self.max_completion_tokens
+    def _top_logprobs_need_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise FieldError("top_logprobs", "top_logprobs needs logprobs: true")
         return self
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class _PromptOrMessages(BaseModel):

@@ -10,14 +10,26 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from kvreuse.engine.output import RequestOutput
 from kvreuse.engine.sequence import Sequence
+from kvreuse.model.tokenizer import Tokenizer
 from kvreuse.server.admission import Admission
 from kvreuse.server.async_engine import Delta, EngineDeadError
+from kvreuse.server.choices import (
+    TextOffsets,
+    chat_choice,
+    chat_chunk_choice,
+    chat_logprobs,
+    completion_choice,
+    completion_logprobs,
+    first_prompt_token,
+    merge_logprobs,
+)
 from kvreuse.server.errors import APIError
 from kvreuse.server.protocol import SamplingFields, error_body, make_id, now
 from kvreuse.server.state import ServerState
@@ -27,23 +39,103 @@ DISCONNECT_POLL_S = 0.25
 DONE = "data: [DONE]\n\n"
 
 
-async def respond(state: ServerState, seq: Sequence, body: SamplingFields, request: Request, tenant: str | None,
-                  chat: bool, truncated_turns: int = 0):
-    """Admit `seq` and answer with its completion: a StreamingResponse if `body.stream`, else the JSON dict.
-    `chat` picks the chat.completion shape over text_completion. The request holds a place in the queue (its
-    `tenant`'s and the server's) until its answer is over, however that ends."""
-    admission = admit(state, seq, tenant)
+@dataclass
+class Prompt:
+    """One prompt of a request, prepared: its sequence, and the prompt text an `echo` returns."""
+    seq: Sequence
+    echo_text: str | None = None
+
+
+async def respond(state: ServerState, prompts: list[Prompt], body: SamplingFields, request: Request,
+                  tenant: str | None, chat: bool, truncated_turns: int = 0):
+    """Admit every prompt's sequence and answer with their completions: a StreamingResponse if `body.stream`, else the
+    JSON dict. `chat` picks the chat.completion shape over text_completion. Prompt j's choice i is choice j * n + i.
+    Each sequence holds a place in the queue (its `tenant`'s and the server's) until its answer is over, however
+    that ends."""
+    admissions = admit_all(state, [p.seq for p in prompts], tenant)
     response_id = make_id("chatcmpl" if chat else "cmpl")
     extra = {"truncated_turns": truncated_turns} if truncated_turns else {}
+    render = Render(state.engine.tokenizer, body, chat)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return AdmittedStream(state, admission,
-                              stream(state, seq, admission.deltas, response_id, chat, include_usage, extra))
-    text, output = await collect_admitted(state, admission, seq, request)
-    choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": output.finish_reason}
-              if chat else {"index": 0, "text": text, "finish_reason": output.finish_reason, "logprobs": None})
+        return AdmittedStream(state, admissions,
+                              stream(state, prompts, admissions, response_id, render, include_usage, extra))
+    try:
+        outputs = await asyncio.gather(*(collect_admitted(state, a, p.seq, request)
+                                          for p, a in zip(prompts, admissions, strict=True)))
+    except BaseException:
+        for admission in admissions:  # one failed: the others stop too
+            state.admissions.release(admission)
+            state.async_engine.abort(admission.request_id)
+        raise
+    choices = [render.whole_choice(j * body.n + out.index, prompt, out)
+               for j, (prompt, (_, output)) in enumerate(zip(prompts, outputs, strict=True))
+               for out in output.all_choices]
     return {"id": response_id, "object": "chat.completion" if chat else "text_completion", "created": now(),
-            "model": state.model_name, "choices": [choice], "usage": usage(output), **extra}
+            "model": state.model_name, "choices": choices,
+            "usage": usage(RequestOutput.of_requests([output for _, output in outputs])), **extra}
+
+
+class Render:
+    """A request's choices in its endpoint's shape, with logprobs when asked for and the echoed prompt."""
+
+    def __init__(self, tokenizer: Tokenizer, body: SamplingFields, chat: bool):
+        self.tokenizer, self.chat = tokenizer, chat
+        self.logprobs = body.num_logprobs is not None
+        self.offsets: dict[int, TextOffsets] = {}  # completions' text_offset, per choice
+
+    def whole_choice(self, index: int, prompt: Prompt, out: RequestOutput) -> dict:
+        if self.chat:
+            logprobs = chat_logprobs(self.tokenizer, out.logprobs) if self.logprobs else None
+            return chat_choice(index, out.text, out.finish_reason, logprobs)
+        echo = self.echo(index, prompt, out.prompt_logprobs)
+        text = (echo[0] if echo else "") + out.text
+        logprobs = None
+        if self.logprobs:
+            completion = completion_logprobs(self.tokenizer, out.logprobs, self.offsets[index])
+            logprobs = merge_logprobs([echo[1], completion]) if echo else completion
+        return completion_choice(index, text, out.finish_reason, logprobs)
+
+    def echo(self, index: int, prompt: Prompt, prompt_logprobs: list | None) -> tuple[str, dict | None] | None:
+        """Choice `index`'s echoed prompt: its text and (with logprobs) its tokens' logprobs; None without echo."""
+        offsets = self.offsets.setdefault(index, TextOffsets())
+        if prompt.echo_text is None:
+            return None
+        if not self.logprobs:
+            return prompt.echo_text, None
+        first = first_prompt_token(self.tokenizer, prompt.seq.prompt_token_ids[0], offsets)
+        return prompt.echo_text, merge_logprobs([first, completion_logprobs(self.tokenizer, prompt_logprobs[1:],
+                                                                            offsets)])
+
+    def first_chunk(self, index: int, prompt: Prompt, prompt_logprobs: list | None) -> dict | None:
+        """What a choice's stream starts with: the assistant's role (chat), or the echoed prompt."""
+        if self.chat:
+            return chat_chunk_choice(index, {"role": "assistant", "content": ""}, None, None)
+        echo = self.echo(index, prompt, prompt_logprobs)
+        return completion_choice(index, echo[0], None, echo[1]) if echo else None
+
+    def chunk(self, index: int, delta: Delta) -> dict:
+        text, logprobs = delta.text, delta.logprobs
+        if self.chat:
+            rendered = chat_logprobs(self.tokenizer, logprobs) if self.logprobs and logprobs is not None else None
+            return chat_chunk_choice(index, {"content": text} if text else {}, delta.finish_reason, rendered)
+        offsets = self.offsets.setdefault(index, TextOffsets())
+        rendered = completion_logprobs(self.tokenizer, logprobs or [], offsets) if self.logprobs else None
+        return completion_choice(index, text, delta.finish_reason, rendered)
+
+
+def admit_all(state: ServerState, seqs: list[Sequence], tenant: str | None) -> list[Admission]:
+    """`admit` each sequence of one request, or none of them: a refusal gives back those already admitted."""
+    admissions: list[Admission] = []
+    try:
+        for seq in seqs:
+            admissions.append(admit(state, seq, tenant))
+    except APIError:
+        for admission in admissions:
+            state.admissions.release(admission)
+            state.async_engine.abort(admission.request_id)
+        raise
+    return admissions
 
 
 def admit(state: ServerState, seq: Sequence, tenant: str | None = None) -> Admission:
@@ -97,33 +189,38 @@ async def collect_admitted(state: ServerState, admission: Admission, seq: Sequen
 
 
 class AdmittedStream(StreamingResponse):
-    """The SSE answer of an admitted request. It gives the admission back however the response ends, even when
-    the client left before the first event (an ASGI 2.4 server's `send` then raises at the response start, the
-    body never starts, and neither does `stream`, which would abort the request: this does); a request cut at
-    the drain deadline ends with an error event and [DONE]."""
+    """The SSE answer of admitted requests (the prompts of one request). It gives the admissions back however the
+    response ends, even when the client left before the first event (an ASGI 2.4 server's `send` then raises at the
+    response start, the body never starts, and neither does `stream`, which would abort the requests: this does); a
+    request cut at the drain deadline ends with an error event and [DONE]."""
 
-    def __init__(self, state: ServerState, admission: Admission, events: AsyncIterator[str]):
+    def __init__(self, state: ServerState, admissions: list[Admission], events: AsyncIterator[str]):
         super().__init__(self._relay(events), media_type="text/event-stream")
-        self.state, self.admission = state, admission
+        self.state, self.admissions = state, admissions
         self.relayed_all = False
 
     async def __call__(self, scope, receive, send):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self.state.admissions.release(self.admission)
-            if not self.relayed_all:  # for a request that already ended, an abort would do nothing
-                self.state.async_engine.abort(self.admission.request_id)
+            for admission in self.admissions:
+                self.state.admissions.release(admission)
+                if not self.relayed_all:  # for a request that already ended, an abort would do nothing
+                    self.state.async_engine.abort(admission.request_id)
+
+    @property
+    def cut(self) -> bool:
+        return any(a.cut for a in self.admissions)
 
     async def _relay(self, events: AsyncIterator[str]) -> AsyncIterator[str]:
         last = None
         async for event in events:
-            if self.admission.cut:
+            if self.cut:
                 break
             yield event
             last = event
         else:
-            if not self.admission.cut or last == DONE:
+            if not self.cut or last == DONE:
                 self.relayed_all = True
                 return
         await events.aclose()  # what it would still say is about the cut: "the engine stopped"
@@ -133,7 +230,7 @@ class AdmittedStream(StreamingResponse):
 
 async def collect(state: ServerState, seq: Sequence, deltas: asyncio.Queue,
                   request: Request) -> tuple[str, RequestOutput]:
-    """The whole text and the final output of a request; aborts it (499) if the client disconnects."""
+    """The whole text (of choice 0) and the final output of a request; aborts it (499) if the client disconnects."""
     parts = []
     loop = asyncio.get_running_loop()
     next_check = loop.time() + DISCONNECT_POLL_S
@@ -151,48 +248,75 @@ async def collect(state: ServerState, seq: Sequence, deltas: asyncio.Queue,
             raise APIError(500, "the engine stopped while serving this request", "server_error")
         if delta.error is not None:  # a step computing it failed; the engine serves on
             raise APIError(500, delta.error, "server_error")
-        parts.append(delta.text)
+        if delta.index == 0:
+            parts.append(delta.text)
         if delta.finished:
             return "".join(parts), delta.output
 
 
-async def stream(state: ServerState, seq: Sequence, deltas: asyncio.Queue, response_id: str, chat: bool,
-                 include_usage: bool, extra: dict) -> AsyncIterator[str]:
-    """The SSE events of a request, ending with `data: [DONE]`; aborts it if the client goes away."""
-    finished = False
-    try:
-        base = {"id": response_id, "object": "chat.completion.chunk" if chat else "text_completion",
-                "created": now(), "model": state.model_name, **extra}
-        first = True
+async def stream(state: ServerState, prompts: list[Prompt], admissions: list[Admission], response_id: str,
+                 render: Render, include_usage: bool, extra: dict) -> AsyncIterator[str]:
+    """The SSE events of a request's prompts (their deltas interleaved as they come), ending with `data: [DONE]`;
+    aborts them if the client goes away."""
+    merged: asyncio.Queue = asyncio.Queue()
+
+    async def forward(j: int, deltas: asyncio.Queue) -> None:
         while True:
             delta = await deltas.get()
+            merged.put_nowait((j, delta))
+            if delta is None or delta.finished:
+                return
+
+    relays = [asyncio.create_task(forward(j, a.deltas)) for j, a in enumerate(admissions)]
+    n = max(1, prompts[0].seq.params.n)
+    base = {"id": response_id, "object": "chat.completion.chunk" if render.chat else "text_completion",
+            "created": now(), "model": state.model_name, **extra}
+    started: set[int] = set()   # choices whose first chunk went out
+    finished: set[int] = set()  # choices whose finish reason went out
+    prompt_logprobs: dict[int, list] = {}
+    outputs: dict[int, RequestOutput] = {}
+    try:
+        while len(outputs) < len(prompts):
+            j, delta = await merged.get()
             if delta is None or delta.error is not None:  # the engine died, or a step computing it failed
                 message = "the engine stopped" if delta is None else delta.error
                 yield f"data: {json.dumps(error_body(message, 'server_error'))}\n\n"
-                yield "data: [DONE]\n\n"
+                yield DONE
                 return
-            if chat and first:
-                # With the first token, as vLLM does: clients time TTFT from the first chunk.
-                yield _chunk(base, chat, None, None, role=True)
-            first = False
-            if delta.text:
-                yield _chunk(base, chat, delta.text, None)
+            if delta.prompt_logprobs is not None:
+                prompt_logprobs[j] = delta.prompt_logprobs
             if delta.finished:
-                finished = True
-                yield _chunk(base, chat, None, delta.output.finish_reason)
-                if include_usage:
-                    yield f"data: {json.dumps({**base, 'choices': [], 'usage': usage(delta.output)})}\n\n"
-                yield "data: [DONE]\n\n"
-                return
+                outputs[j] = delta.output
+                if delta.output.prompt_logprobs is not None:
+                    prompt_logprobs.setdefault(j, delta.output.prompt_logprobs)
+            index = j * n + delta.index
+            if index not in started and (delta.text or delta.logprobs or delta.finish_reason or delta.finished):
+                # With the first token, as vLLM does: clients time TTFT from the first chunk.
+                for i in ([delta.index] if not delta.finished else [o.index for o in delta.output.all_choices]):
+                    if j * n + i not in started:
+                        started.add(j * n + i)
+                        first = render.first_chunk(j * n + i, prompts[j], prompt_logprobs.get(j))
+                        if first is not None:
+                            yield _event(base, first)
+            if delta.text or delta.logprobs or delta.finish_reason:
+                yield _event(base, render.chunk(index, delta))
+                if delta.finish_reason:
+                    finished.add(index)
+            if delta.finished:  # choices that end without a last token of their own (a scored prompt, an abort)
+                for out in delta.output.all_choices:
+                    if j * n + out.index not in finished:
+                        yield _event(base, render.chunk(j * n + out.index, Delta("", finish_reason=out.finish_reason)))
+        if include_usage:
+            total = usage(RequestOutput.of_requests([outputs[j] for j in range(len(prompts))]))
+            yield f"data: {json.dumps({**base, 'choices': [], 'usage': total})}\n\n"
+        yield DONE
     finally:
-        if not finished:  # the client went away mid-stream: free its blocks now
-            state.async_engine.abort(seq.request_id)
+        for relay in relays:
+            relay.cancel()
+        for j, admission in enumerate(admissions):
+            if j not in outputs:  # the client went away mid-stream: free its blocks now
+                state.async_engine.abort(admission.request_id)
 
 
-def _chunk(base: dict, chat: bool, text: str | None, finish_reason: str | None, role: bool = False) -> str:
-    if chat:
-        delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
-    else:
-        choice = {"index": 0, "text": text or "", "finish_reason": finish_reason, "logprobs": None}
+def _event(base: dict, choice: dict) -> str:
     return f"data: {json.dumps({**base, 'choices': [choice]}, ensure_ascii=False)}\n\n"

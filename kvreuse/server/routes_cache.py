@@ -13,7 +13,7 @@ from fastapi import APIRouter, Depends, Request
 
 from kvreuse.kvcache.accounting import ReuseRecord
 from kvreuse.server.auth import TenantDep, authenticate
-from kvreuse.server.prompts import chat_sequence, check_model, completion_sequence, off_loop
+from kvreuse.server.prompts import chat_prompt, check_model, completion_prompts, off_loop
 from kvreuse.server.protocol import ChatCompletionRequest, CompletionRequest, WarmItem, WarmRequest
 from kvreuse.server.responses import admit, collect_admitted
 from kvreuse.server.state import ServerState, StateDep
@@ -46,9 +46,11 @@ async def _warm_one(state: ServerState, item: WarmItem, request: Request, tenant
     fields = {"model": state.model_name, "max_tokens": 1, "temperature": 0.0, "cache_salt": item.cache_salt}
     if item.messages is not None:
         body = ChatCompletionRequest(messages=item.messages, **fields)
-        seq, _ = await off_loop(chat_sequence, state.engine, body, tenant)
+        prompt, _ = await off_loop(chat_prompt, state.engine, body, tenant)
     else:
-        seq = await off_loop(completion_sequence, state.engine, CompletionRequest(prompt=item.prompt, **fields), tenant)
+        [prompt] = await off_loop(completion_prompts, state.engine, CompletionRequest(prompt=item.prompt, **fields),
+                                  tenant)
+    seq = prompt.seq
     _, output = await collect_admitted(state, admit(state, seq, tenant), seq, request)
     return output.usage
 

@@ -1,9 +1,11 @@
-"""vLLM's `/tokenize` and `/detokenize` (API key required when configured)."""
+"""vLLM's `/tokenize`, `/detokenize` and `/tokenizer_info` (API key required when configured): what clients such as
+lm-evaluation-harness (its `tokenizer_backend=remote`) use instead of downloading the tokenizer."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends
 
+from kvreuse.engine.engine import LLMEngine
 from kvreuse.server.auth import authenticate
 from kvreuse.server.errors import APIError
 from kvreuse.server.prompts import check_model, off_loop, tokenize_body
@@ -13,11 +15,27 @@ from kvreuse.server.state import StateDep
 router = APIRouter(dependencies=[Depends(authenticate)])
 
 
+class TokenizeBody(TokenizeRequest):
+    """vLLM's request fields beside ours. `add_special_tokens: false` drops what the tokenizer's post-processing
+    adds (a BOS, an EOS; special-token text in a prompt is still the special token, as in vLLM and HF). Its default
+    is true for messages too, unlike vLLM's false: our chat requests get those additions, and /tokenize gives the
+    tokens a request gets. (SmolLM2's post-processing adds nothing, so both defaults give the same tokens.)"""
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
+
+
+def _tokenize(engine: LLMEngine, body: TokenizeBody) -> dict:
+    tokens = tokenize_body(engine, body)
+    if not body.add_special_tokens:
+        tokens = engine.tokenizer.without_additions(tokens)
+    return {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens,
+            "token_strs": engine.tokenizer.token_strings(tokens) if body.return_token_strs else None}
+
+
 @router.post("/tokenize")
-async def tokenize(body: TokenizeRequest, state: StateDep):
+async def tokenize(body: TokenizeBody, state: StateDep):
     check_model(state.model_name, body.model)
-    tokens = await off_loop(tokenize_body, state.engine, body)
-    return {"count": len(tokens), "max_model_len": state.engine.max_model_len, "tokens": tokens}
+    return await off_loop(_tokenize, state.engine, body)
 
 
 @router.post("/detokenize")
@@ -27,3 +45,13 @@ async def detokenize(body: DetokenizeRequest, state: StateDep):
     if any(t >= vocab for t in body.tokens):
         raise APIError(400, f"tokens must be integers in [0, {vocab})", param="tokens")
     return {"prompt": await off_loop(state.engine.tokenizer.decode, body.tokens, False)}
+
+
+@router.get("/tokenizer_info")
+async def tokenizer_info(state: StateDep):
+    """vLLM's shape: the tokenizer_config.json of the served tokenizer (`tokenizer_class`, the special tokens,
+    `chat_template`, `added_tokens_decoder`), with `model_max_length` the server's context limit."""
+    config = state.engine.tokenizer.tokenizer_config(state.engine.max_model_len)
+    # vLLM gives each added token's text only, not HF's object of flags.
+    config["added_tokens_decoder"] = {i: token["content"] for i, token in config["added_tokens_decoder"].items()}
+    return {**config, "name_or_path": state.model_name}

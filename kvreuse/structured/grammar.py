@@ -1,0 +1,151 @@
+"""Compiled grammars and per-sequence matchers over xgrammar, for one tokenizer.
+
+Output is compact: one line, separators ", " and ": ", no free whitespace. Free whitespace lets a small model
+spend its whole budget on newlines before the first key; a fixed layout also makes outputs shorter and repeatable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections import OrderedDict
+
+import numpy as np
+import torch
+import xgrammar as xgr
+
+from kvreuse.model.tokenizer import Tokenizer
+from kvreuse.structured.errors import UnsupportedFormat, engine_message
+from kvreuse.structured.formats import FormatSpec
+
+CACHE_SIZE = 128            # compiled grammars kept per tokenizer (a mid-size schema's is ~20 KB)
+COMPILE_THREADS = min(4, os.cpu_count() or 1)
+_FIELD = {"json_object": "response_format", "json_schema": "response_format", "regex": "guided_regex",
+          "choice": "guided_choice"}
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """int32 words in one row of a token bitmask: bit k of word w is token 32 * w + k."""
+    return (vocab_size + 31) // 32
+
+
+class GrammarMatcher:
+    """One sequence's position in its grammar. Not thread-safe: one sequence, one thread (the engine's)."""
+
+    def __init__(self, compiled: xgr.CompiledGrammar, eos_token_ids: list[int], vocab_size: int):
+        self._matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=eos_token_ids)
+        self._eos = eos_token_ids
+        self.vocab_size = vocab_size
+        self._finished: bool | None = None   # is_finished() for the current state; None: not computed yet
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> bool:
+        """bitmask: [rows, bitmask_words(vocab_size)] int32 on CPU; row `row` gets the allowed tokens as bits.
+        Returns False when every token is allowed (nothing to mask)."""
+        if self._matcher.is_terminated():  # EOS already accepted; a step after it may only repeat EOS
+            bitmask[row].zero_()
+            for token in self._eos:
+                bitmask[row, token // 32] |= _bit(token % 32)
+            return True
+        return bool(self._matcher.fill_next_token_bitmask(bitmask, row))
+
+    def fill_mask(self, mask: torch.Tensor) -> None:
+        """mask: [vocab_size] bool on CPU; set True where the next token is allowed, False elsewhere. For one row at a
+        time (tests, debugging): `apply_mask` masks a batch of logits through the engine's bitmask, which is faster."""
+        if mask.shape != (self.vocab_size,) or mask.dtype != torch.bool:
+            raise ValueError(f"mask must be [{self.vocab_size}] bool, not {list(mask.shape)} {mask.dtype}")
+        bitmask = torch.empty((1, bitmask_words(self.vocab_size)), dtype=torch.int32)
+        self.fill_bitmask(bitmask, 0)
+        mask.copy_(torch.from_numpy(unpack_bits(bitmask[0].numpy(), self.vocab_size)))
+
+    def accept(self, token_id: int) -> None:
+        """Advance past `token_id`. ValueError if the grammar does not allow it here (the state is unchanged)."""
+        if not self._matcher.accept_token(int(token_id)):
+            raise ValueError(f"token {token_id} is not allowed by the grammar here")
+        self._finished = None
+
+    def is_finished(self) -> bool:
+        """True once the output is complete and nothing but EOS may follow (or EOS was accepted). A regex or choice
+        whose match could still go on (`[0-9]+` after "12") is not finished: EOS and more digits are both allowed."""
+        if self._finished is None:
+            self._finished = self._matcher.is_terminated() or (self._matcher.is_completed() and self._only_eos())
+        return self._finished
+
+    def _only_eos(self) -> bool:
+        bitmask = torch.empty((1, bitmask_words(self.vocab_size)), dtype=torch.int32)
+        self._matcher.fill_next_token_bitmask(bitmask, 0)
+        for token in self._eos:
+            bitmask[0, token // 32] &= ~_bit(token % 32)
+        return not bool(bitmask.any())
+
+
+class CompiledGrammar:
+    """A format compiled against one tokenizer: immutable, shared by every sequence that asks for it."""
+
+    def __init__(self, spec: FormatSpec, compiled: xgr.CompiledGrammar, eos_token_ids: list[int], vocab_size: int):
+        self.spec = spec
+        self._compiled = compiled
+        self._eos = eos_token_ids
+        self.vocab_size = vocab_size
+
+    def matcher(self) -> GrammarMatcher:
+        """A fresh matcher at the start of the grammar, for one sequence."""
+        return GrammarMatcher(self._compiled, self._eos, self.vocab_size)
+
+
+class GrammarCompiler:
+    """Compiles FormatSpecs for one tokenizer, keeping the last CACHE_SIZE results. Thread-safe: requests are
+    parsed on several threads. Two threads compiling one spec at once both compile it (the second result wins);
+    no lock is held while compiling, so one large schema never stalls the others."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int):
+        self.vocab_size = vocab_size
+        self._eos = sorted(tokenizer.eos_token_ids)
+        # vocab_size is the logits width: ids from the tokenizer's size up to it are padding, never allowed.
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer.hf, vocab_size=vocab_size, stop_token_ids=self._eos)
+        self._compiler = xgr.GrammarCompiler(info, max_threads=COMPILE_THREADS, cache_enabled=False)
+        self._cache: OrderedDict[FormatSpec, CompiledGrammar] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def compile(self, spec: FormatSpec) -> CompiledGrammar:
+        """UnsupportedFormat (naming the request field) if the engine refuses the spec."""
+        with self._lock:
+            found = self._cache.get(spec)
+            if found is not None:
+                self._cache.move_to_end(spec)
+                return found
+        try:
+            compiled = self._compile(spec)
+        except Exception as exc:  # xgrammar raises RuntimeError (and may raise others) for what it refuses
+            raise UnsupportedFormat(_FIELD[spec.kind], f"{spec.kind}: {engine_message(exc)}") from None
+        grammar = CompiledGrammar(spec, compiled, self._eos, self.vocab_size)
+        with self._lock:
+            self._cache[spec] = grammar
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return grammar
+
+    def _compile(self, spec: FormatSpec) -> xgr.CompiledGrammar:
+        if spec.kind == "json_object":
+            # Any object, any properties: strict mode would allow declared properties only, i.e. none.
+            return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+        if spec.kind == "json_schema":
+            # Strict mode: no properties beyond the declared ones (a valid subset of what the schema allows).
+            return self._compiler.compile_json_schema(spec.value, any_whitespace=False, strict_mode=True)
+        if spec.kind == "regex":
+            return self._compiler.compile_regex(spec.value)
+        if spec.kind == "choice":
+            # JSON string literals are EBNF string literals (ensure_ascii=False: xgrammar reads raw UTF-8).
+            alternatives = " | ".join(json.dumps(choice, ensure_ascii=False) for choice in json.loads(spec.value))
+            return self._compiler.compile_grammar(f"root ::= {alternatives}")
+        raise ValueError(f"unknown format kind {spec.kind!r}")
+
+
+def unpack_bits(words: np.ndarray, vocab_size: int) -> np.ndarray:
+    """words: [bitmask_words] int32 -> [vocab_size] bool, True where the bit is set (little-endian hosts)."""
+    return np.unpackbits(words.view(np.uint8), bitorder="little")[:vocab_size].view(np.bool_)
+
+
+def _bit(k: int) -> int:
+    """Bit k of an int32 word as a Python int that torch stores without overflow (bit 31 is negative)."""
+    return -(1 << 31) if k == 31 else 1 << k
