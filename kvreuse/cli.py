@@ -1,5 +1,5 @@
-"""Command line: `kvreuse generate`, `serve`, `bench scenario|engine|prefix|tiers|quant|cluster|replay`, `fidelity`,
-`analyze`, `cache warm|stats|clear`, `tokenizer export`."""
+"""Command line: `kvreuse generate`, `serve`, `bench scenario|engine|prefix|tiers|eval|quant|cluster|replay`,
+`fidelity`, `analyze`, `cache warm|stats|clear`, `tokenizer export`."""
 
 from __future__ import annotations
 
@@ -223,6 +223,14 @@ def cmd_bench_tiers(args: argparse.Namespace) -> int:
     report = tiers_bench.run(repeats=args.repeats, redis_url=args.redis_url, dtype=args.dtype,
                              prompt_tokens=args.prompt_tokens, progress=_progress, disk_dir=args.disk_dir)
     return _publish("tiers", report, tiers_bench.markdown(report), args.out)
+
+
+def cmd_bench_eval(args: argparse.Namespace) -> int:
+    from kvreuse.bench import eval_bench
+
+    report = eval_bench.run(num_questions=args.questions, context_tokens=args.context_tokens, repeats=args.repeats,
+                            dtype=args.dtype, threads=args.threads, progress=_progress)
+    return _publish("eval", report, eval_bench.markdown(report), args.out)
 
 
 def cmd_bench_quant(args: argparse.Namespace) -> int:
@@ -487,6 +495,19 @@ def _add_bench(sub) -> None:
     _out_flag(tiers, "tiers")
     _log_level_flag(tiers)
     tiers.set_defaults(func=cmd_bench_tiers)
+
+    evaluation = suites.add_parser("eval", help="lm-eval's multiple choice (context + each answer, echo + "
+                                                "logprobs) with caching on vs off vs HF transformers, interleaved")
+    evaluation.add_argument("--questions", type=_positive_int, default=16, help="questions (default 16)")
+    evaluation.add_argument("--context-tokens", type=_positive_int, default=400,
+                            help="tokens of each question's context (default 400)")
+    evaluation.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="fp32",
+                            help="model.dtype (default fp32)")
+    evaluation.add_argument("--threads", type=_positive_int, default=2, help="torch threads for the run (default 2)")
+    _repeats_flag(evaluation)
+    _out_flag(evaluation, "eval")
+    _log_level_flag(evaluation)
+    evaluation.set_defaults(func=cmd_bench_eval)
 
     quant = suites.add_parser("quant", help="weight-only quantization: decode and prefill speed beside fidelity to "
                                             "the unquantized model, interleaved rounds")

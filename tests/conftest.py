@@ -27,7 +27,8 @@ from kvreuse.model.tokenizer import Tokenizer
 REAL_MODEL_FIXTURES = frozenset({
     "real_llm",             # conftest.py
     "real_segment_llm",     # test_segment_reuse.py
-    "real_server",          # test_server.py (subprocess)
+    "real_server",          # test_server.py, test_openai_fields.py (subprocess)
+    "hf_model",             # test_structured.py (the GGUF through transformers)
 })
 
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,

@@ -30,9 +30,15 @@ PREFILL_COUNTERS = ("kvreuse:computed_prompt_tokens_total", "kvreuse:recomputed_
                     "kvreuse:discarded_prompt_tokens_total")
 
 
-def require(module: str, pin: str) -> None:
-    if importlib.util.find_spec(module) is None:
-        pytest.skip(f"{module} is not installed (pip install '{pin}'): this test runs it against kvreuse serve")
+def needs(module: str, pin: str) -> pytest.MarkDecorator:
+    """Skip (before any server starts) when the client is not installed."""
+    return pytest.mark.skipif(importlib.util.find_spec(module) is None,
+                              reason=f"{module} is not installed (pip install '{pin}'): this test runs it against "
+                                     f"kvreuse serve")
+
+
+needs_lm_eval = needs("lm_eval", LM_EVAL_PIN)
+needs_guidellm = needs("guidellm", GUIDELLM_PIN)
 
 
 def client_env(tmp_path: Path) -> dict[str, str]:
@@ -163,13 +169,13 @@ def choice_loglikelihoods(samples: list[dict]) -> list[float]:
 
 
 # --- lm-eval ----------------------------------------------------------------------------------------------------
+@needs_lm_eval
 def test_lm_eval_multiple_choice_same_scores_with_and_without_cache(cached_server, tokenizer_dir, task_dir,
                                                                      tmp_path, tmp_path_factory):
     """8 questions x 4 choices through `local-completions` (token-id prompts, echo + logprobs + max_tokens=1): the
     same scores from a caching server, in batches of 1 and of 4 prompts, and from a server without prefix caching
     (lm-eval cannot add `use_cache: false` to a loglikelihood body); the caching server computes far fewer prompt
     tokens, since the 4 choices of a question share its ~330-token record."""
-    require("lm_eval", LM_EVAL_PIN)
     args = {"tokenizer_backend": "huggingface", "tokenizer": tokenizer_dir}
 
     before = prefill_work(cached_server)
@@ -198,10 +204,10 @@ def test_lm_eval_multiple_choice_same_scores_with_and_without_cache(cached_serve
     assert cached_work < 0.5 * plain_work, (cached_work, plain_work)
 
 
+@needs_lm_eval
 def test_lm_eval_remote_tokenizer_matches_exported(cached_server, tokenizer_dir):
     """`tokenizer_backend=auto` (local-completions' default) finds the server's /tokenizer_info and /tokenize and
     uses them: the same token ids, EOS and decoding as the exported tokenizer directory."""
-    require("lm_eval", LM_EVAL_PIN)
     from lm_eval.models.openai_completions import LocalCompletionsAPI
     from transformers import AutoTokenizer
 
@@ -216,10 +222,10 @@ def test_lm_eval_remote_tokenizer_matches_exported(cached_server, tokenizer_dir)
     assert lm.decode_batch([ids]) == [exported.decode(ids)]
 
 
+@needs_lm_eval
 def test_lm_eval_generate_until_chat(cached_server, task_dir, tmp_path):
     """`local-chat-completions` with --apply_chat_template: one chat request per question (messages, max_tokens,
     temperature 0, stop, seed); its answers are the server's greedy answers to those requests."""
-    require("lm_eval", LM_EVAL_PIN)
     _results, samples = lm_eval(cached_server, task_dir, tmp_path, "kvreuse_gen", "local-chat-completions", {},
                                 "--apply_chat_template")
     answers = [sample["filtered_resps"][0] for sample in samples]
@@ -235,10 +241,10 @@ def test_lm_eval_generate_until_chat(cached_server, task_dir, tmp_path):
 
 
 # --- guidellm ---------------------------------------------------------------------------------------------------
+@needs_guidellm
 def test_guidellm_synthetic_benchmark(cached_server, tokenizer_dir, tmp_path):
     """guidellm's synthetic benchmark (10 streamed chat requests, 256 prompt tokens, 16 output tokens, one at a time)
     completes without an error; its report has TTFT and throughput."""
-    require("guidellm", GUIDELLM_PIN)
     report = tmp_path / "guidellm.json"
     run_client(["guidellm", "run", "--backend", f"kind=openai_http,target={cached_server.root}",
                 "--profile", "kind=synchronous", "--constraint", "kind=max_requests,count=10",

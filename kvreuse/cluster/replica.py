@@ -40,7 +40,8 @@ class EngineReplica:
         """The request's deltas as the engine thread produces them; the last one carries the output, named with
         this replica. Cancelled (the client went away), it aborts the request and frees its blocks."""
         seq = self.engine.make_sequence(spec.prompt_token_ids, spec.params, spec.request_id,
-                                        cache_salt=spec.cache_salt, use_cache=spec.use_cache)
+                                        cache_salt=spec.cache_salt, use_cache=spec.use_cache,
+                                        response_format=spec.response_format)
         deltas = self.runner.submit(seq)
         finished = False
         try:

@@ -18,11 +18,14 @@ class RequestSpec:
     use_cache: bool = True
     # The prompt as text, only for `cluster.routing = ray_prefix`: Ray's character-prefix router reads `.prompt`.
     prompt: str | None = None
+    response_format: object | None = None  # a kvreuse.structured.FormatSpec: the replica compiles its grammar
 
     @classmethod
     def of(cls, seq: Sequence, prompt: str | None = None) -> RequestSpec:
         """The spec of a sequence the ingress's front end made (`FrontEnd.make_sequence`)."""
-        return cls(seq.request_id, list(seq.prompt_token_ids), seq.params, seq.cache_salt, seq.kv.use_cache, prompt)
+        response_format = seq.grammar.spec if seq.grammar is not None else None
+        return cls(seq.request_id, list(seq.prompt_token_ids), seq.params, seq.cache_salt, seq.kv.use_cache, prompt,
+                   response_format)
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,10 @@ LLMEngine is one (it inherits this), and an ingress that never runs the model bu
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,6 +26,9 @@ from kvreuse.model.loader import ModelArgs, ModelInfo, load_model_info
 from kvreuse.model.quantize import quantization_tag
 from kvreuse.model.tokenizer import ChatText, Tokenizer, check_unicode
 from kvreuse.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvreuse.structured import FormatSpec, GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -149,11 +154,11 @@ class FrontEnd:
 
     def make_sequence(self, prompt: str | list[int], params: SamplingParams | None = None,
                       request_id: str | None = None, *, cache_salt: str | None = None,
-                      use_cache: bool = True, grammar: object | None = None) -> Sequence:
+                      use_cache: bool = True, response_format: FormatSpec | None = None) -> Sequence:
         """Tokenize and validate a request without touching engine state (safe from any thread); raises
         RequestError naming the problem. Requests with different `cache_salt` never share KV;
-        `use_cache=False` opts out of reuse. `grammar` (a kvreuse.structured CompiledGrammar) constrains what
-        every choice generates."""
+        `use_cache=False` opts out of reuse. `response_format` (kvreuse.structured.parse_format) constrains what
+        every choice generates; its grammar is compiled here (UnsupportedFormat if the engine refuses it)."""
         if cache_salt is not None:
             if not isinstance(cache_salt, str):
                 raise RequestError(f"cache_salt must be a string, got {type(cache_salt).__name__}", "cache_salt")
@@ -175,10 +180,18 @@ class FrontEnd:
         request_id = request_id or f"req-{next(self._request_counter)}"
         kv = self.new_cache_request(list(token_ids), cache_salt, use_cache)
         kv.prompt_logprobs = params.prompt_logprobs
+        grammar = self.grammars.compile(response_format) if response_format is not None else None
         seq = Sequence(request_id, kv, params, grammar=grammar)
         seq.generator = seq.generator or self.generator
         seq.cache_salt = cache_salt
         return seq
+
+    @functools.cached_property
+    def grammars(self) -> GrammarCompiler:
+        """The compiler of response formats for this tokenizer (built at the first request that asks for one)."""
+        from kvreuse.structured import GrammarCompiler  # xgrammar, only when a request asks for a format
+
+        return GrammarCompiler(self.tokenizer, self.model_args.vocab_size)
 
     def new_cache_request(self, token_ids: list[int], cache_salt: str | None, use_cache: bool) -> CacheRequest:
         """The cache's record of a new request: its extra key (fingerprint, block size, salt) is part of every

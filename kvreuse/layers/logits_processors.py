@@ -1,6 +1,7 @@
 """What changes the model's logits before sampling, per request: logit_bias, min_tokens, penalties, a grammar.
 
-Applied in that order, in place, to the rows that ask for any of it (most rows ask for nothing and cost nothing).
+Applied in that order, in place (the grammars' masks batched, last), to the rows that ask for any of it (most rows
+ask for nothing and cost nothing).
 The penalties are OpenAI's presence/frequency (over the generated tokens) and vLLM's repetition penalty (over the
 prompt and the generated tokens: positive logits divided by it, negative ones multiplied).
 """
@@ -17,9 +18,8 @@ from kvreuse.sampling_params import SamplingParams
 
 
 class TokenMask(Protocol):
-    """A grammar's per-sequence state (kvreuse.structured): which tokens may come next."""
+    """A grammar's per-sequence state (kvreuse.structured.GrammarMatcher): which tokens may come next."""
 
-    def fill_mask(self, mask: torch.Tensor) -> None: ...
     def accept(self, token_id: int) -> None: ...
     def is_finished(self) -> bool: ...
 
@@ -43,7 +43,7 @@ def process_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
     """logits: [S, vocab] fp32, changed in place for the rows that ask for it."""
     vocab = logits.shape[-1]
     for i, row in enumerate(rows):
-        if not row.processes_logits:
+        if not row.params.processes_logits:
             continue
         p, out = row.params, logits[i]
         if p.logit_bias:
@@ -59,7 +59,7 @@ def process_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
         if (p.presence_penalty or p.frequency_penalty) and len(row.output_token_ids):
             counts = torch.bincount(torch.tensor(row.output_token_ids, device=out.device), minlength=vocab)[:vocab]
             out -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
-        if row.grammar is not None:
-            allowed = torch.zeros(vocab, dtype=torch.bool)
-            row.grammar.fill_mask(allowed)
-            out.masked_fill_(~allowed.to(out.device), float("-inf"))
+    if any(row.grammar is not None for row in rows):
+        from kvreuse.structured import apply_mask  # xgrammar, only when a request asks for a format
+
+        apply_mask(logits, [row.grammar for row in rows])

@@ -174,6 +174,7 @@ class AsyncEngine:
                 return
 
     def _deliver(self, updated: list[Sequence]) -> None:
+        finished: dict[str, Sequence] = {}  # requests whose every choice is done, ended once all deltas are out
         for seq in updated:
             stream = self._streams.get(seq.group_id)
             if stream is None:
@@ -194,7 +195,9 @@ class AsyncEngine:
                 stream.sent_tokens[seq.index] = len(seq.logprobs)
                 stream.loop.call_soon_threadsafe(stream.queue.put_nowait, delta)
             if seq.group_finished:
-                self._finish_stream(seq.group_id, self.engine.output(request))
+                finished[seq.group_id] = request
+        for group_id, request in finished.items():
+            self._finish_stream(group_id, self.engine.output(request))
 
     def _finish_stream(self, request_id: str, output: RequestOutput | None) -> None:
         stream = self._streams.pop(request_id, None)

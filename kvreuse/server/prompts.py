@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from kvreuse.engine.engine import LLMEngine, RequestError
 from kvreuse.engine.sequence import Sequence
@@ -26,6 +26,10 @@ from kvreuse.server.protocol import (
 )
 from kvreuse.server.responses import Prompt
 from kvreuse.server.truncation import fit_conversation
+from kvreuse.structured.errors import UnsupportedFormat
+
+if TYPE_CHECKING:
+    from kvreuse.structured import FormatSpec
 
 # Two threads. Each job is bounded: the engine refuses, before tokenizing, any text longer than the context could
 # hold (server.max_tokens x the longest token: ~166K characters, ~0.15 s, by default), and the tokenizer runs in Rust
@@ -89,6 +93,16 @@ def chat_prompt(engine: LLMEngine, body: ChatCompletionRequest, tenant: str | No
     return Prompt(_sequence(engine, lambda: engine.tokenize_chat(messages), body, tenant, chat=True)), dropped
 
 
+def structured_format(body: SamplingFields) -> FormatSpec | None:
+    """The output format the body asks for (response_format or vLLM's guided_*), or None."""
+    if body.response_format is None and body.guided_json is None and body.guided_regex is None \
+            and body.guided_choice is None:
+        return None  # xgrammar is imported only for requests that ask for a format
+    from kvreuse.structured import parse_format
+
+    return parse_format(body.response_format, body.guided_regex, body.guided_choice, body.guided_json)
+
+
 def check_tools(engine: LLMEngine, body: ChatCompletionRequest) -> None:
     """`tools` reach the model only through its chat template: refused (400) for a template that cannot render them,
     rather than silently dropped. kvreuse does not parse tool calls out of the answer."""
@@ -121,8 +135,12 @@ def _sequence(engine: LLMEngine, tokenize: Callable[[], list[int]], body: Sampli
             room = engine.max_model_len - len(token_ids)
             max_tokens = max(1, min(engine.config.server.default_max_tokens, room))
         params = SamplingParams(max_tokens=max_tokens, **body.sampling_options())
-        return engine.make_sequence(token_ids, params, make_id("req"), cache_salt=salt, use_cache=body.use_cache)
+        response_format = structured_format(body)
+        return engine.make_sequence(token_ids, params, make_id("req"), cache_salt=salt, use_cache=body.use_cache,
+                                    response_format=response_format)
     except RequestError as exc:
         raise refusal(exc, chat) from exc
+    except UnsupportedFormat as exc:
+        raise APIError(400, str(exc), param=exc.field) from exc
     except InvalidSamplingParam as exc:
         raise APIError(400, str(exc), param=exc.field) from exc
