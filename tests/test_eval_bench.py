@@ -10,6 +10,7 @@ from kvreuse.bench import eval_bench
 from kvreuse.cli import build_parser
 
 QUESTIONS = 2
+CONTEXT_TOKENS = 300  # the smallest the bench is about: its cost is the logits of every prompt position
 
 
 def test_questions_are_tokenized_as_lm_eval_does(real_tokenizer):
@@ -28,8 +29,8 @@ def test_questions_are_tokenized_as_lm_eval_does(real_tokenizer):
 
 def test_the_eval_bench_scores_alike_in_every_mode(tiny_model_dir):
     lines: list[str] = []
-    report = eval_bench.run(num_questions=QUESTIONS, repeats=1, progress=lines.append, model_path=tiny_model_dir,
-                            kv_cache_memory_mb=16)
+    report = eval_bench.run(num_questions=QUESTIONS, context_tokens=CONTEXT_TOKENS, repeats=1, progress=lines.append,
+                            model_path=tiny_model_dir, kv_cache_memory_mb=16)
     assert report["suite"] == "eval" and report["questions"] == QUESTIONS and report["repeats"] == 1
     assert report["dtype"] == "fp32" and set(report["cpu"]) == {"cpu", "machine", "flags"}
     assert report["machine"]["torch_threads"] == 2 and len(lines) == 1

@@ -68,7 +68,7 @@ class ModelRunner:
                        for i, (s, a, n) in enumerate(zip(seqs, starts, lens, strict=True))
                        if s.kv.prompt_logprobs is not None and a < s.num_prompt_tokens - 1}
         rows = sorted({*sample_rows, *(offsets[i] + r - starts[i] for i, rs in prompt_rows.items() for r in rs)})
-        rows_t = torch.tensor(rows)                                                    # [R] ascending
+        rows_t = torch.tensor(rows, dtype=torch.long)                                  # [R] ascending
         meta = AttentionMetadata.build(starts, lens, [s.kv.block_table for s in seqs], self.block_size, self.device)
         out = StepOutput([None] * len(seqs))
         if any(s.kv.segment_plan is not None for s in seqs):
