@@ -38,7 +38,9 @@ def test_the_eval_bench_scores_alike_in_every_mode(tiny_model_dir):
     modes = report["modes"]
     assert list(modes) == ["cache-on", "cache-off", "hf"]
     prompt_tokens = modes["hf"]["prompt_tokens"]
-    assert all(row["prompt_tokens"] == prompt_tokens and len(row["samples_s"]) == 1 for row in modes.values())
+    for row in modes.values():
+        assert row["prompt_tokens"] == prompt_tokens and len(row["round_totals_s"]) == 1 and row["total_s"] > 0
+        assert len(row["samples_s"]) == QUESTIONS and all(len(per_round) == 1 for per_round in row["samples_s"])
     assert modes["hf"]["prefill_tokens"] == modes["cache-off"]["prefill_tokens"] == prompt_tokens
     assert modes["cache-off"]["cached_tokens"] == 0
     # Per question the first request computes the context; the other three reuse its full blocks but the last.

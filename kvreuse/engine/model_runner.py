@@ -112,20 +112,23 @@ class ModelRunner:
 
     def _prompt_logprobs(self, seq: Sequence, scored: range, hidden: torch.Tensor) -> list[TokenLogprob]:
         """The model's own logprob of each prompt token after the rows `scored` (hidden: [len(scored), hidden]), with
-        the top `seq.kv.prompt_logprobs` alternatives."""
+        the top `seq.kv.prompt_logprobs` alternatives (no rank: no response shows it, and it costs a pass over the
+        vocabulary per row)."""
         num_top = seq.kv.prompt_logprobs
         next_ids = torch.tensor(seq.token_ids[scored.start + 1:scored.stop + 1], device=hidden.device)  # [R]
         records: list[TokenLogprob] = []
         for a in range(0, len(scored), PROMPT_LOGITS_ROWS):
-            logprobs = torch.log_softmax(self.model.compute_logits(hidden[a:a + PROMPT_LOGITS_ROWS]), dim=-1)  # [r, V]
+            logits = self.model.compute_logits(hidden[a:a + PROMPT_LOGITS_ROWS])     # [r, V]
+            norm = logits.logsumexp(dim=1, keepdim=True)                               # [r, 1]: log-softmax's shift
             ids = next_ids[a:a + PROMPT_LOGITS_ROWS]
-            chosen = logprobs.gather(1, ids[:, None])                                  # [r, 1]
-            ranks = (logprobs > chosen).sum(dim=1) + 1                                 # [r]
-            top_values, top_ids = logprobs.topk(num_top, dim=1) if num_top else (None, None)
-            for j, (token_id, value, rank) in enumerate(zip(ids.tolist(), chosen[:, 0].tolist(), ranks.tolist(),
-                                                            strict=True)):
-                top = tuple(zip(top_ids[j].tolist(), top_values[j].tolist(), strict=True)) if num_top else ()
-                records.append(TokenLogprob(token_id, value, rank, top))
+            chosen = (logits.gather(1, ids[:, None]) - norm)[:, 0].tolist()           # [r]
+            if num_top:
+                top_values, top_ids = logits.topk(num_top, dim=1)
+                top_values = (top_values - norm).tolist()
+                top_ids = top_ids.tolist()
+            for j, (token_id, value) in enumerate(zip(ids.tolist(), chosen, strict=True)):
+                top = tuple(zip(top_ids[j], top_values[j], strict=True)) if num_top else ()
+                records.append(TokenLogprob(token_id, value, None, top))
         return records
 
     @torch.inference_mode()

@@ -184,9 +184,11 @@ only registered blocks are written to the lower tiers."""
             if end <= len(other.block_uids):
                 continue  # publishes nothing new this step (a decode, mostly): nothing to wait for
             published.update(tuple(other.token_ids[i * bs:(i + 1) * bs]) for i in range(len(other.block_uids), end))
-            # Exact prefix: the blocks req shares from the start with one that publishes them.
+            # Exact prefix: the blocks req shares from the start with one that publishes them (scoring a prompt, the
+            # last of them would be computed again: see match_prefix).
             common = common_prefix_length(other.token_ids[:min(end, usable) * bs], req.token_ids)
-            gained = max(gained, common // bs - num_cached_blocks)
+            recomputed = 1 if req.prompt_logprobs is not None else 0
+            gained = max(gained, common // bs - recomputed - num_cached_blocks)
         if gained >= need or not self.enable_segments or not published:
             return gained >= need
         return self._num_published_windows(req, num_cached_blocks, plan, published, need) >= need

@@ -21,7 +21,7 @@ class TokenLogprob:
     """A token's log-probability and the most likely alternatives at its position, best first."""
     token_id: int
     logprob: float
-    rank: int                                  # 1 for the most likely token
+    rank: int | None                           # 1 for the most likely token (None for prompt tokens: not computed)
     top: tuple[tuple[int, float], ...] = ()    # (token id, logprob) x the number asked for
 
 
