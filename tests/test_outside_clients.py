@@ -243,12 +243,15 @@ def test_lm_eval_generate_until_chat(cached_server, task_dir, tmp_path):
 # --- guidellm ---------------------------------------------------------------------------------------------------
 @needs_guidellm
 def test_guidellm_synthetic_benchmark(cached_server, tokenizer_dir, tmp_path):
-    """guidellm's synthetic benchmark (10 streamed chat requests, 256 prompt tokens, 16 output tokens, one at a time)
-    completes without an error; its report has TTFT and throughput."""
+    """guidellm's synthetic benchmark with a shared prefix (10 streamed chat requests, a 512-token prefix common to all
+    + 64 tokens of their own, 16 output tokens, one at a time) completes without an error; its report has TTFT and
+    throughput, and the server served the prefix from its cache. (docs/bench/guidellm.md: a longer run, caching on
+    and off.)"""
     report = tmp_path / "guidellm.json"
+    hits_before = cached_server.metrics().get_or_zero("vllm:prefix_cache_hits_total", model_name=cached_server.model)
     run_client(["guidellm", "run", "--backend", f"kind=openai_http,target={cached_server.root}",
                 "--profile", "kind=synchronous", "--constraint", "kind=max_requests,count=10",
-                "--data", "kind=synthetic_text,prompt_tokens=256,output_tokens=16",
+                "--data", "kind=synthetic_text,prompt_tokens=64,output_tokens=16,prefix_tokens=512,prefix_count=1",
                 "--tokenizer", f"kind=hf_auto,model={tokenizer_dir}",
                 "--output", f"kind=json,path={report}", "--disable-console-interactive"], tmp_path)
     [benchmark] = json.loads(report.read_text())["benchmarks"]
@@ -261,5 +264,7 @@ def test_guidellm_synthetic_benchmark(cached_server, tokenizer_dir, tmp_path):
     assert output_tps > 0
     # ignore_eos: every request generates exactly its 16 tokens.
     assert metrics["output_token_count"]["successful"]["total_sum"] == 160
+    hits = cached_server.metrics().get_or_zero("vllm:prefix_cache_hits_total", model_name=cached_server.model)
+    assert hits - hits_before >= 9 * 496  # every request after the first: the prefix's full blocks
     print(f"guidellm: TTFT median {ttft_ms['median']:.0f} ms, p95 {ttft_ms['percentiles']['p95']:.0f} ms, "
           f"output {output_tps:.1f} tok/s, {metrics['requests_per_second']['successful']['mean']:.2f} req/s")
