@@ -2,7 +2,7 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: run test install redis-server
+.PHONY: run test install redis-server bench-peers
 
 install: $(VENV)/.installed
 
@@ -28,3 +28,12 @@ redis-server:
 	  (apt-get install -y -q redis-server >/dev/null 2>&1 || \
 	   (apt-get update -q >/dev/null && apt-get install -y -q redis-server >/dev/null)); } || \
 	  { echo "make test needs redis-server: install it with 'sudo apt-get install redis-server'" >&2; exit 1; }
+
+# llama-cpp-python, a peer of `kvreuse bench engine` (built from source: ~5-7 minutes). Portable flags, and no AMX: on
+# an AMX Xeon the default native build died with a segmentation fault at its first eval. AVX-512 only where the CPU
+# has it. The bench runs it in a worker process, so a build that still crashes is a failed row, not a failed bench.
+bench-peers: install
+	CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+	  -DGGML_AVX512=$$(grep -q avx512f /proc/cpuinfo && echo ON || echo OFF) \
+	  -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" \
+	  $(BIN)/pip install -q llama-cpp-python==0.3.36

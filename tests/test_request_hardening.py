@@ -377,15 +377,17 @@ class TestUnsupportedFields:
 # --- finding 8: a whole-body check names its field -------------------------------------------------------
 NAMED = [
     # id, path, fields, param, words the message must contain
-    ("n-2", "/completions", {"n": 2}, "n", ["n > 1 is not supported"]),
-    ("n-3-chat", "/chat/completions", {"n": 3}, "n", ["n > 1 is not supported"]),
-    ("logprobs", "/chat/completions", {"logprobs": True}, "logprobs", ["logprobs are not supported"]),
-    ("tools", "/chat/completions", {"tools": [{"type": "function"}]}, "tools", ["tools are not supported"]),
+    ("best_of-streamed", "/completions", {"n": 1, "best_of": 2, "stream": True}, "best_of", ["cannot stream"]),
+    ("min_tokens-over-max", "/chat/completions", {"min_tokens": 9, "max_tokens": 4}, "min_tokens",
+     ["min_tokens must be an integer in [0, max_tokens]"]),
+    ("top_logprobs-alone", "/chat/completions", {"top_logprobs": 3}, "top_logprobs", ["needs logprobs: true"]),
+    ("tools", "/chat/completions", {"tools": [{"type": "function"}]}, "tools", ["tools", "not supported"]),
+    ("tool_choice", "/chat/completions", {"tool_choice": "required"}, "tool_choice", ["tool_choice", "not supported"]),
     ("empty-stop-in-list", "/completions", {"stop": ["x", ""]}, "stop", ["stop strings must be non-empty"]),
     ("empty-stop", "/chat/completions", {"stop": ""}, "stop", ["stop strings must be non-empty"]),
     ("empty-prompt", "/completions", {"prompt": ""}, "prompt", ["prompt must not be empty"]),
     ("empty-prompt-ids", "/completions", {"prompt": []}, "prompt", ["prompt must not be empty"]),
-    ("two-prompts", "/completions", {"prompt": ["a", "b"]}, "prompt", ["one prompt per request"]),
+    ("65-prompts", "/completions", {"prompt": [[1]] * 65}, "prompt", ["at most 64 prompts"]),
     ("seed-2^64", "/completions", {"seed": 2**64}, "seed", ["seed", "18446744073709551616"]),
     ("seed-below", "/chat/completions", {"seed": -2**63 - 1}, "seed", ["seed"]),
 ]

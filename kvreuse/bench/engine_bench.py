@@ -1,8 +1,10 @@
 """`kvreuse bench engine`: cold prefill and decode throughput against peers on the same weights.
 
-Systems, each with caching off so every prefill is cold: kvreuse (fp32), Hugging Face transformers
-(fp32 and bf16) on the same GGUF, and llama-cpp-python on the same GGUF when it is installed. Runs are
-interleaved round by round (A B C A B C ...) and the medians reported, with ratios to HF.
+Systems, each with caching off so every prefill is cold: kvreuse (fp32, and bf16), Hugging Face transformers
+(fp32 and bf16) on the same GGUF, and llama-cpp-python on the same GGUF when it is installed (`make bench-peers`),
+run in a worker process so that a crash is a failed row (llamacpp_peer.py). Runs are interleaved round by round
+(A B C A B C ...) and the medians reported, with ratios. At the start, the GEMM peak of each dtype is measured on
+the model's own linears (dtype_probe.measure), and each prefill is reported as a fraction of it.
 """
 
 from __future__ import annotations
@@ -15,10 +17,12 @@ from collections.abc import Callable
 
 import torch
 
+from kvreuse.bench.llamacpp_peer import LlamaCppPeer
 from kvreuse.bench.timing import Interleaved, timed
 from kvreuse.config import load_config
 from kvreuse.llm import LLM
-from kvreuse.model.loader import embedded_model_path
+from kvreuse.model import dtype_probe
+from kvreuse.model.loader import ModelArgs, embedded_model_path
 from kvreuse.sampling_params import SamplingParams
 
 PREFILL_LENGTHS = (512, 2048)
@@ -35,10 +39,9 @@ def synthetic_prompt(tokenizer, num_tokens: int, variant: int) -> list[int]:
 
 
 class KvreuseSystem:
-    name = "kvreuse-fp32"
-
-    def __init__(self):
-        config = load_config(None, ["model.dtype=fp32", "cache.enabled=false", "server.max_tokens=8192",
+    def __init__(self, dtype: str = "fp32"):
+        self.name, self.dtype = f"kvreuse-{dtype}", dtype
+        config = load_config(None, [f"model.dtype={dtype}", "cache.enabled=false", "server.max_tokens=8192",
                                     "engine.max_num_batched_tokens=2048", "engine.kv_cache_memory_mb=1024"])
         self.llm = LLM(config)
 
@@ -56,7 +59,8 @@ class HFSystem:
         from transformers import AutoModelForCausalLM
 
         path = embedded_model_path()
-        self.name = f"hf-{'bf16' if dtype == torch.bfloat16 else 'fp32'}"
+        self.dtype = "bf16" if dtype == torch.bfloat16 else "fp32"
+        self.name = f"hf-{self.dtype}"
         self.model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).eval()
 
     @torch.inference_mode()
@@ -73,43 +77,36 @@ class HFSystem:
         return total - first
 
 
-class LlamaCppSystem:
-    name = "llama.cpp"
-
-    def __init__(self):
-        from llama_cpp import Llama
-
-        self.llm = Llama(model_path=str(embedded_model_path()), n_ctx=4096, n_threads=torch.get_num_threads(),
-                         n_batch=512, verbose=False)
-
-    def prefill(self, ids: list[int]) -> float:
-        self.llm.reset()
-        return timed(lambda: self.llm.eval(ids))
-
-    def decode(self, batch: list[list[int]], num_tokens: int) -> float | None:
-        if len(batch) != 1:
-            return None  # llama-cpp-python serves one sequence per context
-        self.llm.reset()
-        self.llm.eval(batch[0])
-
-        def run():
-            for _ in range(num_tokens - 1):
-                self.llm.eval([int(self.llm.sample(top_k=1))])
-        return timed(run)
-
-
 def available_systems(include_bf16: bool) -> list[Callable[[], object]]:
     systems: list[Callable[[], object]] = [KvreuseSystem, lambda: HFSystem(torch.float32)]
     if include_bf16:
-        systems.append(lambda: HFSystem(torch.bfloat16))
+        systems += [lambda: KvreuseSystem("bf16"), lambda: HFSystem(torch.bfloat16)]
     if importlib.util.find_spec("llama_cpp") is not None:
-        systems.append(LlamaCppSystem)
+        systems.append(lambda: LlamaCppPeer(torch.get_num_threads()))
     return systems
+
+
+def gemm_peak(args: ModelArgs) -> dict[str, float]:
+    """FLOP/s of one decoder layer's linears (the model's shapes), prefill-shaped, per dtype: what a prefill can reach
+    at most on this machine."""
+    shapes = dtype_probe.layer_shapes(args)
+    tokens = dtype_probe.prefill_tokens(shapes)
+    figures = dtype_probe.measure(shapes, tokens)
+    flops = dtype_probe.flops_per_token(shapes) * tokens
+    return {"fp32": flops / figures.fp32_prefill_s, "bf16": flops / figures.bf16_prefill_s}
+
+
+def prefill_flops_per_token(args: ModelArgs) -> float:
+    """The linears' FLOPs per prefill token (every layer; attention's own work and the one LM-head row left out)."""
+    return dtype_probe.flops_per_token(dtype_probe.layer_shapes(args)) * args.num_layers
 
 
 def run(repeats: int = 3, include_bf16: bool = True, progress: Callable[[str], None] = print) -> dict:
     systems = [make() for make in available_systems(include_bf16)]
     tokenizer = systems[0].llm.tokenizer
+    model_args = systems[0].llm.engine.model_args
+    peak = gemm_peak(model_args)
+    progress("GEMM peak on the model's linears: " + ", ".join(f"{d} {v / 1e9:.0f} GFLOP/s" for d, v in peak.items()))
     results = Interleaved()
     for round_index in range(repeats + 1):  # round 0 warms every system up and is discarded
         for system in systems:
@@ -123,31 +120,53 @@ def run(repeats: int = 3, include_bf16: bool = True, progress: Callable[[str], N
                 seconds = system.decode(batch, DECODE_TOKENS)
                 if seconds:
                     record(system.name, f"decode_b{batch_size}_tok_s", batch_size * (DECODE_TOKENS - 1) / seconds)
-            progress(f"round {round_index}/{repeats}: {system.name} done")
+            progress(f"round {round_index}/{repeats}: {system.name} done"
+                     + (f" (failed: {system.failure})" if getattr(system, "failure", None) else ""))
+    for system in systems:
+        if hasattr(system, "close"):
+            system.close()
     metrics = [f"prefill_{n}_tok_s" for n in PREFILL_LENGTHS] + [f"decode_b{b}_tok_s" for b in DECODE_BATCHES]
     table = {s.name: {m: results.median(s.name, m) for m in metrics} for s in systems}
-    ours = KvreuseSystem.name
-    ratios = {f"{m} {ours}/{s.name}": results.ratio(m, ours, s.name)
-              for s in systems if s.name != ours for m in metrics}
-    b1, b8 = table[ours]["decode_b1_tok_s"], table[ours]["decode_b8_tok_s"]
-    ratios[f"decode_b8/decode_b1 {ours}"] = b8 / b1 if b1 and b8 else None
+    ratios = {}
+    for ours in (s.name for s in systems if s.name.startswith("kvreuse")):
+        ratios.update({f"{m} {ours}/{s.name}": results.ratio(m, ours, s.name)
+                       for s in systems if not s.name.startswith("kvreuse") for m in metrics})
+        b1, b8 = table[ours]["decode_b1_tok_s"], table[ours]["decode_b8_tok_s"]
+        ratios[f"decode_b8/decode_b1 {ours}"] = b8 / b1 if b1 and b8 else None
+    flops = prefill_flops_per_token(model_args)
+    of_peak = {s.name: {n: (table[s.name][f"prefill_{n}_tok_s"] or 0) * flops / peak[s.dtype] for n in PREFILL_LENGTHS}
+               for s in systems if getattr(s, "dtype", None) in peak}
+    failures = {s.name: s.failure for s in systems if getattr(s, "failure", None)}
     return {"suite": "engine", "repeats": repeats, "machine": machine(), "medians": table, "ratios": ratios,
+            "gemm_peak_flops": peak, "prefill_fraction_of_peak": of_peak, "failures": failures,
             "samples": {f"{s}/{m}": v for (s, m), v in results.samples.items()}}
 
 
 def machine() -> dict:
-    return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(), "torch": torch.__version__, "python": platform.python_version()}
+    """The CPU (model string and the flags that decide GEMM speed) and the software, printed beside every table."""
+    return {**dtype_probe.cpu_identity(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__, "python": platform.python_version()}
 
 
 def markdown(report: dict) -> str:
     metrics = list(next(iter(report["medians"].values())))
     lines = ["| system | " + " | ".join(metrics) + " |", "|---" * (len(metrics) + 1) + "|"]
+    failures = report.get("failures", {})
     for name, row in report["medians"].items():
         cells = ["-" if row[m] is None else f"{row[m]:.1f}" for m in metrics]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        lines.append(f"| {name}{' (failed: ' + failures[name] + ')' if name in failures else ''} | "
+                     + " | ".join(cells) + " |")
     lines.append("")
     lines += [f"- {k}: {v:.2f}x" for k, v in report["ratios"].items() if v]
+    peak = report.get("gemm_peak_flops")
+    if peak:
+        lines.append("- GEMM peak on the model's linears: "
+                     + ", ".join(f"{d} {v / 1e9:.0f} GFLOP/s" for d, v in peak.items()))
+        lines += [f"- {name} prefill at " + ", ".join(f"{f:.0%} ({n} tokens)" for n, f in fractions.items())
+                  + " of its dtype's GEMM peak" for name, fractions in report["prefill_fraction_of_peak"].items()]
+    m = report["machine"]
+    lines.append(f"- CPU: {m['cpu']} (flags: {', '.join(m.get('flags', [])) or 'none'}), {m['torch_threads']} "
+                 f"torch threads, torch {m['torch']}")
     return "\n".join(lines)
 
 

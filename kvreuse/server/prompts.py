@@ -143,4 +143,7 @@ def _sequence(engine: LLMEngine, tokenize: Callable[[], list[int]], body: Sampli
     except UnsupportedFormat as exc:
         raise APIError(400, str(exc), param=exc.field) from exc
     except InvalidSamplingParam as exc:
-        raise APIError(400, str(exc), param=exc.field) from exc
+        field = exc.field
+        if field == "max_tokens" and body.max_completion_tokens is not None:  # the name the caller used
+            field = "max_completion_tokens"
+        raise APIError(400, f"{field}: {exc}" if field != exc.field else str(exc), param=field) from exc

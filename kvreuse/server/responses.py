@@ -258,6 +258,50 @@ async def stream(state: ServerState, prompts: list[Prompt], admissions: list[Adm
                  render: Render, include_usage: bool, extra: dict) -> AsyncIterator[str]:
     """The SSE events of a request's prompts (their deltas interleaved as they come), ending with `data: [DONE]`;
     aborts them if the client goes away."""
+    n = max(1, prompts[0].seq.params.n)
+    base = {"id": response_id, "object": "chat.completion.chunk" if render.chat else "text_completion",
+            "created": now(), "model": state.model_name, **extra}
+    started: set[int] = set()   # choices whose first chunk went out
+    finished: set[int] = set()  # choices whose finish reason went out
+    prompt_logprobs: dict[int, list] = {}
+    outputs: dict[int, RequestOutput] = {}
+    try:
+        async for j, delta in _merged([a.deltas for a in admissions]):
+            if delta is None or delta.error is not None:  # the engine died, or a step computing it failed
+                message = "the engine stopped" if delta is None else delta.error
+                yield f"data: {json.dumps(error_body(message, 'server_error'))}\n\n"
+                yield DONE
+                return
+            if delta.finished:
+                outputs[j] = delta.output
+            if delta.prompt_logprobs is not None or (delta.finished and delta.output.prompt_logprobs is not None):
+                prompt_logprobs.setdefault(j, delta.prompt_logprobs or delta.output.prompt_logprobs)
+            # Each choice starts with its first token (as vLLM does: clients time TTFT from the first chunk).
+            indexes = [o.index for o in delta.output.all_choices] if delta.finished else [delta.index]
+            for i in (j * n + i for i in indexes if j * n + i not in started):
+                started.add(i)
+                first = render.first_chunk(i, prompts[j], prompt_logprobs.get(j))
+                if first is not None:
+                    yield _event(base, first)
+            if delta.text or delta.logprobs or delta.finish_reason:
+                yield _event(base, render.chunk(j * n + delta.index, delta))
+                if delta.finish_reason:
+                    finished.add(j * n + delta.index)
+            for out in delta.output.all_choices if delta.finished else ():  # choices ended without a token of their
+                if j * n + out.index not in finished:                      # own (a scored prompt, an abort)
+                    yield _event(base, render.chunk(j * n + out.index, Delta("", finish_reason=out.finish_reason)))
+        if include_usage:
+            total = usage(RequestOutput.of_requests([outputs[j] for j in range(len(prompts))]))
+            yield f"data: {json.dumps({**base, 'choices': [], 'usage': total})}\n\n"
+        yield DONE
+    finally:
+        for j, admission in enumerate(admissions):
+            if j not in outputs:  # the client went away mid-stream: free its blocks now
+                state.async_engine.abort(admission.request_id)
+
+
+async def _merged(queues: list[asyncio.Queue]) -> AsyncIterator[tuple[int, Delta | None]]:
+    """The deltas of several requests as they come, each with its request's position, until every one has ended."""
     merged: asyncio.Queue = asyncio.Queue()
 
     async def forward(j: int, deltas: asyncio.Queue) -> None:
@@ -267,55 +311,17 @@ async def stream(state: ServerState, prompts: list[Prompt], admissions: list[Adm
             if delta is None or delta.finished:
                 return
 
-    relays = [asyncio.create_task(forward(j, a.deltas)) for j, a in enumerate(admissions)]
-    n = max(1, prompts[0].seq.params.n)
-    base = {"id": response_id, "object": "chat.completion.chunk" if render.chat else "text_completion",
-            "created": now(), "model": state.model_name, **extra}
-    started: set[int] = set()   # choices whose first chunk went out
-    finished: set[int] = set()  # choices whose finish reason went out
-    prompt_logprobs: dict[int, list] = {}
-    outputs: dict[int, RequestOutput] = {}
+    relays = [asyncio.create_task(forward(j, q)) for j, q in enumerate(queues)]
     try:
-        while len(outputs) < len(prompts):
-            j, delta = await merged.get()
-            if delta is None or delta.error is not None:  # the engine died, or a step computing it failed
-                message = "the engine stopped" if delta is None else delta.error
-                yield f"data: {json.dumps(error_body(message, 'server_error'))}\n\n"
-                yield DONE
-                return
-            if delta.prompt_logprobs is not None:
-                prompt_logprobs[j] = delta.prompt_logprobs
-            if delta.finished:
-                outputs[j] = delta.output
-                if delta.output.prompt_logprobs is not None:
-                    prompt_logprobs.setdefault(j, delta.output.prompt_logprobs)
-            index = j * n + delta.index
-            if index not in started and (delta.text or delta.logprobs or delta.finish_reason or delta.finished):
-                # With the first token, as vLLM does: clients time TTFT from the first chunk.
-                for i in ([delta.index] if not delta.finished else [o.index for o in delta.output.all_choices]):
-                    if j * n + i not in started:
-                        started.add(j * n + i)
-                        first = render.first_chunk(j * n + i, prompts[j], prompt_logprobs.get(j))
-                        if first is not None:
-                            yield _event(base, first)
-            if delta.text or delta.logprobs or delta.finish_reason:
-                yield _event(base, render.chunk(index, delta))
-                if delta.finish_reason:
-                    finished.add(index)
-            if delta.finished:  # choices that end without a last token of their own (a scored prompt, an abort)
-                for out in delta.output.all_choices:
-                    if j * n + out.index not in finished:
-                        yield _event(base, render.chunk(j * n + out.index, Delta("", finish_reason=out.finish_reason)))
-        if include_usage:
-            total = usage(RequestOutput.of_requests([outputs[j] for j in range(len(prompts))]))
-            yield f"data: {json.dumps({**base, 'choices': [], 'usage': total})}\n\n"
-        yield DONE
+        for _ in range(len(queues)):
+            while True:
+                j, delta = await merged.get()
+                yield j, delta
+                if delta is None or delta.finished:
+                    break
     finally:
         for relay in relays:
             relay.cancel()
-        for j, admission in enumerate(admissions):
-            if j not in outputs:  # the client went away mid-stream: free its blocks now
-                state.async_engine.abort(admission.request_id)
 
 
 def _event(base: dict, choice: dict) -> str:
