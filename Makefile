@@ -21,7 +21,7 @@ run: install
 # The Redis tier's tests start their own redis-server (Debian's package) on 127.0.0.1 at a free port.
 test: install redis-server
 	$(BIN)/ruff check kvreuse tests
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q --durations=15
 
 redis-server:
 	@command -v redis-server >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
