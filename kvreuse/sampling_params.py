@@ -87,6 +87,16 @@ class SamplingParams:
         return self.best_of or self.n
 
     @property
+    def ranks_choices(self) -> bool:
+        """best_of > n: the choices are ranked by their cumulative logprob."""
+        return self.num_sequences > self.n
+
+    @property
+    def draws_logprobs(self) -> bool:
+        """The sampler computes each drawn token's logprob: asked for, or needed to rank the choices."""
+        return self.logprobs is not None or self.ranks_choices
+
+    @property
     def processes_logits(self) -> bool:
         """Anything between the model's logits and the temperature: penalties, biases, min_tokens."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0

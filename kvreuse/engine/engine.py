@@ -18,7 +18,7 @@ from kvreuse.engine.front_end import (  # noqa: F401 (RequestError, DTYPES, dtyp
     resolve_dtype,
 )
 from kvreuse.engine.model_runner import Draw, ModelRunner
-from kvreuse.engine.output import RequestOutput
+from kvreuse.engine.output import RequestOutput, Usage
 from kvreuse.engine.repair import RepairOutcome
 from kvreuse.engine.scheduler import Scheduler
 from kvreuse.engine.sequence import Sequence
@@ -97,7 +97,7 @@ class LLMEngine(FrontEnd):
         its K/V and first token when `seq` draws its own (`_fork`)."""
         kv = CacheRequest(list(seq.prompt_token_ids), seq.kv.extra_key, seq.kv.use_cache)
         choice = Sequence(f"{seq.request_id}#{index}", kv, seq.params, arrival_time=seq.arrival_time, index=index,
-                          group_id=seq.request_id, parent=seq, grammar=seq.grammar, cache_salt=seq.cache_salt)
+                          parent=seq, grammar=seq.grammar, cache_salt=seq.cache_salt)
         choice.generator = choice.generator or self.generator
         return choice
 
@@ -267,16 +267,15 @@ class LLMEngine(FrontEnd):
         if not seq.choices:
             return RequestOutput.from_sequence(seq)
         ranked = seq.choices
-        if seq.params.num_sequences > seq.params.n:
+        if seq.params.ranks_choices:
             ranked = sorted(seq.choices, key=lambda c: c.cumulative_logprob, reverse=True)[:seq.params.n]
         # The prompt is choice 0's: its prompt logprobs (echo) stand for every choice, and the usage counts it once
         # (the other choices' records are empty), with the tokens of every choice generated.
         prompt_logprobs = list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None
         outputs = [replace(RequestOutput.from_sequence(c, index=i), prompt_logprobs=prompt_logprobs)
                    for i, c in enumerate(ranked)]
-        usage = sum((RequestOutput.from_sequence(c).usage for c in seq.choices[1:]),
-                    RequestOutput.from_sequence(seq).usage)
-        return replace(RequestOutput.of_choices(outputs), usage=usage)
+        usage = sum((Usage.of(c) for c in seq.choices[1:]), Usage.of(seq))
+        return replace(outputs[0], usage=usage, choices=outputs if len(outputs) > 1 else [])
 
     def stats_snapshot(self) -> dict:
         """Engine state and accounting as one flat dict: the only view of the engine that metrics and logs read.

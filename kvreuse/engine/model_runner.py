@@ -81,8 +81,8 @@ class ModelRunner:
         for i, scored in prompt_rows.items():
             h = hidden[[index_of[offsets[i] + r - starts[i]] for r in scored]]
             out.prompt_logprobs[seqs[i].request_id] = (scored.start + 1, self._prompt_logprobs(seqs[i], scored, h))
-        if sample_rows:
-            self._draw(seqs, samples, hidden[[index_of[r] for r in sample_rows]], out)
+        if sample_rows:  # a batch that scores no prompt has exactly its sampling rows, in order: no gather
+            self._draw(seqs, samples, hidden[[index_of[r] for r in sample_rows]] if prompt_rows else hidden, out)
         return out
 
     def _draw(self, seqs: list[Sequence], samples: list[bool], hidden: torch.Tensor, out: StepOutput) -> None:

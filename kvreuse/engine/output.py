@@ -18,6 +18,10 @@ class Usage(ReuseRecord):
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
 
+    @classmethod
+    def of(cls, seq: Sequence) -> Usage:
+        return cls(**seq.reuse_or_planned.as_dict(), completion_tokens=seq.num_completion_tokens)
+
     def __add__(self, other: Usage) -> Usage:
         return Usage(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(Usage)})
 
@@ -48,33 +52,18 @@ class RequestOutput:
     def from_sequence(cls, seq: Sequence, index: int | None = None) -> RequestOutput:
         """The output of one sequence (one choice); `LLMEngine.output` gathers a request's choices."""
         total = None if seq.finish_time is None else seq.finish_time - seq.arrival_time
-        usage = Usage(**seq.reuse_or_planned.as_dict(), completion_tokens=seq.num_completion_tokens)
         p = seq.params
-        wants_logprobs = p.logprobs is not None or (p.best_of or 1) > p.n
-        return cls(seq.request_id, seq.output_text, seq.completion_token_ids, seq.finish_reason, usage,
+        return cls(seq.request_id, seq.output_text, seq.completion_token_ids, seq.finish_reason, Usage.of(seq),
                    seq.ttft_s, total, seq.num_preemptions, seq.first_logits, seq.error, seq.kv.load_seconds,
                    index=seq.index if index is None else index,
                    logprobs=list(seq.logprobs) if p.logprobs is not None else None,
                    prompt_logprobs=list(seq.prompt_logprobs) if p.prompt_logprobs is not None else None,
-                   cumulative_logprob=seq.cumulative_logprob if wants_logprobs else None)
-
-    @classmethod
-    def of_choices(cls, choices: list[RequestOutput]) -> RequestOutput:
-        """The request's output: its first choice, with `choices` and the usage of them all."""
-        if len(choices) == 1:
-            return choices[0]
-        usage = choices[0].usage
-        for other in choices[1:]:
-            usage += other.usage
-        return replace(choices[0], usage=usage, choices=choices)
+                   cumulative_logprob=seq.cumulative_logprob if p.draws_logprobs else None)
 
     @classmethod
     def of_requests(cls, outputs: list[RequestOutput]) -> RequestOutput:
         """The first output, with the usage of them all (the prompts of one API request)."""
-        usage = outputs[0].usage
-        for other in outputs[1:]:
-            usage += other.usage
-        return replace(outputs[0], usage=usage)
+        return replace(outputs[0], usage=sum((o.usage for o in outputs[1:]), outputs[0].usage))
 
     @property
     def all_choices(self) -> list[RequestOutput]:

@@ -46,7 +46,6 @@ class Sequence:
     # n / best_of > 1: the request's sequence is choice 0 and holds every choice (itself first) in `choices`; the
     # others are forked from it once its prompt is computed, sharing its blocks (see LLMEngine._fork).
     index: int = 0
-    group_id: str = ""                # the request id of choice 0 (its own id for choice 0)
     choices: list[Sequence] = field(default_factory=list)
     parent: Sequence | None = field(default=None, repr=False)  # choice 0, on the other choices
     logprobs: list[TokenLogprob] = field(default_factory=list)  # of the completion tokens, when asked for
@@ -57,7 +56,6 @@ class Sequence:
 
     def __post_init__(self):
         self.num_prompt_tokens = self.kv.num_tokens
-        self.group_id = self.group_id or self.request_id
         if self.params.seed is not None:
             seed = self.params.seed + self.index
             self.generator = torch.Generator().manual_seed(seed - 2**64 if seed >= 2**64 else seed)
@@ -101,6 +99,11 @@ class Sequence:
     @property
     def ttft_s(self) -> float | None:
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def group_id(self) -> str:
+        """The request id of its request (choice 0's), under which the engine and the server know it."""
+        return (self.parent or self).request_id
 
     @property
     def unforked_choices(self) -> list[Sequence]:

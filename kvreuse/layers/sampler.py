@@ -43,21 +43,17 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> tuple[list
         process_logits(logits, rows)
     token_ids = logits.argmax(dim=-1).tolist()
     logprobs: list[TokenLogprob | None] = [None] * len(rows)
-    if all(r.params.greedy and not _wants_logprobs(r.params) for r in rows):
+    if all(r.params.greedy and not r.params.draws_logprobs for r in rows):
         return token_ids, logprobs                                       # the usual case: no per-row work
     for i, row in enumerate(rows):
         p = row.params
         if not p.greedy:
             probs = filtered_probs(logits[i].cpu(), p)
             token_ids[i] = int(torch.multinomial(probs, 1, generator=row.generator))
-        if _wants_logprobs(p):
+        if p.draws_logprobs:
             scaled = logits[i] if p.greedy else logits[i] / p.temperature
             logprobs[i] = token_logprob(torch.log_softmax(scaled, dim=-1), token_ids[i], p.logprobs or 0)
     return token_ids, logprobs
-
-
-def _wants_logprobs(p: SamplingParams) -> bool:
-    return p.logprobs is not None or (p.best_of or 1) > p.n
 
 
 def token_logprob(logprobs: torch.Tensor, token_id: int, num_top: int) -> TokenLogprob:

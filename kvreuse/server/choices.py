@@ -26,34 +26,24 @@ def token_text(tokenizer: Tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id], skip_special_tokens=False)
 
 
-def completion_logprobs(tokenizer: Tokenizer, records: Sequence[TokenLogprob | None], offsets: TextOffsets) -> dict:
-    """The legacy shape for `records` (None: a token without a logprob, the prompt's first)."""
+def completion_logprobs(tokenizer: Tokenizer, records: Sequence[TokenLogprob | None], offsets: TextOffsets,
+                        first_token_id: int | None = None) -> dict:
+    """The legacy shape for `records`; a None record is the prompt's first token (`first_token_id`), which nothing
+    precedes: its string is in `tokens`, without a logprob."""
     tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
     for record in records:
-        if record is None:
-            tokens.append(None)
-            token_logprobs.append(None)
-            top_logprobs.append(None)
-            text_offset.append(offsets.offset)
-            continue
-        text = token_text(tokenizer, record.token_id)
+        text = token_text(tokenizer, first_token_id if record is None else record.token_id)
         tokens.append(text)
-        token_logprobs.append(record.logprob)
-        top = {token_text(tokenizer, t): lp for t, lp in record.top}
-        top.setdefault(text, record.logprob)
-        top_logprobs.append(top)
         text_offset.append(offsets.offset)
         offsets.offset += len(text)
+        token_logprobs.append(None if record is None else record.logprob)
+        top = None
+        if record is not None:
+            top = {token_text(tokenizer, t): lp for t, lp in record.top}
+            top.setdefault(text, record.logprob)
+        top_logprobs.append(top)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
             "text_offset": text_offset}
-
-
-def first_prompt_token(tokenizer: Tokenizer, token_id: int, offsets: TextOffsets) -> dict:
-    """The echo's first token, which has no logprob: its string still belongs in `tokens`."""
-    text = token_text(tokenizer, token_id)
-    entry = {"tokens": [text], "token_logprobs": [None], "top_logprobs": [None], "text_offset": [offsets.offset]}
-    offsets.offset += len(text)
-    return entry
 
 
 def merge_logprobs(parts: Sequence[dict]) -> dict:

@@ -27,7 +27,6 @@ from kvreuse.server.choices import (
     chat_logprobs,
     completion_choice,
     completion_logprobs,
-    first_prompt_token,
     merge_logprobs,
 )
 from kvreuse.server.errors import APIError
@@ -103,9 +102,8 @@ class Render:
             return None
         if not self.logprobs:
             return prompt.echo_text, None
-        first = first_prompt_token(self.tokenizer, prompt.seq.prompt_token_ids[0], offsets)
-        return prompt.echo_text, merge_logprobs([first, completion_logprobs(self.tokenizer, prompt_logprobs[1:],
-                                                                            offsets)])
+        return prompt.echo_text, completion_logprobs(self.tokenizer, prompt_logprobs, offsets,
+                                                     prompt.seq.prompt_token_ids[0])
 
     def first_chunk(self, index: int, prompt: Prompt, prompt_logprobs: list | None) -> dict | None:
         """What a choice's stream starts with: the assistant's role (chat), or the echoed prompt."""
