@@ -156,6 +156,8 @@ class EngineConfig(_Section):
     max_num_seqs: int = Field(16, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=1)
     seed: int = 0  # seeds sampling for requests that give no seed of their own (reproducible runs)
+    # "decode": the decode step compiled by torch.compile in the background, eager until ready (decode_graph.py)
+    compile: Literal["off", "decode"] = "decode"
 
 
 class EventsConfig(_Section):

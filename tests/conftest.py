@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 
 from kvreuse.config import Config, load_config
 from kvreuse.llm import LLM
-from kvreuse.model import dtype_probe, loader
+from kvreuse.model import decode_graph, dtype_probe, loader
 from kvreuse.model.loader import embedded_model_path, file_sha256
 from kvreuse.model.tokenizer import Tokenizer
 
@@ -118,6 +118,25 @@ def _auto_dtype_is_fp32(monkeypatch):
     fp32_faster = dtype_probe.Figures(dtype_probe.PREFILL_TOKENS, 1.0, 2.0, 1.0, 2.0, probe_s=0.0)
     result = dtype_probe.ProbeResult(fp32_faster, flops_per_token=1.0, cache_path=None, from_cache=False)
     monkeypatch.setattr(dtype_probe, "probe", lambda args: result)
+
+
+_START_DECODE_COMPILE = decode_graph.DecodeGraph.start
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_background_compile():
+    """Engines built in the tests decode eagerly (`engine.compile = decode` is the default): a background compile
+    costs ~30 s of a CPU the tests share, and tests time nothing. Session-wide, so that session fixtures' engines
+    (real_llm, tiny_llm) are covered too; the `compiling` fixture restores it for one test."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(decode_graph.DecodeGraph, "start", lambda self: None)
+        yield
+
+
+@pytest.fixture
+def compiling(monkeypatch):
+    """Engines built in this test compile their decode step, as they do outside the tests."""
+    monkeypatch.setattr(decode_graph.DecodeGraph, "start", _START_DECODE_COMPILE)
 
 
 def make_config(**overrides) -> Config:

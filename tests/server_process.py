@@ -116,8 +116,10 @@ def _pump(stream, lines: queue.Queue) -> None:
 def start_server(*args: str, log_path: Path, ready_timeout: float = 90.0,
                  stop_timeout: float = 30.0) -> Iterator[Server]:
     """Run `python -m kvreuse serve --port 0 ARGS`, wait for its ready line, yield a Server; on exit SIGTERM
-    it (if it still runs) and wait, killing it after `stop_timeout`."""
-    cmd = [sys.executable, "-m", "kvreuse", "serve", "--host", "127.0.0.1", "--port", "0", *args]
+    it (if it still runs) and wait, killing it after `stop_timeout`. The decode step is not compiled unless ARGS
+    ask for it (`--set engine.compile=decode`): compiling costs CPU the other tests need, and tests time nothing."""
+    cmd = [sys.executable, "-m", "kvreuse", "serve", "--host", "127.0.0.1", "--port", "0",
+           "--set", "engine.compile=off", *args]
     with open(log_path, "w") as log:
         process = subprocess.Popen(cmd, cwd=REPO_ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                    stderr=log, text=True, bufsize=1)

@@ -74,7 +74,7 @@ ALL_CHANGED = Config(
     ),
     model=ModelConfig(path="C:\\models\\a=b.gguf", dtype="bf16", device="cpu", quantization="int8"),
     engine=EngineConfig(
-        num_kv_blocks=1000, kv_cache_memory_mb=1, max_num_seqs=2, max_num_batched_tokens=16, seed=-7
+        num_kv_blocks=1000, kv_cache_memory_mb=1, max_num_seqs=2, max_num_batched_tokens=16, seed=-7, compile="off"
     ),
     events=EventsConfig(endpoint="tcp://127.0.0.1:6557", replay_endpoint="ipc:///tmp/kv replay", topic="kv",
                         buffer_steps=5),

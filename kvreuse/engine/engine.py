@@ -29,6 +29,7 @@ from kvreuse.kvcache.manager import KVCacheManager
 from kvreuse.kvcache.request import CacheRequest
 from kvreuse.kvcache.tiers.store import TieredStore
 from kvreuse.layers.sampler import TokenLogprob
+from kvreuse.model.decode_graph import DecodeGraph
 from kvreuse.model.llama import Llama
 from kvreuse.model.loader import ModelInfo, load_weights
 from kvreuse.model.quantize import quantize_model
@@ -50,8 +51,9 @@ class LLMEngine(FrontEnd):
         del weights
 
         num_blocks = self.num_kv_blocks
+        decode_graph = DecodeGraph(model, config.engine.max_num_seqs) if config.engine.compile == "decode" else None
         self.runner = ModelRunner(model, num_blocks, self.block_size, self.dtype, self.device,
-                                  self.tokenizer.eos_token_ids)
+                                  self.tokenizer.eos_token_ids, decode_graph)
         self.tiers = TieredStore.from_config(config.cache, PoolBlockIO(self.runner.kv_cache, self.fingerprint))
         self.kv_manager = KVCacheManager.from_config(config.cache, num_blocks, self.fingerprint, tiers=self.tiers)
         self.reuse = config.cache.suffix  # segment reuse settings: immutable, replaced only by set_reuse
@@ -60,6 +62,8 @@ class LLMEngine(FrontEnd):
         self.sequences: dict[str, Sequence] = {}
         # Last, so that a failure above leaves no bound port or thread behind.
         self.events = self._start_events(config)
+        if decode_graph is not None:
+            decode_graph.start()
 
     def _start_events(self, config: Config) -> KVEventPublisher | None:
         """vLLM-format KV events of the pool (`[events] endpoint`), starting with a clear: a subscriber forgets this
@@ -283,6 +287,10 @@ class LLMEngine(FrontEnd):
         snapshot = {**self.stats.snapshot(self.kv_manager, self.bytes_per_block),
                     "num_requests_running": len(self.scheduler.running),
                     "num_requests_waiting": len(self.scheduler.waiting)}
+        graph = self.runner.decode_graph
+        if graph is not None:
+            snapshot["decode_graph"] = {"state": graph.state, "num_steps": graph.num_steps,
+                                        "compile_s": graph.compile_s}
         if self.tiers is not None:
             snapshot["tiers"] = self.tiers.snapshot()
         if self.events is not None:

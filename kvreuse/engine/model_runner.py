@@ -17,6 +17,7 @@ from kvreuse.engine.sequence import Sequence
 from kvreuse.layers.attention import AttentionMetadata
 from kvreuse.layers.logits_processors import SamplingRow
 from kvreuse.layers.sampler import TokenLogprob, sample_rows
+from kvreuse.model.decode_graph import DecodeGraph
 from kvreuse.model.llama import Llama
 from kvreuse.model.loader import ModelArgs
 
@@ -43,9 +44,10 @@ class StepOutput:
 
 class ModelRunner:
     def __init__(self, model: Llama, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
-                 eos_token_ids: frozenset[int] = frozenset()):
+                 eos_token_ids: frozenset[int] = frozenset(), decode_graph: DecodeGraph | None = None):
         args = model.args
         self.model, self.block_size, self.device = model, block_size, device
+        self.decode_graph = decode_graph  # the compiled decode step, used once it is ready
         self.eos_token_ids = eos_token_ids  # masked, with stop_token_ids, until min_tokens
         # [num_layers, K/V, num_blocks, block_size, num_kv_heads, head_dim]
         self.kv_cache = torch.zeros(args.num_layers, 2, num_blocks, block_size, args.num_kv_heads, args.head_dim,
@@ -74,6 +76,9 @@ class ModelRunner:
         if any(s.kv.segment_plan is not None for s in seqs):
             hidden, out.outcomes = forward_reusing(self.model, self.kv_cache, seqs, input_ids, positions, meta,
                                                    rows_t, reuse)
+        elif meta.decode and not prompt_rows and self.decode_graph is not None and self.decode_graph.can_run(len(seqs)):
+            hidden = self.decode_graph.run(input_ids, positions.to(self.device), meta, self.kv_cache,
+                                           rows_t.to(self.device))             # [S, hidden]
         else:
             hidden = self.model.hidden_states(input_ids, positions.to(self.device), meta, self.kv_cache,
                                               rows_t.to(self.device))                  # [R, hidden]

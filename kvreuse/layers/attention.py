@@ -124,6 +124,13 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
 
 
+def store_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """One layer's attention for a forward: store its new K/V, then attend over the pool. Returns [T, H * D]."""
+    store_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    return paged_attention(q, k_cache, v_cache, meta, scale)
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [T, H, D] (already rotated); returns [T, H * D]. The new tokens' K/V must already be stored."""

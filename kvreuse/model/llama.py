@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvreuse.layers.attention import AttentionMetadata, paged_attention, store_kv
+from kvreuse.layers.attention import AttentionMetadata, paged_attention, store_and_attend, store_kv
 from kvreuse.layers.rotary import RotaryEmbedding, apply_rotary
 from kvreuse.model.loader import LoadedWeights, ModelArgs
 
@@ -27,6 +28,12 @@ class RMSNorm(nn.Module):
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Lower precision: the reference rounds the normalised x to the model dtype before scaling by the weight.
         return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
+
+
+class Attend(Protocol):
+    def __call__(self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Store one layer's new K/V ([T, Hkv, D] each) and attend with its rotated q [T, H, D] -> [T, H * D]."""
+        ...
 
 
 class DecoderLayer(nn.Module):
@@ -54,13 +61,11 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv(x, cos, sin)
-        store_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        return self.attend_and_mlp(x, q, k_cache, v_cache, meta)
+        return self.mlp(x, store_and_attend(q, k, v, k_cache, v_cache, meta, self.scale))
 
-    def attend_and_mlp(self, x: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       meta: AttentionMetadata) -> torch.Tensor:
-        """The rest of the layer once this forward's K/V are stored; x: [T, hidden], q: [T, H, D]."""
-        x = x + self.o_proj(paged_attention(q, k_cache, v_cache, meta, self.scale))
+    def mlp(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """The rest of the layer after attention; x: [T, hidden], attended: [T, H * D]."""
+        x = x + self.o_proj(attended)
         gate, up = self.gate_up_proj(self.post_attention_norm(x)).chunk(2, dim=-1)
         return x + self.down_proj(F.silu(gate) * up)
 
@@ -133,7 +138,7 @@ class Llama(nn.Module):
             assert bool((kept[kept_index] == rows).all()), "a row that gives logits was not kept"
             meta, rows = meta_for(kept), kept_index
             x, q, cos, sin = x[kept], q[kept], cos[kept], sin[kept]
-            x = layer.attend_and_mlp(x, q, k_cache, v_cache, meta)
+            x = layer.mlp(x, paged_attention(q, k_cache, v_cache, meta, layer.scale))
         return self.norm(x[rows])
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -145,10 +150,23 @@ class Llama(nn.Module):
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                       kv_cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """`forward` up to the LM head: the final (normed) hidden states [S, hidden] of `rows` [S]."""
+        caches = layer_caches(kv_cache)
+
+        def attend(layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return store_and_attend(q, k, v, *caches[layer_index], meta, self.layers[layer_index].scale)
+
+        return self.run_layers(input_ids, positions, rows, attend)
+
+    def run_layers(self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
+                   attend: Attend) -> torch.Tensor:
+        """Every layer over input_ids, positions [T], attention (and the K/V pool) left to `attend`; the final
+        hidden states [S, hidden] of `rows` [S]. The compiled decode step (decode_graph.py) runs this very code with
+        its attention outside the graph."""
         x = self.embed_tokens(input_ids)                                  # [T, hidden]
         cos, sin = self.rotary.cos_sin(positions, x.dtype)                # [T, 1, D] each
-        for layer, (k_cache, v_cache) in zip(self.layers, layer_caches(kv_cache), strict=True):
-            x = layer(x, cos, sin, k_cache, v_cache, meta)
+        for i, layer in enumerate(self.layers):
+            q, k, v = layer.qkv(x, cos, sin)
+            x = layer.mlp(x, attend(i, q, k, v))
         return self.norm(x[rows])                                         # [S, hidden]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,85 @@
+"""The compiled decode step (`engine.compile = decode`): the greedy tokens recorded from the eager fp32 path, at
+batch 1 and batch 8 (one graph each); prompt scoring beside it; without a C++ compiler the engine falls back to
+eager decoding, says why, and serves."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from kvreuse.llm import LLM
+from kvreuse.model import decode_graph
+from kvreuse.sampling_params import SamplingParams
+from tests.conftest import make_config
+from tests.test_decode_fastpath import BATCH_1, BATCH_1_PROMPTS, BATCH_8, NUM_TOKENS, PROMPTS, greedy
+
+COMPILE_TIMEOUT_S = 600  # ~60 s cold for both graphs on 2 cores; the bound is for a busy CI machine
+
+
+def compiled_llm(**overrides) -> LLM:
+    llm = LLM(make_config(engine__compile="decode", **overrides))
+    graph = llm.engine.runner.decode_graph
+    assert graph.wait(COMPILE_TIMEOUT_S), "the decode step did not finish compiling"
+    assert graph.state == "ready", graph.error
+    return llm
+
+
+def compiled_calls(run) -> tuple[object, int]:
+    """run()'s result, and how many times compiled code ran in it (a step whose guards failed would run eagerly)."""
+    with torch.profiler.profile() as profiler:
+        result = run()
+    return result, sum(e.count for e in profiler.key_averages() if e.key.startswith("Torch-Compiled Region"))
+
+
+@pytest.mark.slow
+def test_compiled_decode_gives_the_eager_fp32_greedy_tokens(compiling):
+    llm = compiled_llm(model__dtype="fp32", engine__num_kv_blocks=512)
+    graph = llm.engine.runner.decode_graph
+    for i, expected in zip(BATCH_1_PROMPTS, BATCH_1, strict=True):
+        outputs, calls = compiled_calls(lambda prompt=PROMPTS[i]: llm.generate(prompt, greedy(), use_cache=False))
+        assert outputs[0].token_ids == expected, f"prompt {i}"
+        assert calls == len(expected) - 1                                # every decode step ran compiled
+    steps = graph.num_steps
+    outputs, calls = compiled_calls(lambda: llm.generate(PROMPTS, greedy(), use_cache=False))
+    assert [o.token_ids for o in outputs] == BATCH_8                     # 8 rows of unequal context lengths
+    assert calls == graph.num_steps - steps >= NUM_TOKENS - 1
+    snapshot = llm.engine.stats_snapshot()["decode_graph"]
+    assert snapshot["state"] == "ready" and snapshot["num_steps"] == graph.num_steps and snapshot["compile_s"] > 0
+
+
+def test_tiny_model_compiled_equals_eager_with_prompt_scoring_beside_it(compiling, tiny_model_dir):
+    """A step that scores prompt rows needs their hidden states, which the graph does not return: it runs eagerly, and
+    prompt logprobs equal an eager engine's; decode steps of mixed batches give the eager engine's greedy tokens."""
+    llm = compiled_llm(model__path=tiny_model_dir, model__dtype="fp32", engine__num_kv_blocks=256)
+    eager = LLM(make_config(model__path=tiny_model_dir, model__dtype="fp32", engine__num_kv_blocks=256,
+                            engine__compile="off"))
+    assert eager.engine.runner.decode_graph is None
+    graph = llm.engine.runner.decode_graph
+    prompt = list(range(100, 140))
+    scoring = SamplingParams(max_tokens=0, prompt_logprobs=2)
+    llm.generate(prompt, SamplingParams(max_tokens=4))                 # caches the prompt
+    got = llm.generate(prompt, scoring)[0].prompt_logprobs
+    want = eager.generate(prompt, scoring)[0].prompt_logprobs
+    assert [e.token_id for e in got[1:]] == [e.token_id for e in want[1:]]
+    torch.testing.assert_close([e.logprob for e in got[1:]], [e.logprob for e in want[1:]], atol=1e-4, rtol=0)
+    # Sampled decode steps of the tiny model through the graph: the eager engine's greedy tokens.
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    prompts = [prompt, prompt[:7], list(range(300, 333))]
+    steps = graph.num_steps
+    outputs, calls = compiled_calls(lambda: llm.generate(prompts, params))
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in eager.generate(prompts, params)]
+    assert calls == graph.num_steps - steps > 0
+
+
+def test_without_a_compiler_the_engine_decodes_eagerly(compiling, tiny_model_dir, monkeypatch, caplog):
+    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", ("/nonexistent/c++",))
+    with caplog.at_level(logging.WARNING, logger=decode_graph.__name__):
+        llm = LLM(make_config(model__path=tiny_model_dir, model__dtype="fp32", engine__num_kv_blocks=256))
+    graph = llm.engine.runner.decode_graph
+    assert graph.wait(1) and graph.state == "failed"
+    assert "no C++ compiler" in graph.error and "decoding eagerly" in caplog.text
+    out = llm.generate(list(range(100, 120)), SamplingParams(max_tokens=5, ignore_eos=True))[0]
+    assert len(out.token_ids) == 5 and graph.num_steps == 0
+    assert llm.engine.stats_snapshot()["decode_graph"]["state"] == "failed"
