@@ -15,6 +15,16 @@ class LLM:
         self.engine = LLMEngine(config or Config())
         self.tokenizer = self.engine.tokenizer
 
+    def wait_compiled(self, timeout: float | None = None) -> str:
+        """Block until the decode step finished compiling (`engine.compile = decode`; see decode_graph.py), at most
+        `timeout` seconds; its state: "ready", "failed", "compiling" (timed out) or "off". Benchmarks call this
+        before timing anything, so that no compile runs beside what they measure."""
+        graph = self.engine.runner.decode_graph
+        if graph is None:
+            return "off"
+        graph.wait(timeout)
+        return graph.state
+
     def generate(self, prompts: str | list[int] | Seq[str | list[int]],
                  params: SamplingParams | Seq[SamplingParams] | None = None, *,
                  cache_salt: str | None = None, use_cache: bool = True) -> list[RequestOutput]:

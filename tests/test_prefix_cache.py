@@ -67,15 +67,27 @@ def test_shared_prefix_reports_block_aligned_cached_tokens(tiny_model_dir):
     assert third.usage.cached_tokens == 3 * BS
 
 
-def test_fully_cached_prompt_still_computes_its_last_token(tiny_model_dir):
+def test_fully_cached_prompt_computes_only_its_last_token(tiny_model_dir):
     llm = tiny(tiny_model_dir)
     prompt = list(range(500, 500 + 4 * BS))             # exactly 4 blocks
-    a = llm.generate(prompt, greedy(6))[0]
-    b = llm.generate(prompt, greedy(6))[0]
-    assert b.usage.cached_tokens == 3 * BS and b.usage.computed_prompt_tokens == BS
+    a = llm.generate(prompt, SamplingParams(max_tokens=6, ignore_eos=True, logprobs=0))[0]
+    num_free = llm.engine.kv_manager.num_free_blocks
+    b = llm.generate(prompt, SamplingParams(max_tokens=6, ignore_eos=True, logprobs=0))[0]
+    # Blocks 0..2 are shared; the cached block 3 is copied into a block of the request's own, and only the last
+    # token, whose logits give the first output token, is computed again.
+    assert b.usage.cached_tokens == 4 * BS - 1 and b.usage.computed_prompt_tokens == 1
     assert a.token_ids == b.token_ids
+    assert [x.logprob for x in a.logprobs] == pytest.approx([x.logprob for x in b.logprobs], abs=1e-5)
+    assert llm.engine.kv_manager.num_free_blocks == num_free   # the copy's block is cached or free again
+    llm.engine.check_integrity()
     short = list(range(500, 500 + 4 * BS - 1))          # 3 full blocks + 7: all 3 blocks can hit
     assert llm.generate(short, greedy(2))[0].usage.cached_tokens == 3 * BS
+    # min_match_blocks counts the copied block: a one-block prompt reuses it only when one block is enough.
+    one_block = list(range(900, 900 + BS))
+    strict = tiny(tiny_model_dir, cache__min_match_blocks=2)
+    for engine, expected in ((llm, BS - 1), (strict, 0)):
+        engine.generate(one_block, greedy(1))
+        assert engine.generate(one_block, greedy(1))[0].usage.cached_tokens == expected
 
 
 def test_generated_tokens_are_cached_for_the_next_turn(tiny_model_dir):

@@ -39,11 +39,18 @@ def synthetic_prompt(tokenizer, num_tokens: int, variant: int) -> list[int]:
 
 
 class KvreuseSystem:
-    def __init__(self, dtype: str = "fp32"):
-        self.name, self.dtype = f"kvreuse-{dtype}", dtype
-        config = load_config(None, [f"model.dtype={dtype}", "cache.enabled=false", "server.max_tokens=8192",
+    """kvreuse with its decode step compiled (the default), or `compile="off"` (the `-eager` row: what compiling
+    buys), optionally quantized (`-int4`: an approximation; `kvreuse bench quant` prints its fidelity)."""
+
+    def __init__(self, dtype: str = "fp32", quantization: str = "none", compile: str = "decode"):
+        self.dtype = dtype
+        self.name = "-".join(["kvreuse", dtype, *([quantization] if quantization != "none" else []),
+                              *(["eager"] if compile == "off" else [])])
+        config = load_config(None, [f"model.dtype={dtype}", f"model.quantization={quantization}",
+                                    f"engine.compile={compile}", "cache.enabled=false", "server.max_tokens=8192",
                                     "engine.max_num_batched_tokens=2048", "engine.kv_cache_memory_mb=1024"])
         self.llm = LLM(config)
+        self.llm.wait_compiled()
 
     def prefill(self, ids: list[int]) -> float:
         return self.llm.generate(ids, SamplingParams(max_tokens=1))[0].ttft_s
@@ -78,7 +85,8 @@ class HFSystem:
 
 
 def available_systems(include_bf16: bool) -> list[Callable[[], object]]:
-    systems: list[Callable[[], object]] = [KvreuseSystem, lambda: HFSystem(torch.float32)]
+    systems: list[Callable[[], object]] = [KvreuseSystem, lambda: KvreuseSystem(compile="off"),
+                                           lambda: KvreuseSystem(quantization="int4"), lambda: HFSystem(torch.float32)]
     if include_bf16:
         systems += [lambda: KvreuseSystem("bf16"), lambda: HFSystem(torch.bfloat16)]
     if importlib.util.find_spec("llama_cpp") is not None:
@@ -128,11 +136,14 @@ def run(repeats: int = 3, include_bf16: bool = True, progress: Callable[[str], N
     metrics = [f"prefill_{n}_tok_s" for n in PREFILL_LENGTHS] + [f"decode_b{b}_tok_s" for b in DECODE_BATCHES]
     table = {s.name: {m: results.median(s.name, m) for m in metrics} for s in systems}
     ratios = {}
-    for ours in (s.name for s in systems if s.name.startswith("kvreuse")):
+    for ours in (s.name for s in systems if s.name.startswith("kvreuse") and not s.name.endswith("-eager")):
         ratios.update({f"{m} {ours}/{s.name}": results.ratio(m, ours, s.name)
                        for s in systems if not s.name.startswith("kvreuse") for m in metrics})
         b1, b8 = table[ours]["decode_b1_tok_s"], table[ours]["decode_b8_tok_s"]
         ratios[f"decode_b8/decode_b1 {ours}"] = b8 / b1 if b1 and b8 else None
+        if f"{ours}-eager" in table:
+            ratios.update({f"{m} {ours}/{ours}-eager": results.ratio(m, ours, f"{ours}-eager")
+                           for m in metrics if m.startswith("decode")})
     flops = prefill_flops_per_token(model_args)
     of_peak = {s.name: {n: (table[s.name][f"prefill_{n}_tok_s"] or 0) * flops / peak[s.dtype] for n in PREFILL_LENGTHS}
                for s in systems if getattr(s, "dtype", None) in peak}

@@ -143,6 +143,7 @@ def run(num_questions: int = 16, context_tokens: int = 400, repeats: int = 3, dt
         if model_path:
             overrides.append(f"model.path={model_path}")
         llm = LLM(load_config(None, overrides))
+        llm.wait_compiled()
         try:
             model, _ = load_hf(model_path, llm.engine.dtype)
             return _measure(llm, model, num_questions, context_tokens, repeats, progress)

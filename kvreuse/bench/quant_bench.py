@@ -46,7 +46,9 @@ def bench_config(dtype: str = "auto", overrides: Sequence[str] = ()) -> Config:
 def quantized_llm(config: Config, mode: str) -> LLM:
     """An engine for `config` with `model.quantization = mode` (the engine quantizes after loading and puts the
     mode's tag in its fingerprint, so its cache keys never match an unquantized engine's)."""
-    return LLM(config.with_changes(model=config.model.with_changes(quantization=mode)))
+    llm = LLM(config.with_changes(model=config.model.with_changes(quantization=mode)))
+    llm.wait_compiled()
+    return llm
 
 
 def prefill_s(llm: LLM, ids: list[int]) -> float:

@@ -110,6 +110,7 @@ def run(configs: dict[str, Config], num_requests: int, max_tokens: int, concurre
     hf = None
     for scenario, config in configs.items():
         llm = LLM(config)
+        llm.wait_compiled()
         if peers and hf is None:
             from kvreuse.bench.peers import HFPeer
 

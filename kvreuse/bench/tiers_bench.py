@@ -145,6 +145,7 @@ def run(repeats: int = 3, redis_url: str | None = None, dtype: str = "auto", pro
         if model_path:
             overrides.append(f"model.path={model_path}")
         llm = LLM(load_config(None, overrides))
+        llm.wait_compiled()
         stack.callback(llm.engine.close)
         report = _measure(llm, repeats, prompt_tokens, bool(url), disk if drop_disk_page_cache else None, progress)
         report["disk"]["filesystem"] = filesystem(disk)

@@ -138,6 +138,11 @@ class LLMEngine(FrontEnd):
     def _run(self, seqs: list[Sequence], num_prefill_tokens: int, updated: list[Sequence]) -> None:
         """The forward and its postprocess; appends to `updated` as it goes, so that if it raises, the sequences
         that already finished are still reported."""
+        copying = [s.kv for s in seqs if s.kv.last_block_copy is not None]
+        if copying:  # fully cached prompts: their last blocks' K/V, before the step computes their last tokens
+            self.runner.copy_blocks([req.last_block_copy for req in copying])
+            for req in copying:
+                self.kv_manager.release_sources(req)
         step = self.runner.run(seqs, self.reuse)
         now = time.perf_counter()
         self.stats.record_step(self.kv_manager, num_prefill_tokens)

@@ -80,16 +80,17 @@ class Scheduler:
             publishing = [(s.kv, s.num_computed_tokens + s.num_scheduled_tokens) for s in scheduled]
             if kv.gains_by_waiting(seq.kv, num_cached_blocks, plan, publishing):
                 break  # blocks it shares with this step's prompts are reusable from the next step on
-            num_cached_tokens = num_cached_blocks * kv.block_size
+            last_block = kv.match_last_block(seq.kv, hits)
+            num_cached_tokens = num_cached_blocks * kv.block_size + (kv.block_size - 1 if last_block is not None else 0)
             num_tokens = seq.num_tokens - num_cached_tokens
             if plan is None:
                 num_tokens = min(num_tokens, budget)
             elif num_prefilling and num_tokens > budget:
                 break  # a prompt that reuses segments is repaired in one forward, whole
-            if not kv.can_allocate(seq.kv, num_cached_tokens + num_tokens, hits, plan):
+            if not kv.can_allocate(seq.kv, num_cached_tokens + num_tokens, hits, plan, last_block):
                 break  # strict arrival order: nobody overtakes the head of the queue
             self.waiting.popleft()
-            kv.allocate(seq.kv, num_cached_tokens + num_tokens, hits, plan, loads)
+            kv.allocate(seq.kv, num_cached_tokens + num_tokens, hits, plan, loads, last_block)
             seq.num_computed_tokens = num_cached_tokens
             seq.num_scheduled_tokens = num_tokens
             seq.status = SequenceStatus.RUNNING

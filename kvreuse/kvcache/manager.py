@@ -83,6 +83,18 @@ only registered blocks are written to the lower tiers."""
             hits = hits[:max(0, self._num_logprob_blocks(req, len(hits)) - 1)]
         return hits if len(hits) >= max(1, self.min_match_blocks) else []
 
+    def match_last_block(self, req: CacheRequest, hits: Sequence[int]) -> int | None:
+        """For a block-aligned prompt whose every block but the last is a hit (`hits`): the pool's copy of its last
+        block, if it holds one, else None. Its last token must be computed again (its logits are needed); a copy of the
+        block brings the other tokens' K/V, so the step computes one token instead of a block's worth."""
+        bs, num_blocks = self.block_size, len(hits) + 1
+        if (req.prompt_logprobs is not None or req.num_tokens != num_blocks * bs or not self.caches(req)
+                or num_blocks < self.min_match_blocks):
+            return None
+        parent_uid = self.pool.blocks[hits[-1]].uid if hits else None
+        block = self.pool.lookup(self._key(req, len(hits)), req.token_ids[-bs:], parent_uid)
+        return None if block is None else block.block_id
+
     def _num_logprob_blocks(self, req: CacheRequest, num_blocks: int) -> int:
         """How many of `req`'s first `num_blocks` blocks, in a row, have prompt logprobs stored as rich as it asks."""
         for i in range(num_blocks):
@@ -215,22 +227,27 @@ only registered blocks are written to the lower tiers."""
         return max(0, -(-num_tokens // self.block_size) - max(len(req.block_table), num_hit_blocks))
 
     def can_allocate(self, req: CacheRequest, num_tokens: int, hits: Sequence[int] = (),
-                     plan: SegmentPlan | None = None) -> bool:
-        # Hits and segment sources that sit unreferenced in the cache stop being available once held.
-        held = set(hits) | set(plan.source_block_ids if plan else ())
+                     plan: SegmentPlan | None = None, last_block: int | None = None) -> bool:
+        # Hits and copy sources that sit unreferenced in the cache stop being available once held.
+        held = set(hits) | set(plan.source_block_ids if plan else ()) | ({last_block} - {None})
         num_held = sum(self.pool.blocks[b].ref_cnt == 0 for b in held)
         return self.pool.can_allocate(self.num_new_blocks(req, num_tokens, len(hits)) + num_held)
 
     def allocate(self, req: CacheRequest, num_tokens: int, hits: Sequence[int] = (),
-                 plan: SegmentPlan | None = None, loads: Sequence[LoadedBlock] = ()) -> None:
+                 plan: SegmentPlan | None = None, loads: Sequence[LoadedBlock] = (), last_block: int | None = None
+                 ) -> None:
         """Grow the table to cover `num_tokens` tokens. At admission a request first takes its prefix hits, then
         puts the blocks loaded from lower tiers into its first new blocks and publishes them (`num_cached_tokens`
-        says how many tokens both hold), and holds its segment sources until they are copied."""
+        says how many tokens both hold), and holds its segment sources, or its last block's cached copy
+        (`match_last_block`), until they are copied."""
         if not req.block_table:  # admission
             self.pool.hold(hits)
             req.block_table = list(hits)
             req.block_uids = [self.pool.blocks[b].uid for b in hits]
             req.num_cached_tokens = (len(hits) + len(loads)) * self.block_size
+            if last_block is not None:
+                self.pool.hold([last_block])
+                req.num_cached_tokens = req.num_tokens - 1
             if req.prompt_logprobs is not None and hits:  # before allocating below can evict the block after them
                 self._take_logprob_records(req, len(hits) + 1)
         assert not (hits or loads) or len(req.block_table) == len(hits), "hits and loads only apply at admission"
@@ -239,6 +256,8 @@ only registered blocks are written to the lower tiers."""
             req.segment_plan = plan
             req.num_exact_tokens = plan.runs[0].start
         req.block_table.extend(self.pool.allocate(self.num_new_blocks(req, num_tokens)))
+        if last_block is not None:
+            req.last_block_copy = (last_block, req.block_table[len(hits)])
         if loads:
             self._fill(req, len(hits), loads)
         req.tier_load = None
@@ -278,10 +297,13 @@ only registered blocks are written to the lower tiers."""
         req.load_seconds = req.tier_load.result().seconds + time.perf_counter() - began
 
     def release_sources(self, req: CacheRequest) -> None:
-        """The plan's K/V have been copied into the request's own blocks: let the sources go."""
+        """The plan's K/V (or the last block's) have been copied into the request's own blocks: let the sources go."""
         if req.segment_plan is not None:
             self.pool.free(req.segment_plan.source_block_ids)
             req.segment_plan = None
+        if req.last_block_copy is not None:
+            self.pool.free([req.last_block_copy[0]])
+            req.last_block_copy = None
 
     def cache_computed_blocks(self, req: CacheRequest, num_computed_tokens: int) -> None:
         """Register the full blocks among the first `num_computed_tokens` that hold exact K/V, so later
@@ -358,6 +380,7 @@ only registered blocks are written to the lower tiers."""
         held: dict[int, int] = {}
         for req in holders:
             sources = req.segment_plan.source_block_ids if req.segment_plan else []
+            sources = sources + ([req.last_block_copy[0]] if req.last_block_copy else [])
             assert len(req.block_uids) <= len(req.block_table), "more published blocks than blocks"
             for block_id in req.block_table + sources:
                 held[block_id] = held.get(block_id, 0) + 1

@@ -19,6 +19,9 @@ class CacheRequest:
     block_uids: list[int | None] = field(default_factory=list)
     num_cached_tokens: int = 0        # tokens the last admission took from the exact prefix cache
     segment_plan: SegmentPlan | None = None  # cached segments to copy in; dropped once copied
+    # A fully cached block-aligned prompt: (the cached last block, its own last block). The engine copies the first
+    # into the second before the step that computes the last token; the source is held until then.
+    last_block_copy: tuple[int, int] | None = None
     # K/V from this position on attended to reused (approximate) K/V and are never published; None: all exact.
     num_exact_tokens: int | None = None
     tier_load: Future | None = None   # the lower tiers' read of its prefix chain (a TierLoad), until admission

@@ -24,12 +24,13 @@ def simulate(token_lists: Iterable[list[int]], cache: CacheConfig, fingerprint: 
         req = manager.new_request(list(token_ids))
         hits = manager.match_prefix(req)
         plan = manager.match_segments(req, len(hits))
-        if not manager.can_allocate(req, req.num_tokens, hits, plan):
+        last_block = manager.match_last_block(req, hits)
+        if not manager.can_allocate(req, req.num_tokens, hits, plan, last_block):
             manager.pool.reset_cache()
-            hits, plan = [], None
+            hits, plan, last_block = [], None, None
             if not manager.can_allocate(req, req.num_tokens):
                 continue
-        manager.allocate(req, req.num_tokens, hits, plan)
+        manager.allocate(req, req.num_tokens, hits, plan, last_block=last_block)
         total += ReuseRecord.planned(req.num_tokens, req.num_cached_tokens, plan.num_tokens if plan else 0,
                                      plan.num_shifted_tokens if plan else 0)
         manager.release_sources(req)
