@@ -88,17 +88,11 @@ class DecodeGraph:
         self.compile_s: float | None = None
         self.error: str | None = None
         self.num_steps = 0               # steps run through the graph
-        self._compiled = torch.compile(_decode, fullgraph=True)
-        self._run_only = torch._dynamo.run(self._compiled)
+        self._run_only = None            # the compiled step, compiling switched off: set once ready
         self._done = threading.Event()
 
     def start(self) -> None:
         """Compile in a daemon thread (logs the outcome); the engine decodes eagerly until `state == "ready"`."""
-        device = next(self.model.parameters()).device
-        missing = compiler_missing(device)
-        if missing is not None:
-            self._fail(missing)
-            return
         self.state = "compiling"
         threading.Thread(target=self._compile, name="kvreuse-decode-compile", daemon=True).start()
 
@@ -128,9 +122,14 @@ class DecodeGraph:
     def _compile(self) -> None:
         """Compile both graphs on a scratch pool (two blocks per layer), so nothing of the engine's is touched."""
         start = time.perf_counter()
+        model = self.model
+        args, param = model.args, next(model.parameters())
+        missing = compiler_missing(param.device)  # here, as importing inductor alone takes a few seconds
+        if missing is not None:
+            self._fail(missing)
+            return
         try:
-            model = self.model
-            args, param = model.args, next(model.parameters())
+            compiled = torch.compile(_decode, fullgraph=True)
             scratch = param.new_zeros(args.num_layers, 2, 2, 1, args.num_kv_heads, args.head_dim)
             for num_seqs in sorted({1, min(2, self.max_num_seqs)}):
                 ids = torch.zeros(num_seqs, dtype=torch.long, device=param.device)          # [B]
@@ -140,10 +139,11 @@ class DecodeGraph:
                     for t in (ids, positions, rows):
                         torch._dynamo.mark_dynamic(t, 0, min=2, max=max(2, self.max_num_seqs))
                 meta = AttentionMetadata.for_decode([1] * num_seqs, [[b] for b in range(num_seqs)], 1, param.device)
-                self._call(self._compiled, ids, positions, meta, scratch, rows)
+                self._call(compiled, ids, positions, meta, scratch, rows)
         except Exception as exc:  # a compiler error of any kind: the eager step serves instead
             self._fail(f"{type(exc).__name__}: {exc}")
         else:
+            self._run_only = torch._dynamo.run(compiled)
             self.compile_s = time.perf_counter() - start
             self.state = "ready"
             logger.info("decode step compiled in %.1f s (batches of 1 and 2-%d sequences)", self.compile_s,
@@ -154,3 +154,4 @@ class DecodeGraph:
     def _fail(self, why: str) -> None:
         self.state, self.error = "failed", why
         logger.warning("decode step not compiled, decoding eagerly: %s", why.splitlines()[0][:500])
+        self._done.set()
