@@ -178,7 +178,7 @@ def test_config_to_ini_writes_every_key():
         "suffix.guard_margin", "disk.path", "disk.max_gb", "redis.url", "redis.ttl_s", "redis.timeout_ms",
         "tier_queue_mb",
     }
-    assert len(parser["server"]) == 12 and len(parser["model"]) == 4 and len(parser["engine"]) == 5
+    assert len(parser["server"]) == 12 and len(parser["model"]) == 4 and len(parser["engine"]) == 6
     assert len(parser["events"]) == 4 and len(parser["cluster"]) == 7
 
 

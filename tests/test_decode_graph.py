@@ -73,8 +73,15 @@ def test_tiny_model_compiled_equals_eager_with_prompt_scoring_beside_it(compilin
     assert calls == graph.num_steps - steps > 0
 
 
-def test_without_a_compiler_the_engine_decodes_eagerly(compiling, tiny_model_dir, monkeypatch, caplog):
+def test_a_missing_compiler_is_detected(monkeypatch):
+    assert decode_graph.compiler_missing(torch.device("cpu")) is None      # this machine has one
     monkeypatch.setattr(torch._inductor.config.cpp, "cxx", ("/nonexistent/c++",))
+    assert "no C++ compiler" in decode_graph.compiler_missing(torch.device("cpu"))
+
+
+def test_without_a_compiler_the_engine_decodes_eagerly(compiling, tiny_model_dir, monkeypatch, caplog):
+    # inductor's config is per thread, and the check runs in the compile thread: the fault is injected there.
+    monkeypatch.setattr(decode_graph, "compiler_missing", lambda device: "no C++ compiler for inductor (injected)")
     with caplog.at_level(logging.WARNING, logger=decode_graph.__name__):
         llm = LLM(make_config(model__path=tiny_model_dir, model__dtype="fp32", engine__num_kv_blocks=256))
         graph = llm.engine.runner.decode_graph

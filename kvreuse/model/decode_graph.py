@@ -11,7 +11,9 @@ a batch that fits neither runs eagerly, never a compile in the serving thread).
 
 Compiling takes ~25-30 s on a 2-core CPU (each graph), ~8 s when inductor's on-disk cache holds it (a restart with
 the same model and torch). Without a C++ compiler (or on any error) the graph is abandoned with a warning and every
-step runs eagerly. The compiled step computes the same numbers as the eager one up to float reassociation
+step runs eagerly. inductor's config is per thread, so settings for the compile go in TORCHINDUCTOR_* environment
+variables (the defaults every thread starts from), not in `torch._inductor.config` of the serving thread. The
+compiled step computes the same numbers as the eager one up to float reassociation
 (|diff| ~1e-5 in fp32 hidden states); greedy outputs are tested equal (tests/test_decode_graph.py).
 """
 
