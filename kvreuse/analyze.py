@@ -2,7 +2,7 @@
 
 It replays the prompts through the real cache manager (the same matching and eviction code the engine
 runs, with no forward passes), so the predicted hit rates are what the engine would measure for those
-prompts in that order (generated tokens aside). Then it looks for what breaks sharing, as the seed's
+prompts in that order (generated tokens aside). Then it looks for what breaks sharing, as the article's
 troubleshooting section does: dynamic fields (timestamps, UUIDs, ids, numbers) inside otherwise equal
 text, whitespace and full-width differences that `normalize_input` would remove, and where
 near-duplicate prompts first diverge.
@@ -137,7 +137,7 @@ def advice(r: dict) -> list[str]:
     if r["hit_rate_with_segment_reuse"] - r["hit_rate"] >= 0.1 and not r["segment_reuse"]:
         tips.append(f"Shared text sits after varying text: segment reuse (cache.suffix.enabled = true) would reuse "
                     f"{r['hit_rate_with_segment_reuse']:.0%} of prompt tokens instead of {r['hit_rate']:.0%} "
-                    "(approximate: see README, Segment reuse), or reorder the prompt so it becomes a prefix.")
+                    "(approximate: see docs/features/segment-reuse.md), or reorder the prompt so it becomes a prefix.")
     if not tips:
         tips.append("No obvious problem: prompts share what they can at this block size.")
     return tips

@@ -56,144 +56,221 @@ class ServerConfig(_Section):
     """``[server]``: the HTTP front end and per-request limits."""
 
     # The cap is a sanity bound against typos, kept out of Field(le=) so the documented range still reads ">= 16".
-    max_tokens: Annotated[int, Field(ge=16), _at_most(1_000_000)] = 2048
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
-    max_queue: int = Field(256, ge=1)
-    truncate: Literal["error", "oldest"] = "error"
-    api_keys_file: str = ""
-    default_max_tokens: int = Field(256, ge=1)
-    drain_timeout_s: int = Field(30, ge=0)
-    max_body_mb: int = Field(4, ge=1)             # larger request bodies get 413 before they are read whole
-    max_queue_per_tenant: int = Field(64, ge=1)   # with API keys: one tenant's share of max_queue
-    max_stop_strings: int = Field(16, ge=1)       # stop strings per request
-    max_stop_chars: int = Field(256, ge=1)        # characters per stop string
+    max_tokens: Annotated[int, Field(ge=16, description=(
+        "Context limit per request: prompt plus completion tokens (`--max-model-len`). A request over it is refused "
+        "with 400, naming both numbers.")), _at_most(1_000_000)] = 2048
+    host: str = Field("127.0.0.1", description="Address `kvreuse serve` listens on (`--host`).")
+    port: int = Field(8000, ge=0, le=65535, description="Port `kvreuse serve` listens on (`--port`); 0 picks any free "
+                                                          "port.")
+    max_queue: int = Field(256, ge=1, description=(
+        "Requests in flight, over all tenants, before the server answers 429 with `Retry-After: 1`."))
+    truncate: Literal["error", "oldest"] = Field("error", description=(
+        "A chat over the context limit: `error` refuses it (400); `oldest` drops whole oldest turns after the system "
+        "message until it fits, and the response says `truncated_turns`."))
+    api_keys_file: str = Field("", description=(
+        "File of API keys and their tenants (`--api-keys`): lines `KEY TENANT`, or a JSON object. Every route but "
+        "`/health` then needs a key, and each tenant's KV is isolated; empty: no keys (docs/server.md)."))
+    default_max_tokens: int = Field(256, ge=1, description=(
+        "Completion tokens when a request gives none, capped to what fits in the context."))
+    drain_timeout_s: int = Field(30, ge=0, description=(
+        "Seconds SIGTERM waits for in-flight requests; those still running then get 503 (a stream: an error event "
+        "and `[DONE]`)."))
+    max_body_mb: int = Field(4, ge=1, description=(
+        "Request bodies larger than this many MB get 413 before they are read whole."))
+    max_queue_per_tenant: int = Field(64, ge=1, description=(
+        "With API keys: requests one tenant may have in flight before 429; without keys only `server.max_queue` "
+        "applies."))
+    max_stop_strings: int = Field(16, ge=1, description=(
+        "Stop strings per request; more get 400 naming `stop` (offline too)."))
+    max_stop_chars: int = Field(256, ge=1, description="Characters per stop string; longer ones get 400 naming `stop`.")
 
 
 class SuffixConfig(_Section):
     """``suffix.*`` keys of ``[cache]``: the reuse settings for cached segments that are not a prefix. Off by
-    default: unlike prefix reuse it is approximate (see README, "Segment reuse"). The keys keep the seed's name,
-    suffix reuse, although what is reused is any cached segment, not only a suffix.
+    default: unlike prefix reuse it is approximate (docs/features/segment-reuse.md). The keys keep the article's
+    name, suffix reuse, although what is reused is any cached segment, not only a suffix.
 
     Immutable, so the engine can take it as one settings value; derive a variant with ``with_changes``."""
 
     model_config = ConfigDict(frozen=True)
 
-    enabled: bool = False
-    mode: Literal["blend", "shift"] = "blend"
-    recompute_ratio: float = Field(0.15, ge=0.0, le=1.0)
-    head_tokens: int = Field(8, ge=0)
+    enabled: bool = Field(False, description=(
+        "Reuse the K/V of cached text that is not a prefix (RAG documents, fixed instructions at the tail): "
+        "approximate, so repaired and measured (docs/features/segment-reuse.md)."))
+    mode: Literal["blend", "shift"] = Field("blend", description=(
+        "How reused segments are repaired: `blend` recomputes selected tokens (CacheBlend, EPIC); `shift` reuses "
+        "them as they are, like llama.cpp's `--cache-reuse`, for comparison."))
+    recompute_ratio: float = Field(0.15, ge=0.0, le=1.0, description=(
+        "blend: share of the reused tokens recomputed at the deeper layers, those whose K/V deviate most; 1.0 "
+        "recomputes all of them (exact)."))
+    head_tokens: int = Field(8, ge=0, description=(
+        "blend: first tokens of every reused run that are always recomputed (a chunk start acts as a false "
+        "attention sink)."))
     # Nats between the top two log-probabilities: reuse error shifts logits, so a flat distribution whose top
     # two are well apart is safe, and only a close pair can flip.
-    guard_margin: float = Field(0.03, ge=0.0, le=100.0)
+    guard_margin: float = Field(0.03, ge=0.0, le=100.0, description=(
+        "Fidelity guard: when the first token's top two log-probabilities are less than this many nats apart, the "
+        "reused part is recomputed exactly; 0 turns the guard off."))
 
 
 class DiskTierConfig(_Section):
-    """``disk.*`` keys of ``[cache]``: the disk tier under the pool (README, "Tiers"); an empty path: none."""
+    """``disk.*`` keys of ``[cache]``: the disk tier under the pool (docs/features/tiers.md); an empty path: none."""
 
-    path: str = ""
-    max_gb: float = Field(10.0, gt=0.0)
+    path: str = Field("", description=(
+        "Directory of the disk tier, which survives restarts (one process per directory); empty: no disk tier."))
+    max_gb: float = Field(10.0, gt=0.0, description=(
+        "Size limit of the disk tier (its entries' bytes), in GB; the least recently used entries go first."))
 
 
 class RedisTierConfig(_Section):
     """``redis.*`` keys of ``[cache]``: the Redis tier, shared by processes; an empty url: none."""
 
-    url: str = Field("", pattern=r"^(|(redis|rediss|unix)://.+)$")  # redis://host:port/db
-    ttl_s: int = Field(0, ge=0)                # 0: entries live until Redis evicts them (maxmemory)
-    timeout_ms: int = Field(500, ge=1, le=60_000)
+    url: str = Field("", pattern=r"^(|(redis|rediss|unix)://.+)$", description=(
+        "The Redis tier, shared by processes and machines: `redis://host:port/db` (also `rediss://`, `unix://`); "
+        "empty: no Redis tier."))
+    ttl_s: int = Field(0, ge=0, description=(
+        "Expiry of Redis entries, in seconds; 0: none, entries live until Redis's `maxmemory` policy evicts them."))
+    timeout_ms: int = Field(500, ge=1, le=60_000, description=(
+        "Connect and socket timeout; past it the call is a miss and the tier backs off, then reconnects."))
 
 
 class CacheConfig(_Section):
     """``[cache]``: the KV block cache."""
 
-    enabled: bool = True
-    block_size: int = Field(16, ge=1, le=256)
-    max_blocks: int = Field(4096, ge=0)
-    policy: Literal["lru", "lfu"] = "lru"
-    suffix: SuffixConfig = Field(default_factory=SuffixConfig)
-    normalize_input: bool = False
-    min_match_blocks: int = Field(1, ge=0)
-    preset: Literal["none", "chat", "eval", "agent", "rag"] = "none"  # the names in PRESETS
-    disk: DiskTierConfig = Field(default_factory=DiskTierConfig)
-    redis: RedisTierConfig = Field(default_factory=RedisTierConfig)
-    # Blocks waiting to be written to the tiers; beyond this, published blocks are not written (and counted).
-    tier_queue_mb: int = Field(256, ge=1)
+    enabled: bool = Field(True, description=(
+        "KV reuse on or off (`--enable-prefix-caching` / `--no-enable-prefix-caching`)."))
+    block_size: int = Field(16, ge=1, le=256, description=(
+        "Tokens per KV block (`--block-size`): the unit that is cached, matched and evicted."))
+    max_blocks: int = Field(4096, ge=0, description=(
+        "Cached blocks kept while no request holds them; beyond it the policy's victim is dropped at once. Blocks "
+        "that requests hold are never evicted."))
+    policy: Literal["lru", "lfu"] = Field("lru", description=(
+        "Which unreferenced cached block is evicted first: `lru` (least recently used) or `lfu` (fewest hits, then "
+        "least recent)."))
+    suffix: SuffixConfig = Field(default_factory=SuffixConfig, description="Segment reuse (the `suffix.*` keys).")
+    normalize_input: bool = Field(False, description=(
+        "Canonicalise each message's text before tokenizing (NFKC, line endings, runs of spaces), so prompts that "
+        "differ only there share blocks. It changes what the model reads (docs/features/prefix-caching.md)."))
+    min_match_blocks: int = Field(1, ge=0, description="Shortest match, in blocks, that is reused (prefix or segment).")
+    preset: Literal["none", "chat", "eval", "agent", "rag"] = Field("none", description=(  # the names in PRESETS
+        "A scenario preset (`--preset`, see Presets): it sets several `[cache]` keys first; keys written explicitly, "
+        "in the file or with `--set`, override it."))
+    disk: DiskTierConfig = Field(default_factory=DiskTierConfig, description="The disk tier (the `disk.*` keys).")
+    redis: RedisTierConfig = Field(default_factory=RedisTierConfig, description="The Redis tier (the `redis.*` keys).")
+    tier_queue_mb: int = Field(256, ge=1, description=(
+        "MB of published blocks waiting to be written to the tiers; blocks beyond it are not written (counted in "
+        "`kvreuse:tier_dropped_blocks`)."))
 
 
-# The seed's scenario advice as presets. A preset sets these keys first; keys written explicitly (in the
-# file or with --set) override it, wherever they appear.
-# Segment reuse is on where the scenario bench (README, "Scenarios") shows it pays within the fidelity
+# The article's scenario advice as presets (chat, eval and agent are its advice; rag is ours). A preset sets these
+# keys first; keys written explicitly (in the file or with --set) override it, wherever they appear.
+# Segment reuse is on where the scenario bench (docs/benchmarks.md, "Scenarios") shows it pays within the fidelity
 # thresholds (top-1 >= 0.9, KL <= 0.03): on the eval rubric the guard never changed an answer and only added
 # work, so it is off there; agent steps are cheap to repair (recompute 10%), RAG documents need 30%.
 PRESETS: dict[str, dict[str, str]] = {
     "none": {},
-    # short repeated turns, recent hot spots; the shared part is a prefix, so segment reuse stays off
     "chat": {"block_size": "16", "policy": "lru"},
-    # long fixed rubric after varying text: a fixed hot spot, reached only by segment reuse
     "eval": {"block_size": "32", "policy": "lfu", "suffix.enabled": "true", "suffix.guard_margin": "0"},
-    # tool output with formatting noise before fixed tool rules
     "agent": {"block_size": "16", "normalize_input": "true", "suffix.enabled": "true", "suffix.recompute_ratio": "0.1"},
-    # documents in varying positions
     "rag": {"block_size": "16", "suffix.enabled": "true", "suffix.recompute_ratio": "0.3"},
+}
+# What each preset is for (docs/configuration.md shows these beside the keys).
+PRESET_DESCRIPTIONS: dict[str, str] = {
+    "none": "No preset: every key keeps its default.",
+    "chat": "Multi-turn chat: short repeated turns with recent hot spots; the shared part is a prefix, so segment "
+            "reuse stays off.",
+    "eval": "Batch evaluation: a long fixed rubric after varying text, a fixed hot spot reached only by segment "
+            "reuse; the guard is off, since on this workload it never changed an answer and only added work.",
+    "agent": "Agent steps: tool output with formatting noise before fixed tool rules; segment reuse recomputing 10%.",
+    "rag": "RAG: the same documents in varying positions; segment reuse recomputing 30%.",
 }
 
 
 class ModelConfig(_Section):
     """``[model]``: which weights to load and how; an empty path means the embedded default model."""
 
-    path: str = ""
-    dtype: Literal["auto", "fp32", "bf16"] = "auto"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    path: str = Field("", description=(
+        "A `.gguf` file or Hugging Face directory of a Llama-family model (`--model`); empty: the embedded "
+        "SmolLM2-135M-Instruct."))
+    dtype: Literal["auto", "fp32", "bf16"] = Field("auto", description=(
+        "Weights, activations and KV dtype (`--dtype`). `auto`: bf16 on CUDA; on a CPU, bf16 if a probe at first "
+        "load finds it at least 1.2x faster on the model's prefill GEMMs, else fp32 (docs/design/performance.md). "
+        "Pin `fp32` where output must not depend on what was cached."))
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description=(
+        "Where the model runs (`--device`); `auto`: CUDA when present, else the CPU."))
     # Weight-only quantization of the linear layers (an approximation: part of the fingerprint, so of every key).
-    quantization: Literal["none", "int8", "int4"] = "none"
+    quantization: Literal["none", "int8", "int4"] = Field("none", description=(
+        "Weight-only quantization of the decoder linears (`--quantization`): `int8` per output channel, `int4` in "
+        "groups of 32. Approximate, so part of every cache key (docs/features/quantization.md)."))
 
 
 class EngineConfig(_Section):
     """``[engine]``: KV pool and batching; ``num_kv_blocks = 0`` derives it from ``kv_cache_memory_mb``."""
 
-    num_kv_blocks: int = Field(0, ge=0)
-    kv_cache_memory_mb: int = Field(512, ge=1)
-    max_num_seqs: int = Field(16, ge=1)
-    max_num_batched_tokens: int = Field(2048, ge=1)
-    seed: int = 0  # seeds sampling for requests that give no seed of their own (reproducible runs)
+    num_kv_blocks: int = Field(0, ge=0, description=(
+        "KV pool size in blocks, cached and in use alike; 0 derives it from `engine.kv_cache_memory_mb`."))
+    kv_cache_memory_mb: int = Field(512, ge=1, description="KV pool memory, in MB, when `engine.num_kv_blocks` is 0.")
+    max_num_seqs: int = Field(16, ge=1, description="Sequences batched together in one step.")
+    max_num_batched_tokens: int = Field(2048, ge=1, description=(
+        "Token budget of one step (decode tokens and prompt chunks); longer prompts are prefilled in chunks."))
+    seed: int = Field(0, description=(
+        "Seeds sampling for requests that give no seed of their own, so runs are reproducible."))
     # "decode": the decode step compiled by torch.compile in the background, eager until ready (decode_graph.py)
-    compile: Literal["off", "decode"] = "decode"
+    compile: Literal["off", "decode"] = Field("decode", description=(
+        "`decode`: the decode step is compiled by `torch.compile` in a background thread at start, decoding eagerly "
+        "until it is ready, and stays eager (with a warning) if compiling fails; `off`: always eager "
+        "(docs/design/performance.md)."))
 
 
 class EventsConfig(_Section):
     """``[events]``: KV cache events in vLLM's format (msgpack over a ZMQ PUB socket), for external routers and
     indexers; off while ``endpoint`` is empty."""
 
-    endpoint: str = Field("", pattern=r"^(|(tcp|ipc|inproc)://.+)$")         # e.g. tcp://127.0.0.1:5557
-    replay_endpoint: str = Field("", pattern=r"^(|(tcp|ipc|inproc)://.+)$")  # e.g. tcp://127.0.0.1:5558
-    topic: str = "kv-events"
-    buffer_steps: int = Field(10_000, ge=1)   # event batches kept for replay
+    endpoint: str = Field("", pattern=r"^(|(tcp|ipc|inproc)://.+)$", description=(
+        "ZMQ PUB socket publishing KV events in vLLM's format, e.g. `tcp://127.0.0.1:5557`; empty: off "
+        "(docs/features/replicas.md)."))
+    replay_endpoint: str = Field("", pattern=r"^(|(tcp|ipc|inproc)://.+)$", description=(
+        "ZMQ ROUTER socket resending missed event batches from a given sequence number, e.g. "
+        "`tcp://127.0.0.1:5558`; empty: no replay."))
+    topic: str = Field("kv-events", description="First frame of every event message.")
+    buffer_steps: int = Field(10_000, ge=1, description="Event batches kept for replay.")
 
 
 class ClusterConfig(_Section):
     """``[cluster]``: several engine replicas on Ray Serve behind one OpenAI endpoint (``kvreuse serve
     --replicas N``), and how requests are routed to them."""
 
-    replicas: int = Field(1, ge=1, le=1024)
-    routing: Literal["cache_aware", "round_robin", "ray_prefix"] = "cache_aware"
-    ray_address: str = ""                      # empty: a local Ray, started and stopped by kvreuse serve
-    cpus_per_replica: float = Field(1.0, gt=0.0)
+    replicas: int = Field(1, ge=1, le=1024, description=(
+        "Engine replicas on Ray Serve behind one endpoint (`--replicas`); 1: a single process "
+        "(docs/features/replicas.md)."))
+    routing: Literal["cache_aware", "round_robin", "ray_prefix"] = Field("cache_aware", description=(
+        "`cache_aware`: to the replica believed to hold the request's longest cached prefix, unless the load is "
+        "unbalanced; `round_robin` ignores the cache; `ray_prefix`: Ray's own prefix router, as a peer."))
+    ray_address: str = Field("", description=(
+        "A Ray cluster to join (`--ray-address`); empty: a local Ray, started and stopped by `kvreuse serve`."))
+    cpus_per_replica: float = Field(1.0, gt=0.0, description="CPUs (and torch threads) per replica.")
     # SGLang's router defaults: route by cache while the chosen replica's matched share of the prompt is at least
     # cache_threshold, unless the load is unbalanced (max - min queue > abs and max > rel x min): then least loaded.
-    cache_threshold: float = Field(0.3, ge=0.0, le=1.0)
-    balance_abs_threshold: int = Field(64, ge=0)
-    balance_rel_threshold: float = Field(1.5, ge=1.0)
+    cache_threshold: float = Field(0.3, ge=0.0, le=1.0, description=(
+        "cache_aware: route by cache only when the chosen replica holds at least this share of the request's "
+        "blocks; otherwise to the least loaded replica."))
+    balance_abs_threshold: int = Field(64, ge=0, description=(
+        "cache_aware: the load is balanced while max - min requests in flight is at most this (or the relative "
+        "test holds); unbalanced load goes to the least loaded replica."))
+    balance_rel_threshold: float = Field(1.5, ge=1.0, description=(
+        "cache_aware: the load is balanced while max requests in flight is at most this times min (or the absolute "
+        "test holds)."))
 
 
 class Config(_Section):
     """The whole configuration; one attribute per INI section."""
 
-    server: ServerConfig = Field(default_factory=ServerConfig)
-    cache: CacheConfig = Field(default_factory=CacheConfig)
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    engine: EngineConfig = Field(default_factory=EngineConfig)
-    events: EventsConfig = Field(default_factory=EventsConfig)
-    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    server: ServerConfig = Field(default_factory=ServerConfig, description="The `[server]` section.")
+    cache: CacheConfig = Field(default_factory=CacheConfig, description="The `[cache]` section.")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="The `[model]` section.")
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="The `[engine]` section.")
+    events: EventsConfig = Field(default_factory=EventsConfig, description="The `[events]` section.")
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig, description="The `[cluster]` section.")
 
     def as_dict(self) -> dict:
         """Nested plain dicts of every value."""

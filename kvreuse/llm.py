@@ -13,7 +13,7 @@ from kvreuse.sampling_params import SamplingParams
 class LLM:
     def __init__(self, config: Config | None = None):
         self.engine = LLMEngine(config or Config())
-        self.tokenizer = self.engine.tokenizer
+        self.tokenizer = self.engine.front_end.tokenizer
 
     def wait_compiled(self, timeout: float | None = None) -> str:
         """Block until the decode step finished compiling (`engine.compile = decode`; see decode_graph.py), at most
@@ -42,7 +42,7 @@ class LLM:
     def chat(self, conversations: list[dict] | Seq[list[dict]],
              params: SamplingParams | Seq[SamplingParams] | None = None, **cache_options) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"}) or several, under the model's chat template; text inside a
-        message stays text (`LLMEngine.tokenize_chat`), unlike special-token text in a `generate` prompt."""
+        message stays text (`FrontEnd.tokenize_chat`), unlike special-token text in a `generate` prompt."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        return self.generate([self.engine.tokenize_chat(m) for m in conversations], params, **cache_options)
+        return self.generate([self.engine.front_end.tokenize_chat(m) for m in conversations], params, **cache_options)

@@ -2,7 +2,7 @@
 
 One rule set for both:
 - one JSON object per line; blank lines are skipped; plain-text lines are errors (a line that fails to parse is
-  more often broken JSON than a prompt, and the README documents only the JSON form);
+  more often broken JSON than a prompt, and docs/features/offline.md documents only the JSON form);
 - each object has exactly one of "prompt" (a non-empty string) or "messages" (a non-empty list of
   {"role": str, "content": str} objects, extra keys in a message allowed);
 - optionally "max_tokens" (an integer) and "temperature" (a number); their ranges are checked where they are

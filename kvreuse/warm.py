@@ -1,10 +1,12 @@
-"""Warming the KV cache offline: `kvreuse cache warm FILE.jsonl` (the CLI twin of the server's `POST /cache/warm`).
+"""Warming: running prompts only for what they leave behind. The one path for `kvreuse cache warm FILE.jsonl` (here,
+offline), the server's `POST /cache/warm` (routes_cache.py: the same requests, through the server's queue) and the
+engine's warm-up before it serves (`warm_up`).
 
-Each record's prompt is run as a one-token greedy completion, all of them submitted together (continuous batching),
-so its full blocks are computed and published like any request's, and the lower tiers (disk, Redis) get them
-through the store's write path. Then `warm` waits for those writes, so a process that exits right after (the CLI)
-leaves them on disk or in Redis for the next one. A record's own "max_tokens" and "temperature" are ignored: only
-the prompt's KV matters.
+Each record's prompt is run as a one-token greedy completion (`WARM_PARAMS`), all of them submitted together
+(continuous batching), so its full blocks are computed and published like any request's, and the lower tiers (disk,
+Redis) get them through the store's write path. Then `warm` waits for those writes, so a process that exits right
+after (the CLI) leaves them on disk or in Redis for the next one. A record's own "max_tokens" and "temperature" are
+ignored: only the prompt's KV matters.
 
 The write queue drops what overflows it (a server must never wait on a slow disk); warming is offline work that
 nobody waits on, so between steps it lets the writer catch up whenever the queue is more than half full, instead
@@ -14,14 +16,20 @@ of dropping blocks. What is dropped anyway is reported.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable
 
-from kvreuse.engine.engine import RequestError
+from kvreuse.engine.engine import LLMEngine
+from kvreuse.engine.front_end import FrontEnd, RequestError
+from kvreuse.engine.output import RequestOutput
+from kvreuse.engine.sequence import Sequence
 from kvreuse.kvcache.accounting import ReuseRecord
+from kvreuse.kvcache.tiers.store import TieredStore
 from kvreuse.llm import LLM
 from kvreuse.prompts_file import PromptRecord
 from kvreuse.sampling_params import SamplingParams
 
 FLUSH_TIMEOUT_S = 300.0
+WARM_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)  # one greedy token: the prompt's KV is what it leaves
 
 
 class WarmError(ValueError):
@@ -32,41 +40,77 @@ class WarmError(ValueError):
         self.line = line
 
 
+def warm_up(engine: LLMEngine) -> None:
+    """One tiny request through the engine, so the first client's does not pay for lazy initialization."""
+    run_to_completion(engine, [engine.front_end.make_sequence("warm up", SamplingParams(max_tokens=2),
+                                                              use_cache=False)])
+
+
+def run_to_completion(engine: LLMEngine, seqs: list[Sequence], between_steps: Callable[[], None] | None = None
+                      ) -> None:
+    """Queue `seqs` on `engine` (this thread owns it) and step until nothing is left to run."""
+    for seq in seqs:
+        engine.add_sequence(seq)
+    while engine.has_unfinished():
+        engine.step()
+        if between_steps is not None:
+            between_steps()
+
+
+def prompt_usage(outputs: Iterable[RequestOutput]) -> ReuseRecord:
+    """How the prompts of `outputs` were obtained, summed (a Usage is a reuse record, plus completion tokens)."""
+    total = ReuseRecord()
+    for out in outputs:
+        total += out.usage
+    return total
+
+
 def warm(llm: LLM, records: list[PromptRecord], cache_salt: str | None = None) -> dict:
     """Compute and store the KV of each record's prompt ({"prompt"}: a raw prompt; {"messages"}: under the chat
     template); wait for the lower tiers to write it. Every record is checked before any is run: WarmError (a
     ValueError) names the line of the first bad one. Returns a summary (keys in the return statement)."""
     engine = llm.engine
     began = time.perf_counter()
-    params = SamplingParams(max_tokens=1, temperature=0.0)
+    seqs = warm_sequences(engine.front_end, records, cache_salt)
+    tiers = engine.tiers
+    before = tiers.snapshot() if tiers is not None else None
+    run_to_completion(engine, seqs, (lambda: _let_writer_catch_up(tiers)) if tiers is not None else None)
+    flushed = tiers.flush(FLUSH_TIMEOUT_S) if tiers is not None else True
+    outputs = [engine.output(seq) for seq in seqs]
+    failed = [{"line": r.line, "error": out.error} for out, r in zip(outputs, records, strict=True)
+              if out.error is not None]
+    total = prompt_usage(outputs)
+    written, errors, dropped = _tier_writes(tiers, before)
+    return {"num_items": len(records), "prompt_tokens": total.prompt_tokens,
+            "cached_tokens": total.cached_tokens, "cached_tokens_details": total.cached_by_tier(),
+            "reused_tokens": total.reused_tokens, "computed_prompt_tokens": total.computed_prompt_tokens,
+            "tiers": tiers.tier_names if tiers is not None else [], "blocks_written": written,
+            "write_errors": errors, "dropped_blocks": dropped, "failed": failed,
+            "seconds": round(time.perf_counter() - began, 3), "flushed": flushed}
+
+
+def warm_sequences(front: FrontEnd, records: list[PromptRecord], cache_salt: str | None) -> list[Sequence]:
+    """The sequence of each record, checked: WarmError names the line of the first the front end refuses."""
     seqs = []
     for r in records:
         try:
-            prompt = engine.tokenize_chat(r.messages) if r.messages is not None else r.prompt
-            seqs.append(engine.make_sequence(prompt, params, cache_salt=cache_salt))
+            prompt = front.tokenize_chat(r.messages) if r.messages is not None else r.prompt
+            seqs.append(front.make_sequence(prompt, WARM_PARAMS, cache_salt=cache_salt))
         except (RequestError, ValueError) as exc:
             if isinstance(exc, RequestError) and exc.field == "cache_salt":
                 raise  # the same for every record: no line to blame
             raise WarmError(r.line, str(exc)) from exc
+    return seqs
 
-    tiers = engine.tiers
-    before = tiers.snapshot() if tiers is not None else None
-    for seq in seqs:
-        engine.add_sequence(seq)
-    while engine.has_unfinished():
-        engine.step()
-        if tiers is not None and tiers.snapshot()["queued_bytes"] > tiers.max_queue_bytes // 2:
-            tiers.flush(FLUSH_TIMEOUT_S)  # backpressure: let the writer catch up rather than drop blocks
-    flushed = tiers.flush(FLUSH_TIMEOUT_S) if tiers is not None else True
 
-    total = ReuseRecord()
-    failed = []
-    for seq, r in zip(seqs, records, strict=True):
-        out = engine.output(seq)
-        if out.error is not None:
-            failed.append({"line": r.line, "error": out.error})
-        total += out.usage  # its reuse record (Usage is one, plus completion tokens)
+def _let_writer_catch_up(tiers: TieredStore) -> None:
+    """Backpressure: with the write queue more than half full, wait for the writer rather than drop blocks."""
+    if tiers.snapshot()["queued_bytes"] > tiers.max_queue_bytes // 2:
+        tiers.flush(FLUSH_TIMEOUT_S)
 
+
+def _tier_writes(tiers: TieredStore | None, before: dict | None) -> tuple[dict, dict, int]:
+    """Since the snapshot `before`: the entries written and the errors per tier, and the blocks dropped."""
     written, errors, dropped = {}, {}, 0
     if tiers is not None:
         after = tiers.snapshot()
@@ -75,9 +119,4 @@ def warm(llm: LLM, records: list[PromptRecord], cache_salt: str | None = None) -
             written[name] = now["entries_written"] - was["entries_written"]
             errors[name] = now["errors"] - was["errors"]
         dropped = after["dropped_blocks"] - before["dropped_blocks"]
-    return {"num_items": len(records), "prompt_tokens": total.prompt_tokens,
-            "cached_tokens": total.cached_tokens, "cached_tokens_details": total.cached_by_tier(),
-            "reused_tokens": total.reused_tokens, "computed_prompt_tokens": total.computed_prompt_tokens,
-            "tiers": tiers.tier_names if tiers is not None else [], "blocks_written": written,
-            "write_errors": errors, "dropped_blocks": dropped, "failed": failed,
-            "seconds": round(time.perf_counter() - began, 3), "flushed": flushed}
+    return written, errors, dropped

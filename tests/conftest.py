@@ -5,6 +5,9 @@
 subset (`make test` runs everything). Tests using a fixture in REAL_MODEL_FIXTURES are marked here; any other
 test that loads the embedded model's weights without the marker fails, naming itself (see
 `_embedded_model_guard`). Loading only the tokenizer (`real_tokenizer`) is fast and needs no marker.
+
+Plain builders (configs, tiny-model LLMs and engines, greedy parameters, server arguments, `drain`) are in
+helpers.py.
 """
 
 from __future__ import annotations
@@ -16,11 +19,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from kvreuse.config import Config, load_config
 from kvreuse.llm import LLM
 from kvreuse.model import decode_graph, dtype_probe, loader
 from kvreuse.model.loader import embedded_model_path, file_sha256
 from kvreuse.model.tokenizer import Tokenizer
+
+# make_config is also imported from here, by test_analyze, test_cache_cli and test_soak
+from .helpers import make_config, tiny_config
 
 # Fixtures that load the real embedded model, in this process or in a `kvreuse serve` subprocess (which the guard
 # below cannot see): every test using one, directly or through another fixture, is marked slow.
@@ -139,11 +144,6 @@ def compiling(monkeypatch):
     monkeypatch.setattr(decode_graph.DecodeGraph, "start", _START_DECODE_COMPILE)
 
 
-def make_config(**overrides) -> Config:
-    """Config with `section.key=value` overrides written as section__key=value keyword arguments."""
-    return load_config(None, [f"{k.replace('__', '.')}={v}" for k, v in overrides.items()])
-
-
 @pytest.fixture(scope="session")
 def real_tokenizer() -> Tokenizer:
     path = embedded_model_path()
@@ -179,7 +179,8 @@ def tiny_model_dir(tmp_path_factory, real_tokenizer) -> str:
 
 @pytest.fixture
 def tiny_llm(tiny_model_dir) -> LLM:
-    return LLM(make_config(model__path=tiny_model_dir, model__dtype="fp32", engine__num_kv_blocks=256))
+    """A fresh LLM on the tiny model with helpers.TINY_SETS (fp32, 256 blocks); helpers.tiny_llm builds variants."""
+    return LLM(tiny_config(tiny_model_dir))
 
 
 @pytest.fixture(scope="session")

@@ -508,15 +508,18 @@ def make_seq(mgr: KVCacheManager, tokens, salt: str | None = None, use_cache: bo
 
 
 def admit_and_compute(mgr: KVCacheManager, seq: CacheRequest, running: list[CacheRequest] = ()) -> list[int]:
-    """Admit `seq` with its prefix hits, 'compute' all its tokens and publish its full blocks."""
-    hits = mgr.match_prefix(seq)
-    assert mgr.can_allocate(seq, seq.num_tokens, hits)
-    mgr.allocate(seq, seq.num_tokens, hits)
-    assert seq.num_cached_tokens == len(hits) * mgr.block_size
+    """Admit `seq` with what the cache holds of it, 'compute' all its tokens and publish its full blocks; returns its
+    prefix hits."""
+    match = mgr.match(seq)
+    assert mgr.can_admit(match, seq.num_tokens - match.num_cached_tokens)
+    mgr.admit(seq, match, seq.num_tokens - match.num_cached_tokens)
+    assert seq.num_cached_tokens == match.num_cached_tokens
+    if match.last_block is None:
+        assert seq.num_cached_tokens == len(match.hits) * mgr.block_size
     assert len(seq.block_table) == -(-seq.num_tokens // mgr.block_size)
-    mgr.cache_computed_blocks(seq, seq.num_tokens)
+    mgr.update(seq, seq.num_tokens)
     mgr.check_integrity([*running, seq])
-    return hits
+    return list(match.hits)
 
 
 def assert_hits_are_exact(mgr: KVCacheManager, seq: CacheRequest, hits: list[int]) -> None:
@@ -634,10 +637,11 @@ def test_concurrent_twins_share_one_chain():
     mgr = KVCacheManager(32, BS)
     s1, s2 = make_seq(mgr, range(1, 10)), make_seq(mgr, range(1, 10))   # 2 full blocks each
     for seq in (s1, s2):
-        assert mgr.match_prefix(seq) == []
-        mgr.allocate(seq, seq.num_tokens)
+        match = mgr.match(seq)
+        assert match.num_cached_tokens == 0
+        mgr.admit(seq, match, seq.num_tokens)
     for seq in (s1, s2):
-        mgr.cache_computed_blocks(seq, seq.num_tokens)
+        mgr.update(seq, seq.num_tokens)
     mgr.check_integrity([s1, s2])
     assert len(mgr.pool.key_to_block) == 2
     assert s2.block_uids == s1.block_uids and None not in s1.block_uids
@@ -645,7 +649,7 @@ def test_concurrent_twins_share_one_chain():
 
     s2.token_ids += [10, 11, 12]                                 # s2 decodes into its third block
     mgr.allocate(s2, s2.num_tokens)
-    mgr.cache_computed_blocks(s2, s2.num_tokens)
+    mgr.update(s2, s2.num_tokens)
     mgr.check_integrity([s1, s2])
     assert len(mgr.pool.key_to_block) == 3
     s3 = make_seq(mgr, list(range(1, 13)) + [13])

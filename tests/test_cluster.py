@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import pickle
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import openai
 
@@ -20,6 +21,7 @@ from kvreuse.cluster.spec import RequestSpec
 from kvreuse.kvcache.manager import KVCacheManager
 from kvreuse.sampling_params import SamplingParams
 
+from .helpers import server_args
 from .server_process import REPO_ROOT, http_client, start_server
 
 BLOCK = 16
@@ -194,9 +196,8 @@ SYSTEM = ("You are a concise assistant for the city library of Port Elling. You 
 
 def cluster(tmp_path, tiny_model_dir: str, routing: str, *sets: str):
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"  # inherited by the server and its Ray
-    extra = [arg for item in sets for arg in ("--set", item)]
-    return start_server("--replicas", "2", "--model", tiny_model_dir, "--dtype", "fp32",
-                        "--set", f"cluster.routing={routing}", "--set", "engine.num_kv_blocks=512", *extra,
+    return start_server("--replicas", "2",
+                        *server_args(tiny_model_dir, f"cluster.routing={routing}", "engine.num_kv_blocks=512", *sets),
                         log_path=tmp_path / f"{routing}.log", ready_timeout=240.0, stop_timeout=60.0)
 
 
@@ -340,7 +341,7 @@ def test_a_replica_that_cannot_start_is_a_clear_error_not_a_hang(tmp_path, tiny_
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
     # The front end never opens the disk tier; each replica's engine does, and fails.
     done = subprocess.run([sys.executable, "-m", "kvreuse", "serve", "--port", "0", "--replicas", "2",
-                           "--model", tiny_model_dir, "--dtype", "fp32", "--set", f"cache.disk.path={not_a_dir}/kv"],
+                           *server_args(tiny_model_dir, f"cache.disk.path={not_a_dir}/kv")],
                           cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 1
     assert "kvreuse: the replicas failed to start: NotADirectoryError" in done.stderr, done.stderr[-3000:]
@@ -412,14 +413,14 @@ class FakeHandle:
 
 def relay(faults: int, tiny_llm) -> tuple[list, FakeHandle]:
     from kvreuse.cluster.remote_engine import RemoteEngine
-    from kvreuse.server.async_engine import Delta
+    from kvreuse.server.deltas import Delta
 
-    seq = tiny_llm.engine.make_sequence("hello there", SamplingParams(max_tokens=2))
+    seq = tiny_llm.engine.front_end.make_sequence("hello there", SamplingParams(max_tokens=2))
     finished = Delta("", tiny_llm.engine.output(seq))
     handle = FakeHandle([Delta("hi"), finished], faults)
 
     async def run() -> list:
-        engine = RemoteEngine(handle)
+        engine = RemoteEngine(handle, tiny_llm.engine.front_end)
         engine.start()
         queue = engine.submit(seq)
         got = [await queue.get()]
@@ -438,3 +439,26 @@ def test_a_replica_failing_before_any_output_is_retried_once(tiny_llm):
 def test_a_second_failure_is_an_error_delta(tiny_llm):
     got, handle = relay(2, tiny_llm)
     assert handle.calls == 2 and len(got) == 1 and "The actor died unexpectedly" in got[0].error
+
+
+def test_a_replica_engine_snapshot_pickles_whole_and_names_its_replica(tiny_llm):
+    from kvreuse.server.metrics import Metrics
+
+    tiny_llm.generate("hello there", SamplingParams(max_tokens=2))
+    snapshot = replace(tiny_llm.engine.stats_snapshot(), replica="replica-a")  # as EngineReplica sends it
+    assert pickle.loads(pickle.dumps(snapshot)) == snapshot and snapshot.reuse.prompt_tokens > 0
+    metrics = Metrics("tiny")
+    metrics.observe_replica(snapshot)
+    assert metrics.replica_snapshots == {"replica-a": snapshot}
+
+
+def test_both_engine_clients_offer_what_the_server_needs(tiny_llm):
+    from kvreuse.cluster.remote_engine import RemoteEngine
+    from kvreuse.server.async_engine import AsyncEngine
+    from kvreuse.server.engine_client import EngineClient
+
+    members = {name for name in vars(EngineClient) if not name.startswith("_")}
+    assert {"front_end", "submit", "abort", "snapshots", "reset_prefix_cache", "shutdown"} <= members
+    for client in (AsyncEngine(tiny_llm.engine), RemoteEngine(FakeHandle([], 0), tiny_llm.engine.front_end)):
+        assert not {name for name in members if not hasattr(client, name)}, type(client).__name__
+        assert client.front_end is tiny_llm.engine.front_end

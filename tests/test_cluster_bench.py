@@ -1,5 +1,5 @@
 """`kvreuse bench cluster`'s verdicts and table, from a report's numbers (the run itself starts real servers: it is
-measured by hand, see README)."""
+measured by hand, see docs/benchmarks.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
 import configparser
+from pathlib import Path
 from typing import get_args
 
 import pytest
@@ -22,7 +23,7 @@ from kvreuse.config import (
     validate_config,
 )
 
-SEED = """\
+ARTICLE = """\
 [server]
 max_tokens = 2048
 
@@ -36,7 +37,7 @@ normalize_input = true
 min_match_blocks = 1
 """
 
-SEED_ONE_LINE = (
+ARTICLE_ONE_LINE = (
     "[server] max_tokens = 2048 [cache] enabled = true block_size = 16 max_blocks = 4096 policy = lru "
     "suffix.enabled = true normalize_input = true min_match_blocks = 1"
 )
@@ -96,8 +97,8 @@ def error_of(*args, **kwargs) -> str:
     return str(info.value)
 
 
-def test_seed_ini_loads_exactly(tmp_path):
-    config = load_config(write(tmp_path, SEED))
+def test_article_ini_loads_exactly(tmp_path):
+    config = load_config(write(tmp_path, ARTICLE))
     assert config.server.max_tokens == 2048
     assert config.cache.enabled is True
     assert config.cache.block_size == 16
@@ -108,11 +109,12 @@ def test_seed_ini_loads_exactly(tmp_path):
     assert config.cache.min_match_blocks == 1
     expected = Config(cache=CacheConfig(normalize_input=True, suffix=SuffixConfig(enabled=True)))
     assert config == expected
+    assert load_config(Path(__file__).resolve().parents[1] / "examples" / "article.ini") == expected  # as shipped
 
 
-def test_seed_one_line_form_matches_multi_line(tmp_path):
-    multi = load_config(write(tmp_path, SEED, "multi.ini"))
-    one = load_config(write(tmp_path, SEED_ONE_LINE + "\n", "one.ini"))
+def test_article_one_line_form_matches_multi_line(tmp_path):
+    multi = load_config(write(tmp_path, ARTICLE, "multi.ini"))
+    one = load_config(write(tmp_path, ARTICLE_ONE_LINE + "\n", "one.ini"))
     assert one == multi
     assert one.cache.normalize_input is True
 
@@ -182,10 +184,10 @@ def test_config_to_ini_writes_every_key():
     assert len(parser["events"]) == 4 and len(parser["cluster"]) == 7
 
 
-def test_seed_round_trips_after_overrides(tmp_path):
+def test_article_round_trips_after_overrides(tmp_path):
     overrides = ["cache.block_size=32", "cache.suffix.enabled=false", "server.max_tokens=4096",
                  "cache.suffix.recompute_ratio=0.3", "model.path=/tmp/m.gguf"]
-    config = load_config(write(tmp_path, SEED, "seed.ini"), overrides)
+    config = load_config(write(tmp_path, ARTICLE, "article.ini"), overrides)
     again = load_config(write(tmp_path, config_to_ini(config), "again.ini"))
     assert again == config
     assert (again.cache.block_size, again.cache.suffix.enabled, again.server.max_tokens) == (32, False, 4096)
@@ -359,7 +361,7 @@ def test_as_dict():
     assert set(data) == {"server", "cache", "model", "engine", "events", "cluster"}
 
 
-def test_presets_set_the_seed_advice_and_explicit_keys_override_them(tmp_path):
+def test_presets_set_the_article_advice_and_explicit_keys_override_them(tmp_path):
     eval_preset = load_config(None, ["cache.preset=eval"]).cache
     assert (eval_preset.block_size, eval_preset.policy) == (32, "lfu")
     assert eval_preset.suffix.enabled and eval_preset.suffix.guard_margin == 0

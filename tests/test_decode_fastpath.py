@@ -14,6 +14,8 @@ from kvreuse.layers.sampler import sample
 from kvreuse.model.llama import RMSNorm
 from kvreuse.sampling_params import SamplingParams
 
+from .helpers import greedy
+
 CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
 PARAGRAPH = ("A paged KV cache stores the keys and values of every token in fixed-size blocks, and a block table "
              "maps each sequence's logical positions to physical blocks, so that memory is allocated on demand "
@@ -111,37 +113,35 @@ def test_decode_metadata_and_attention_equal_the_general_path(context_lens, bloc
 def test_all_greedy_sampler_is_the_argmax_and_mixed_rows_still_sample():
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(8, 100, generator=gen)
-    greedy = SamplingParams()
-    assert sample(logits, [greedy] * 8, [None] * 8) == logits.argmax(-1).tolist()
+    argmax = SamplingParams()
+    assert sample(logits, [argmax] * 8, [None] * 8) == logits.argmax(-1).tolist()
     hot = SamplingParams(temperature=5.0, seed=1)
-    draws = {tuple(sample(logits[:2], [greedy, hot], [None, torch.Generator().manual_seed(s)]))
+    draws = {tuple(sample(logits[:2], [argmax, hot], [None, torch.Generator().manual_seed(s)]))
              for s in range(20)}
     assert {d[0] for d in draws} == {int(logits[0].argmax())}
     assert len({d[1] for d in draws}) > 1
     with pytest.raises(ValueError):
-        sample(logits, [greedy] * 7, [None] * 7)
-
-
-def greedy(**overrides) -> SamplingParams:
-    return SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True, **overrides)
+        sample(logits, [argmax] * 7, [None] * 7)
 
 
 @pytest.mark.slow
 def test_batch_1_greedy_tokens_unchanged(real_llm):
     for i, expected in zip(BATCH_1_PROMPTS, BATCH_1, strict=True):
-        assert real_llm.generate(PROMPTS[i], greedy(), use_cache=False)[0].token_ids == expected, f"prompt {i}"
+        out = real_llm.generate(PROMPTS[i], greedy(NUM_TOKENS), use_cache=False)[0]
+        assert out.token_ids == expected, f"prompt {i}"
 
 
 @pytest.mark.slow
 def test_batch_8_greedy_tokens_unchanged(real_llm):
-    outputs = real_llm.generate(PROMPTS, greedy(), use_cache=False)
+    outputs = real_llm.generate(PROMPTS, greedy(NUM_TOKENS), use_cache=False)
     assert [o.token_ids for o in outputs] == BATCH_8
 
 
 @pytest.mark.slow
 def test_greedy_rows_unchanged_beside_sampled_rows(real_llm):
     # Two sampled rows take the sampler's per-row path; the greedy rows around them must not move.
-    params = [greedy(temperature=0.8, seed=i) if i in (2, 5) else greedy() for i in range(len(PROMPTS))]
+    params = [greedy(NUM_TOKENS, temperature=0.8, seed=i) if i in (2, 5) else greedy(NUM_TOKENS)
+              for i in range(len(PROMPTS))]
     outputs = real_llm.generate(PROMPTS, params, use_cache=False)
     for i, (out, expected) in enumerate(zip(outputs, BATCH_8, strict=True)):
         if i not in (2, 5):

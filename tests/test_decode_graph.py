@@ -12,8 +12,8 @@ import torch
 from kvreuse.llm import LLM
 from kvreuse.model import decode_graph
 from kvreuse.sampling_params import SamplingParams
-from tests.conftest import make_config
-from tests.test_decode_fastpath import BATCH_1, BATCH_1_PROMPTS, BATCH_8, NUM_TOKENS, PROMPTS, greedy
+from tests.helpers import greedy, make_config, tiny_llm
+from tests.test_decode_fastpath import BATCH_1, BATCH_1_PROMPTS, BATCH_8, NUM_TOKENS, PROMPTS
 
 COMPILE_TIMEOUT_S = 600  # ~60 s cold for both graphs on 2 cores; the bound is for a busy CI machine
 
@@ -36,25 +36,24 @@ def compiled_calls(run) -> tuple[object, int]:
 @pytest.mark.slow
 def test_compiled_decode_gives_the_eager_fp32_greedy_tokens(compiling):
     llm = compiled_llm(model__dtype="fp32", engine__num_kv_blocks=512)
-    graph = llm.engine.runner.decode_graph
+    graph, params = llm.engine.runner.decode_graph, greedy(NUM_TOKENS)
     for i, expected in zip(BATCH_1_PROMPTS, BATCH_1, strict=True):
-        outputs, calls = compiled_calls(lambda prompt=PROMPTS[i]: llm.generate(prompt, greedy(), use_cache=False))
+        outputs, calls = compiled_calls(lambda prompt=PROMPTS[i]: llm.generate(prompt, params, use_cache=False))
         assert outputs[0].token_ids == expected, f"prompt {i}"
         assert calls == len(expected) - 1                                # every decode step ran compiled
     steps = graph.num_steps
-    outputs, calls = compiled_calls(lambda: llm.generate(PROMPTS, greedy(), use_cache=False))
+    outputs, calls = compiled_calls(lambda: llm.generate(PROMPTS, params, use_cache=False))
     assert [o.token_ids for o in outputs] == BATCH_8                     # 8 rows of unequal context lengths
     assert calls == graph.num_steps - steps >= NUM_TOKENS - 1
-    snapshot = llm.engine.stats_snapshot()["decode_graph"]
-    assert snapshot["state"] == "ready" and snapshot["num_steps"] == graph.num_steps and snapshot["compile_s"] > 0
+    status = llm.engine.stats_snapshot().decode_graph
+    assert status.state == "ready" and status.num_steps == graph.num_steps and status.compile_s > 0
 
 
 def test_tiny_model_compiled_equals_eager_with_prompt_scoring_beside_it(compiling, tiny_model_dir):
     """A step that scores prompt rows needs their hidden states, which the graph does not return: it runs eagerly, and
     prompt logprobs equal an eager engine's; decode steps of mixed batches give the eager engine's greedy tokens."""
     llm = compiled_llm(model__path=tiny_model_dir, model__dtype="fp32", engine__num_kv_blocks=256)
-    eager = LLM(make_config(model__path=tiny_model_dir, model__dtype="fp32", engine__num_kv_blocks=256,
-                            engine__compile="off"))
+    eager = tiny_llm(tiny_model_dir, engine__compile="off")
     assert eager.engine.runner.decode_graph is None
     graph = llm.engine.runner.decode_graph
     prompt = list(range(100, 140))
@@ -65,7 +64,7 @@ def test_tiny_model_compiled_equals_eager_with_prompt_scoring_beside_it(compilin
     assert [e.token_id for e in got[1:]] == [e.token_id for e in want[1:]]
     torch.testing.assert_close([e.logprob for e in got[1:]], [e.logprob for e in want[1:]], atol=1e-4, rtol=0)
     # Sampled decode steps of the tiny model through the graph: the eager engine's greedy tokens.
-    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    params = greedy(12)
     prompts = [prompt, prompt[:7], list(range(300, 333))]
     steps = graph.num_steps
     outputs, calls = compiled_calls(lambda: llm.generate(prompts, params))
@@ -83,10 +82,10 @@ def test_without_a_compiler_the_engine_decodes_eagerly(compiling, tiny_model_dir
     # inductor's config is per thread, and the check runs in the compile thread: the fault is injected there.
     monkeypatch.setattr(decode_graph, "compiler_missing", lambda device: "no C++ compiler for inductor (injected)")
     with caplog.at_level(logging.WARNING, logger=decode_graph.__name__):
-        llm = LLM(make_config(model__path=tiny_model_dir, model__dtype="fp32", engine__num_kv_blocks=256))
+        llm = tiny_llm(tiny_model_dir)
         graph = llm.engine.runner.decode_graph
         assert graph.wait(COMPILE_TIMEOUT_S) and graph.state == "failed"   # the warning comes from its thread
     assert "no C++ compiler" in graph.error and "decoding eagerly" in caplog.text
-    out = llm.generate(list(range(100, 120)), SamplingParams(max_tokens=5, ignore_eos=True))[0]
+    out = llm.generate(list(range(100, 120)), greedy(5))[0]
     assert len(out.token_ids) == 5 and graph.num_steps == 0
-    assert llm.engine.stats_snapshot()["decode_graph"]["state"] == "failed"
+    assert llm.engine.stats_snapshot().decode_graph.state == "failed"

@@ -13,7 +13,8 @@ from kvreuse.engine.engine import LLMEngine, resolve_dtype
 from kvreuse.model import dtype_probe
 from kvreuse.model.loader import ModelArgs
 
-from .conftest import TINY, make_config
+from .conftest import TINY
+from .helpers import tiny_engine
 
 CPU = torch.device("cpu")
 ARGS = ModelArgs(vocab_size=100, hidden_size=TINY["hidden_size"], intermediate_size=TINY["intermediate_size"],
@@ -153,12 +154,12 @@ def test_large_models_probe_fewer_prefill_tokens():
 
 def test_the_engine_uses_the_choice_and_its_fingerprint_follows_the_dtype(measured, tiny_model_dir):
     def engine(dtype: str) -> LLMEngine:
-        return LLMEngine(make_config(model__path=tiny_model_dir, model__dtype=dtype, engine__num_kv_blocks=8))
+        return tiny_engine(tiny_model_dir, model__dtype=dtype, engine__num_kv_blocks=8)
 
     auto, bf16, fp32 = engine("auto"), engine("bf16"), engine("fp32")
     assert auto.dtype == torch.bfloat16 and auto.runner.kv_cache.dtype == torch.bfloat16
     assert auto.dtype_description == "bf16 (auto: bf16 3.0x fp32 on prefill GEMMs)"
     assert (bf16.dtype_description, fp32.dtype_description) == ("bf16", "fp32")
     # The fingerprint is in every cache key: KV computed in one dtype is never served to the other.
-    assert auto.fingerprint == bf16.fingerprint != fp32.fingerprint
-    assert auto.kv_manager.fingerprint == auto.fingerprint
+    assert auto.front_end.fingerprint == bf16.front_end.fingerprint != fp32.front_end.fingerprint
+    assert auto.kv_manager.fingerprint == auto.front_end.fingerprint

@@ -14,7 +14,7 @@ from kvreuse.kvcache.request import CacheRequest
 from kvreuse.llm import LLM
 from kvreuse.sampling_params import SamplingParams
 
-from .conftest import make_config
+from .helpers import drain, greedy, tiny_config
 
 PROMPTS = [
     "Hi",
@@ -26,10 +26,6 @@ PROMPTS = [
     "1, 1, 2, 3, 5, 8, 13, 21, 34, 55,",
     "Translate to French: The cat sleeps on the warm windowsill while the rain falls outside.",
 ]
-
-
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(max_tokens=n, ignore_eos=True)
 
 
 @pytest.mark.slow
@@ -50,8 +46,7 @@ def test_batch_equals_sequential_on_the_tiny_model(tiny_llm):
 def test_small_kv_pool_preempts_and_still_completes_every_request(tiny_model_dir, tiny_llm):
     expected = [o.token_ids for o in tiny_llm.generate(PROMPTS, greedy(40))]
     # 12 blocks of 8 tokens: room for one or two requests at a time, so the scheduler must preempt.
-    small = LLM(make_config(model__path=tiny_model_dir, model__dtype="fp32", engine__num_kv_blocks=12,
-                            cache__block_size=8))
+    small = LLM(tiny_config(tiny_model_dir, engine__num_kv_blocks=12, cache__block_size=8))
     outputs = small.generate(PROMPTS, greedy(40))
     assert [o.token_ids for o in outputs] == expected
     assert all(o.finish_reason == "length" for o in outputs)
@@ -64,13 +59,12 @@ def test_small_kv_pool_preempts_and_still_completes_every_request(tiny_model_dir
 def test_chunked_prefill_gives_the_same_tokens(tiny_model_dir, tiny_llm, budget):
     long_prompts = [p * 4 for p in PROMPTS[:4]]
     expected = [o.token_ids for o in tiny_llm.generate(long_prompts, greedy(12))]
-    chunked = LLM(make_config(model__path=tiny_model_dir, model__dtype="fp32", engine__num_kv_blocks=256,
-                              engine__max_num_batched_tokens=budget))
+    chunked = LLM(tiny_config(tiny_model_dir, engine__max_num_batched_tokens=budget))
     assert [o.token_ids for o in chunked.generate(long_prompts, greedy(12))] == expected
 
 
 def test_max_num_seqs_bounds_the_batch(tiny_model_dir):
-    llm = LLM(make_config(model__path=tiny_model_dir, engine__num_kv_blocks=256, engine__max_num_seqs=2))
+    llm = LLM(tiny_config(tiny_model_dir, engine__max_num_seqs=2))
     for p in PROMPTS:
         llm.engine.add_request(p, greedy(5))
     while llm.engine.has_unfinished():
@@ -88,7 +82,7 @@ def test_outputs_report_usage_and_timings(tiny_llm):
 
 
 def test_context_limit_is_refused_with_both_numbers_and_the_engine_keeps_serving(tiny_model_dir):
-    llm = LLM(make_config(model__path=tiny_model_dir, engine__num_kv_blocks=256, server__max_tokens=64))
+    llm = LLM(tiny_config(tiny_model_dir, server__max_tokens=64))
     prompt = "word " * 60
     with pytest.raises(RequestError, match=r"prompt \(\d+ tokens\) \+ max_tokens \(10\) = \d+ tokens exceeds "
                                            r"the context limit of 64 tokens \(server.max_tokens\)"):
@@ -102,7 +96,7 @@ def test_context_limit_is_refused_with_both_numbers_and_the_engine_keeps_serving
 
 
 def test_request_larger_than_the_kv_pool_is_refused(tiny_model_dir):
-    llm = LLM(make_config(model__path=tiny_model_dir, engine__num_kv_blocks=2, cache__block_size=8))
+    llm = LLM(tiny_config(tiny_model_dir, engine__num_kv_blocks=2, cache__block_size=8))
     with pytest.raises(RequestError, match="does not fit in the KV pool of 16 tokens"):
         llm.generate("a b c d e f g h i j k", greedy(8))
 
@@ -144,8 +138,7 @@ def test_abort_frees_blocks(tiny_llm):
 
 def test_engine_seed_makes_unseeded_sampling_reproducible(tiny_model_dir):
     def sampled(seed: int) -> list[list[int]]:
-        llm = LLM(make_config(model__path=tiny_model_dir, model__dtype="fp32", engine__num_kv_blocks=64,
-                              engine__seed=seed))
+        llm = LLM(tiny_config(tiny_model_dir, engine__num_kv_blocks=64, engine__seed=seed))
         params = SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)   # no per-request seed
         return [o.token_ids for o in llm.generate(["Once upon a time", "The cache"], params)]
 
@@ -158,7 +151,7 @@ MULTIBYTE = "héllo wörld, naïve café: 日本語のテキスト, Ελληνι
 
 
 def test_each_step_decodes_only_its_new_tokens_and_a_little_context(tiny_llm, monkeypatch):
-    tokenizer = tiny_llm.engine.tokenizer
+    tokenizer = tiny_llm.engine.front_end.tokenizer
     decode, lengths = tokenizer.decode, []
 
     def spy(token_ids, *args, **kwargs):
@@ -178,7 +171,7 @@ def test_each_step_decodes_only_its_new_tokens_and_a_little_context(tiny_llm, mo
 def scripted_llm(tiny_model_dir):
     """The tiny engine whose forward is replaced by a script: each request's completion is given, so that any
     token sequence (partial UTF-8 characters included) runs through the engine's own finishing code."""
-    llm = LLM(make_config(model__path=tiny_model_dir, model__dtype="fp32", engine__num_kv_blocks=64))
+    llm = LLM(tiny_config(tiny_model_dir, engine__num_kv_blocks=64))
     script: dict[str, list[int]] = {}
 
     def run(seqs, reuse):
@@ -217,13 +210,12 @@ def test_incremental_stops_cut_where_whole_decoding_cut(scripted_llm, data):
     for _ in range(data.draw(st.integers(0, 3), label="number of stops")):
         start = data.draw(st.integers(0, max(0, len(text) - 1)), label="stop start")
         stop = text[start:start + data.draw(st.integers(1, 6), label="stop length")]
-        if stop and "\ufffd" not in stop:   # see the README: a stop string never matches half a character
+        if stop and "\ufffd" not in stop:   # docs/server.md: a stop string never matches half a character
             stops.append(stop)
     stops.append("a stop that is not there")
     seq = engine.add_request([1, 2, 3], SamplingParams(max_tokens=len(completion), ignore_eos=True, stop=stops))
     scripted_llm.script[seq.request_id] = completion
-    while engine.has_unfinished():
-        engine.step()
+    drain(engine)
     expected_text, expected_tokens = whole_decode_finish(tokenizer, completion, stops)
     assert (seq.output_text, seq.num_completion_tokens) == (expected_text, expected_tokens)
     assert seq.finish_reason == ("stop" if expected_tokens < len(completion) or expected_text != text else "length")

@@ -12,21 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import pytest
-import uvicorn
 
 from kvreuse.engine.engine import LLMEngine
-from kvreuse.llm import LLM
-from kvreuse.sampling_params import SamplingParams
-from kvreuse.server.app import create_app
 
-from .conftest import make_config
+from .helpers import app_server, drain, greedy, tiny_engine, tiny_llm
 from .server_process import http_client, sse_events
+
+MAX_STEPS = 200  # drain's bound here: every test's requests finish in a few dozen steps
 
 
 class InjectedFault(RuntimeError):
@@ -47,29 +41,10 @@ def fail_next_forwards(engine: LLMEngine, count: int = 1) -> list[list[str]]:
     return failed
 
 
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(max_tokens=n, ignore_eos=True)
-
-
-def tiny_engine(tiny_model_dir: str, **settings) -> LLMEngine:
-    return LLM(make_config(model__path=tiny_model_dir, model__dtype="fp32", engine__num_kv_blocks=64,
-                           **settings)).engine
-
-
-def drain(engine: LLMEngine, max_steps: int = 200) -> None:
-    for _ in range(max_steps):
-        if not engine.has_unfinished():
-            return
-        engine.step()
-        engine.check_integrity()
-    raise AssertionError(f"still unfinished after {max_steps} steps")
-
-
 # --- offline: LLMEngine ------------------------------------------------------------------------------------------
 def test_a_forward_that_raises_fails_only_the_requests_of_that_step(tiny_model_dir):
-    engine = tiny_engine(tiny_model_dir, engine__max_num_seqs=2)
-    expected = LLM(make_config(model__path=tiny_model_dir, model__dtype="fp32", engine__num_kv_blocks=64)
-                   ).generate("Third in line", greedy(6))[0].token_ids
+    engine = tiny_engine(tiny_model_dir, engine__num_kv_blocks=64, engine__max_num_seqs=2)
+    expected = tiny_llm(tiny_model_dir, engine__num_kv_blocks=64).generate("Third in line", greedy(6))[0].token_ids
     first, second, third = (engine.add_request(p, greedy(6)) for p in ("First prompt", "Second one", "Third in line"))
     failed = fail_next_forwards(engine)
     updated = engine.step()       # before: the exception escaped step() (and killed the server's engine thread)
@@ -80,7 +55,8 @@ def test_a_forward_that_raises_fails_only_the_requests_of_that_step(tiny_model_d
         assert out.finish_reason == "error" and "InjectedFault: injected fault in the forward" in out.error
         assert not seq.kv.block_table and seq.request_id not in engine.sequences
     engine.check_integrity()
-    drain(engine)                 # the one waiting behind them was not part of that step: it runs as if alone
+    # the one waiting behind them was not part of that step: it runs as if alone
+    drain(engine, MAX_STEPS, check_integrity=True)
     assert (third.finish_reason, engine.output(third).error) == ("length", None)
     assert third.completion_token_ids == expected
     assert engine.kv_manager.num_free_blocks == engine.num_kv_blocks
@@ -88,7 +64,7 @@ def test_a_forward_that_raises_fails_only_the_requests_of_that_step(tiny_model_d
 
 
 def test_a_fault_after_some_tokens_keeps_the_text_so_far_and_the_engine_serves_new_requests(tiny_model_dir):
-    engine = tiny_engine(tiny_model_dir)
+    engine = tiny_engine(tiny_model_dir, engine__num_kv_blocks=64)
     prompt = "Generate for a while, and keep going. " * 6
     seq = engine.add_request(prompt, greedy(20))
     for _ in range(4):
@@ -96,18 +72,18 @@ def test_a_fault_after_some_tokens_keeps_the_text_so_far_and_the_engine_serves_n
     fail_next_forwards(engine)
     assert engine.step() == [seq]
     assert seq.finish_reason == "error" and seq.num_completion_tokens == 4
-    assert engine.output(seq).text == engine.tokenizer.decode(seq.completion_token_ids)
+    assert engine.output(seq).text == engine.front_end.tokenizer.decode(seq.completion_token_ids)
     later = engine.add_request(prompt, greedy(5))
-    drain(engine)
+    drain(engine, MAX_STEPS, check_integrity=True)
     assert later.finish_reason == "length" and later.num_completion_tokens == 5
     assert later.kv.num_cached_tokens > 0     # it reused the failed request's published prompt blocks (exact)
 
 
 def test_a_fault_in_a_reusing_forward_releases_the_segment_sources(tiny_model_dir):
-    engine = tiny_engine(tiny_model_dir, cache__suffix__enabled="true")
+    engine = tiny_engine(tiny_model_dir, engine__num_kv_blocks=64, cache__suffix__enabled="true")
     document = "The printing press spread across Europe within decades, and with it cheap books. " * 4
     engine.add_request(document, greedy(1))
-    drain(engine)
+    drain(engine, MAX_STEPS, check_integrity=True)
     seq = engine.add_request("Question first, then the text: " + document, greedy(4))
     fail_next_forwards(engine)
     engine.step()
@@ -117,31 +93,10 @@ def test_a_fault_in_a_reusing_forward_releases_the_segment_sources(tiny_model_di
 
 
 # --- over HTTP: the real app, in-process -------------------------------------------------------------------------
-@contextmanager
-def app_server(engine: LLMEngine, timeout: float = 30.0) -> Iterator[str]:
-    """Serve `engine` with the real FastAPI app on 127.0.0.1 (a free port); yields the root URL."""
-    config = uvicorn.Config(create_app(engine, "tiny"), host="127.0.0.1", port=0, log_level="warning",
-                            lifespan="on")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + timeout
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout)
-        assert not thread.is_alive(), "uvicorn did not stop"
-
-
 @pytest.fixture
 def faulty_server(tiny_model_dir):
-    engine = tiny_engine(tiny_model_dir)
-    with app_server(engine) as root, http_client(30.0) as http:
+    engine = tiny_engine(tiny_model_dir, engine__num_kv_blocks=64)
+    with app_server(engine) as (_, root), http_client(30.0) as http:
         yield engine, root, http
 
 
@@ -164,7 +119,7 @@ def test_a_failed_request_gets_a_500_server_error_and_the_next_one_succeeds(faul
     assert set(error) == {"message", "type", "param", "code"}
     assert error["type"] == "server_error" and "InjectedFault: injected fault in the forward" in error["message"]
     engine_state = engine.stats_snapshot()
-    assert engine_state["blocks_in_use"] == 0 and engine_state["num_requests_running"] == 0
+    assert engine_state.blocks_in_use == 0 and engine_state.num_requests_running == 0
 
 
 def test_a_failed_stream_gets_an_error_event_then_done_and_the_next_stream_succeeds(faulty_server):
@@ -183,7 +138,7 @@ def test_a_failed_stream_gets_an_error_event_then_done_and_the_next_stream_succe
 
 
 def test_a_fault_while_scheduling_fails_the_running_requests_and_spares_the_waiting_ones(tiny_model_dir):
-    engine = tiny_engine(tiny_model_dir)
+    engine = tiny_engine(tiny_model_dir, engine__num_kv_blocks=64)
     running = engine.add_request("Already running", greedy(8))
     engine.step()
     waiting = engine.add_request("Arrives later", greedy(3))
@@ -199,7 +154,7 @@ def test_a_fault_while_scheduling_fails_the_running_requests_and_spares_the_wait
     assert engine.step() == [running]          # running had its decode slot reserved when admission raised
     assert running.finish_reason == "error" and "admission" in running.error
     engine.check_integrity()
-    drain(engine)
+    drain(engine, MAX_STEPS, check_integrity=True)
     assert waiting.finish_reason == "length" and waiting.num_completion_tokens == 3
     assert engine.kv_manager.num_free_blocks == engine.num_kv_blocks
 
@@ -207,20 +162,21 @@ def test_a_fault_while_scheduling_fails_the_running_requests_and_spares_the_wait
 def test_observers_that_raise_are_logged_and_the_engine_thread_keeps_serving(tiny_model_dir, caplog):
     """Metrics observers run on the engine thread: one that raises must not end the loop (it used to)."""
     from kvreuse.server.async_engine import AsyncEngine
+    from kvreuse.server.deltas import Delta, is_last
 
     def broken(_):
         raise ValueError("broken gauge")
 
-    engine = tiny_engine(tiny_model_dir)
+    engine = tiny_engine(tiny_model_dir, engine__num_kv_blocks=64)
     async_engine = AsyncEngine(engine, on_step=broken, on_finish=broken)
 
     async def two_requests() -> list:
         outputs = []
         for prompt in ("First request", "Second request"):
-            deltas = async_engine.submit(engine.make_sequence(prompt, greedy(4)))
-            while (delta := await asyncio.wait_for(deltas.get(), 30)) is not None and not delta.finished:
+            deltas = async_engine.submit(engine.front_end.make_sequence(prompt, greedy(4)))
+            while not is_last(delta := await asyncio.wait_for(deltas.get(), 30)):
                 pass
-            outputs.append(delta.output if delta else None)
+            outputs.append(delta.output if isinstance(delta, Delta) else delta)
         return outputs
 
     async_engine.start()

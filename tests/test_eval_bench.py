@@ -53,7 +53,9 @@ def test_the_eval_bench_scores_alike_in_every_mode(tiny_model_dir):
         assert modes["cache-on"][key] == modes["cache-off"][key] == modes["hf"][key]
     diffs = report["max_abs_score_diff"]
     assert diffs["cache-on vs cache-off"] < 1e-3 and diffs["cache-on vs hf"] < 1e-3
-    assert report["speedup"]["met"] in (True, False) and report["speedup"]["cache_on_vs_off"] > 0
+    speedup = report["speedup"]
+    assert speedup["cache_on_vs_off"] > 0  # timings are not asserted; the verdict on them is
+    assert speedup["met"] == (speedup["cache_on_vs_off"] >= eval_bench.TARGET_SPEEDUP), speedup
     json.dumps(report)  # `--out` writes it as JSON
     table = eval_bench.markdown(report)
     assert table.startswith("| mode | total s | x cache-off |")

@@ -144,9 +144,9 @@ class Subscriber:
 
 def admit_and_compute(mgr: KVCacheManager, tokens) -> Any:
     req = mgr.new_request(list(tokens))
-    hits = mgr.match_prefix(req)
-    mgr.allocate(req, req.num_tokens, hits)
-    mgr.cache_computed_blocks(req, req.num_tokens)
+    match = mgr.match(req)
+    mgr.admit(req, match, req.num_tokens - match.num_cached_tokens)
+    mgr.update(req, req.num_tokens)
     return req
 
 
@@ -211,16 +211,16 @@ def test_unreachable_blocks_are_not_announced(make_publisher, ctx):
     sub.sync()
     s1, s2 = mgr.new_request(list(range(1, 10))), mgr.new_request(list(range(1, 10)))
     for req in (s1, s2):
-        mgr.allocate(req, req.num_tokens)
+        mgr.admit(req, mgr.match(req), req.num_tokens)
     for req in (s1, s2):
-        mgr.cache_computed_blocks(req, req.num_tokens)
+        mgr.update(req, req.num_tokens)
     assert len(sub.receive()) == 2                               # s1's two blocks; s2's are private twins
     mgr.free(s1)
     mgr.pool.reset_cache()                                       # s1's blocks go; s2 still chains on their uids
     assert len(sub.receive()) == 2 and sub.view == set()
     s2.token_ids += [10, 11, 12]
     mgr.allocate(s2, s2.num_tokens)
-    mgr.cache_computed_blocks(s2, s2.num_tokens)
+    mgr.update(s2, s2.num_tokens)
     assert set(mgr.pool.key_to_block) == {s2.block_keys[2]}     # registered under a dead parent uid...
     assert mgr.match_prefix(mgr.new_request(list(range(1, 14)))) == []  # ...so unreachable
     assert sub.receive() == [] and sub.view == set()
@@ -370,13 +370,12 @@ def test_int_hashes_attach_and_tiers(make_publisher, ctx):
 
 def test_an_engine_publishes_its_pool(tiny_model_dir, ctx):
     """The engine with `[events] endpoint`: a subscriber's view is the pool's registered keys, chained as computed."""
-    from kvreuse.llm import LLM
     from kvreuse.sampling_params import SamplingParams
 
-    from .conftest import make_config
+    from .helpers import tiny_llm
 
-    llm = LLM(make_config(model__path=tiny_model_dir, model__dtype="fp32", engine__num_kv_blocks=64,
-                          events__endpoint="tcp://127.0.0.1:*", events__replay_endpoint="tcp://127.0.0.1:*"))
+    llm = tiny_llm(tiny_model_dir, engine__num_kv_blocks=64,
+                   events__endpoint="tcp://127.0.0.1:*", events__replay_endpoint="tcp://127.0.0.1:*")
     publisher = llm.engine.events
     try:
         sub = Subscriber(ctx, publisher)
@@ -394,6 +393,6 @@ def test_an_engine_publishes_its_pool(tiny_model_dir, ctx):
         llm.engine.reset_prefix_cache()
         sub.receive()
         assert sub.view == set(manager.pool.key_to_block) == set()
-        assert llm.engine.stats_snapshot()["events"]["events_dropped"] == 0
+        assert llm.engine.stats_snapshot().events["events_dropped"] == 0
     finally:
         llm.engine.close()

@@ -16,9 +16,8 @@ from kvreuse.engine.sequence import Sequence
 from kvreuse.kvcache.block import KVCacheBlock
 from kvreuse.kvcache.segment import SegmentPlan, SegmentRun
 from kvreuse.llm import LLM
-from kvreuse.sampling_params import SamplingParams
 
-from .conftest import make_config
+from .helpers import greedy, server_args, tiny_llm
 from .server_process import http_client, start_server
 
 NUM_BLOCKS = 32                              # 512 tokens of KV
@@ -26,13 +25,8 @@ DOCUMENT = workloads.documents()[0]["text"]  # ~250 tokens: 15 full blocks once 
 FILLER = "Background notes for the reader, kept for reference only. " * 18
 
 
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(max_tokens=n, ignore_eos=True)
-
-
 def rag_llm(tiny_model_dir: str) -> LLM:
-    return LLM(make_config(model__path=tiny_model_dir, model__dtype="fp32", cache__preset="rag",
-                           engine__num_kv_blocks=NUM_BLOCKS))
+    return tiny_llm(tiny_model_dir, cache__preset="rag", engine__num_kv_blocks=NUM_BLOCKS)
 
 
 def intro_and_document(llm: LLM) -> list[int]:
@@ -87,8 +81,7 @@ def test_requests_behind_the_largest_prompt_reusing_segments_finish_within_a_bou
 
 def test_the_issue_repro_against_a_live_server_answers_and_keeps_answering(tmp_path, tiny_model_dir,
                                                                            real_tokenizer):
-    args = ["--model", tiny_model_dir, "--dtype", "fp32", "--preset", "rag",
-            "--set", f"engine.num_kv_blocks={NUM_BLOCKS}"]
+    args = [*server_args(tiny_model_dir, f"engine.num_kv_blocks={NUM_BLOCKS}"), "--preset", "rag"]
     with start_server(*args, log_path=tmp_path / "server.log") as server, http_client(30.0) as http:
         def complete(prompt: str, max_tokens: int) -> dict:
             response = http.post(f"{server.base_url}/completions", json={

@@ -1,7 +1,7 @@
 """Outside clients against `kvreuse serve`, run as their users run them (their CLIs, in subprocesses): lm-evaluation-
 harness 0.4.13 (`local-completions` multiple choice, scored from echoed prompt logprobs; `local-chat-completions`
 generate_until; its `remote` tokenizer backend) and guidellm 0.8.1 (a short synthetic benchmark). What each client
-sends and reads back is written down in docs/clients.md.
+sends and reads back is written down in docs/features/clients.md.
 
 The clients are not kvreuse's dependencies: a test whose client is not importable is skipped, naming the pin to
 install. Every test here runs the real SmolLM2-135M in fp32 (slow).

@@ -8,11 +8,10 @@ import textwrap
 import pytest
 import torch
 
-from kvreuse.llm import LLM
 from kvreuse.model.loader import embedded_model_path
 from kvreuse.sampling_params import SamplingParams
 
-from .conftest import make_config
+from .helpers import greedy, tiny_llm
 
 NUM_TOKENS = 32
 
@@ -60,11 +59,11 @@ def test_greedy_parity_with_transformers_on_the_embedded_gguf(real_llm):
 def test_greedy_parity_with_transformers_on_an_hf_directory(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
-    llm = LLM(make_config(model__path=tiny_model_dir, model__dtype="fp32", engine__num_kv_blocks=128))
+    llm = tiny_llm(tiny_model_dir, engine__num_kv_blocks=128)
     hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     for text in ["Hello there", "A longer prompt about caches, blocks and positions " * 12]:
         ids = llm.tokenizer.encode(text)
-        out = llm.generate(ids, SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True))[0]
+        out = llm.generate(ids, greedy(NUM_TOKENS))[0]
         ref = hf.generate(torch.tensor([ids]), max_new_tokens=NUM_TOKENS, min_new_tokens=NUM_TOKENS,
                           do_sample=False, pad_token_id=0)[0, len(ids):].tolist()
         assert out.token_ids == ref

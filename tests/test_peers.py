@@ -8,16 +8,15 @@ import pytest
 from kvreuse.bench import workloads
 from kvreuse.bench.peers import HFPeer
 from kvreuse.bench.scenario_bench import run_mode
-from kvreuse.llm import LLM
 
-from .conftest import make_config
+from .helpers import tiny_llm
 
 MAX_TOKENS = 8
 FIDELITY_KEYS = {"top1_agreement", "mean_kl", "mean_match_len"}
 
 
 def test_hf_peer_matches_our_engine_on_workload_conversations(tiny_model_dir):
-    llm = LLM(make_config(model__path=tiny_model_dir, model__dtype="fp32", engine__num_kv_blocks=256))
+    llm = tiny_llm(tiny_model_dir)
     conversations = workloads.chat(2, turns=2) + workloads.rag(1) + workloads.agent(1) + workloads.batch_eval(1)
     ours, exact = run_mode(llm, conversations, "no-cache", MAX_TOKENS, None)
 

@@ -10,19 +10,14 @@ from kvreuse.cli import main
 from kvreuse.llm import LLM
 from kvreuse.sampling_params import SamplingParams
 
-from .conftest import make_config
+from .helpers import drain, greedy, tiny_llm
 
 BS = 8
 
 
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(max_tokens=n, ignore_eos=True)
-
-
-def tiny(model_dir: str, **overrides) -> LLM:
-    settings = {"model__path": model_dir, "model__dtype": "fp32", "engine__num_kv_blocks": 256,
-                "cache__block_size": BS, **overrides}
-    return LLM(make_config(**settings))
+def tiny(model_dir: str, **sets) -> LLM:
+    """The tiny model with BS-token blocks."""
+    return tiny_llm(model_dir, **{"cache__block_size": BS, **sets})
 
 
 def token_prompts(base_len: int) -> list[list[int]]:
@@ -132,8 +127,8 @@ def test_max_blocks_bounds_what_stays_cached_and_lfu_is_selectable(tiny_model_di
     llm = tiny(tiny_model_dir, cache__max_blocks=3, cache__policy="lfu")
     llm.generate(list(range(1100, 1100 + 6 * BS)), greedy(2))
     stats = llm.engine.stats_snapshot()
-    assert stats["blocks_cached"] == 3 and stats["blocks_in_use"] == 0 and stats["eviction_policy"] == "lfu"
-    assert stats["evictions"] >= 3
+    assert stats.blocks_cached == 3 and stats.blocks_in_use == 0 and stats.eviction_policy == "lfu"
+    assert stats.evictions >= 3
     llm.engine.check_integrity()
 
 
@@ -143,14 +138,14 @@ def test_stats_split_and_hit_rate(tiny_model_dir):
     llm.generate(prompt, greedy(3))
     llm.generate(prompt, greedy(3))
     s = llm.engine.stats_snapshot()
-    assert s["prompt_tokens"] == 2 * len(prompt)
-    assert s["cached_tokens"] == 4 * BS
-    assert s["cached_tokens"] + s["computed_prompt_tokens"] == s["prompt_tokens"]
-    assert s["hit_rate"] == pytest.approx(4 * BS / (2 * len(prompt)), abs=1e-4)
+    assert s.reuse.prompt_tokens == 2 * len(prompt)
+    assert s.reuse.cached_tokens == 4 * BS
+    assert s.reuse.cached_tokens + s.reuse.computed_prompt_tokens == s.reuse.prompt_tokens
+    assert s.reuse.hit_rate == pytest.approx(4 * BS / (2 * len(prompt)), abs=1e-4)
     # One request at a time: the prompt and the two completion tokens fed back (the last one never is).
-    assert s["peak_blocks_in_use"] == -(-(len(prompt) + 2) // BS)
-    assert s["peak_kv_bytes_in_use"] == s["peak_blocks_in_use"] * llm.engine.bytes_per_block
-    assert s["peak_rss_bytes"] > 100 * 2**20    # a Python process with torch and a model loaded
+    assert s.peak_blocks_in_use == -(-(len(prompt) + 2) // BS)
+    assert s.peak_kv_bytes_in_use == s.peak_blocks_in_use * llm.engine.bytes_per_block
+    assert s.peak_rss_bytes > 100 * 2**20    # a Python process with torch and a model loaded
 
 
 @pytest.mark.parametrize(("a", "b"), [
@@ -168,7 +163,7 @@ def test_normalize_input_makes_equal_looking_prompts_share_blocks(tiny_model_dir
 
 def test_normalize_input_applies_to_each_chat_message(tiny_model_dir):
     llm = tiny(tiny_model_dir, cache__normalize_input="true")
-    rendered = llm.engine.render_chat([{"role": "user", "content": "Ｈｉ  there\r\n"}])
+    rendered = llm.engine.front_end.render_chat([{"role": "user", "content": "Ｈｉ  there\r\n"}])
     assert "Hi there\n" in rendered and "Ｈ" not in rendered
 
 
@@ -214,6 +209,5 @@ def test_prompts_sharing_a_prefix_sent_together_compute_it_once(tiny_model_dir):
     salted = [llm.engine.add_request(p, greedy(6), cache_salt=f"tenant-{i}") for i, p in enumerate(prompts)]
     assert len(llm.engine.step()) == 4  # one prefill step admits all four
     assert all(s.kv.num_cached_tokens == 0 for s in salted)
-    while llm.engine.has_unfinished():
-        llm.engine.step()
+    drain(llm.engine)
     llm.engine.check_integrity()

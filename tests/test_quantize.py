@@ -21,7 +21,7 @@ from kvreuse.model.quantize import (
 )
 from kvreuse.sampling_params import SamplingParams
 
-from .conftest import make_config
+from .helpers import greedy, tiny_config, tiny_engine
 
 # (out, in): the tiny model's shapes, an output count that needs int4's row padding, and SmolLM2's MLP down shape.
 SHAPES = [(128, 64), (100, 64), (576, 1536)]
@@ -128,10 +128,6 @@ SHORT = "The capital of France is"                                     # prefill
 LONG = "Paged attention stores keys and values in fixed-size blocks. " * 12  # > 64 tokens: the dense path
 
 
-def tiny(tiny_model_dir: str, dtype: str = "fp32") -> LLM:
-    return LLM(make_config(model__path=tiny_model_dir, model__dtype=dtype, engine__num_kv_blocks=256))
-
-
 def first_logits(llm: LLM, prompts: list[str], max_tokens: int = 1):
     return llm.generate(prompts, SamplingParams(max_tokens=max_tokens, keep_first_logits=True, ignore_eos=True))
 
@@ -162,7 +158,7 @@ def test_quantized_logits_stay_close_to_the_unquantized(tiny_model_dir, tiny_llm
     embedded model's linears, already Q4_1 on int4's grid): int8 gave cosine similarities of 0.9996-0.9998 on four
     prompts, int4 0.95-0.99 (group 32; group 64: 0.89-0.98)."""
     exact = first_logits(tiny_llm, [SHORT, LONG])
-    quantized = tiny(tiny_model_dir)
+    quantized = LLM(tiny_config(tiny_model_dir))
     quantize_model(quantized.engine.runner.model, mode)
     approx = first_logits(quantized, [SHORT, LONG])
     for e, a in zip(exact, approx, strict=True):
@@ -174,7 +170,7 @@ def test_the_quantized_model_computes_with_its_dequantized_weights(tiny_model_di
     """The same model with every quantized linear swapped for a plain linear holding its dequantized weight gives the
     same logits: to fp32 rounding with every product on the dense path, to bf16 rounding with the kernels (the LM
     head always runs on them: one row per sequence)."""
-    quantized, reference = tiny(tiny_model_dir), tiny(tiny_model_dir)
+    quantized, reference = LLM(tiny_config(tiny_model_dir)), LLM(tiny_config(tiny_model_dir))
     quantize_model(quantized.engine.runner.model, mode)
     layers = [m for m in quantized.engine.runner.model.modules() if isinstance(m, QuantizedLinear)]
     for module, ref_layer in zip(quantized.engine.runner.model.modules(), reference.engine.runner.model.modules(),
@@ -193,9 +189,9 @@ def test_the_quantized_model_computes_with_its_dequantized_weights(tiny_model_di
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_a_quantized_engine_serves_a_batch_end_to_end(tiny_model_dir, mode, dtype):
-    llm = tiny(tiny_model_dir, dtype)
+    llm = LLM(tiny_config(tiny_model_dir, model__dtype=dtype))
     quantize_model(llm.engine.runner.model, mode)
-    outputs = llm.generate([SHORT, LONG, "1, 2, 3,"], SamplingParams(max_tokens=12, ignore_eos=True))
+    outputs = llm.generate([SHORT, LONG, "1, 2, 3,"], greedy(12))
     assert all(len(o.token_ids) == 12 and o.finish_reason == "length" for o in outputs)
     llm.engine.check_integrity()
     assert llm.engine.kv_manager.num_free_blocks == llm.engine.num_kv_blocks
@@ -204,7 +200,7 @@ def test_a_quantized_engine_serves_a_batch_end_to_end(tiny_model_dir, mode, dtyp
 def test_weight_bytes_shrink_with_the_mode(tiny_model_dir):
     sizes = {}
     for mode in ("none", "int8", "int4"):
-        llm = tiny(tiny_model_dir)
+        llm = LLM(tiny_config(tiny_model_dir))
         quantize_model(llm.engine.runner.model, mode)
         sizes[mode] = weight_bytes(llm.engine.runner.model)
     linears = {mode: s["decoder_linears"] for mode, s in sizes.items()}
@@ -214,15 +210,11 @@ def test_weight_bytes_shrink_with_the_mode(tiny_model_dir):
 
 
 def test_the_engine_quantizes_by_config_and_keys_its_blocks_apart(tiny_model_dir):
-    from kvreuse.engine.engine import LLMEngine
     from kvreuse.model.quantize import Int8Linear
 
-    from .conftest import make_config
-
-    plain = LLMEngine(make_config(model__path=tiny_model_dir, model__dtype="fp32", engine__num_kv_blocks=16))
-    int8 = LLMEngine(make_config(model__path=tiny_model_dir, model__dtype="fp32", engine__num_kv_blocks=16,
-                                 model__quantization="int8"))
+    plain = tiny_engine(tiny_model_dir, engine__num_kv_blocks=16)
+    int8 = tiny_engine(tiny_model_dir, engine__num_kv_blocks=16, model__quantization="int8")
     assert isinstance(int8.runner.model.layers[0].qkv_proj, Int8Linear)
-    assert int8.fingerprint == plain.fingerprint + ":w8" == int8.kv_manager.fingerprint
+    assert int8.front_end.fingerprint == plain.front_end.fingerprint + ":w8" == int8.kv_manager.fingerprint
     tokens = list(range(40))
     assert int8.kv_manager.new_request(tokens).extra_key != plain.kv_manager.new_request(tokens).extra_key

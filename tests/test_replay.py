@@ -10,6 +10,7 @@ import pytest
 
 from kvreuse.bench import replay, workloads
 
+from .helpers import server_args
 from .server_process import start_server
 
 MAX_TOKENS = 4
@@ -22,7 +23,7 @@ KEYS = {"completed", "failed", "duration", "total_input_tokens", "total_output_t
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tiny_model_dir):
     log = tmp_path_factory.mktemp("server-logs") / "replay.log"
-    with start_server("--model", tiny_model_dir, "--dtype", "fp32", log_path=log) as server:
+    with start_server(*server_args(tiny_model_dir), log_path=log) as server:
         yield server
 
 

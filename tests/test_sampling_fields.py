@@ -13,6 +13,8 @@ from kvreuse.layers.logits_processors import SamplingRow, process_logits
 from kvreuse.layers.sampler import sample_rows
 from kvreuse.sampling_params import InvalidSamplingParam, SamplingParams
 
+from .helpers import drain, greedy, tiny_config
+
 VOCAB = 40
 PROMPT = "The history of the city begins in the Roman era, when a small fort was built on the river bank."
 
@@ -87,10 +89,10 @@ def test_best_of_must_cover_n():
 
 
 def test_token_ids_beyond_the_vocabulary_are_refused(tiny_llm):
-    vocab = tiny_llm.engine.model_args.vocab_size
+    vocab = tiny_llm.engine.front_end.model_args.vocab_size
     for field, value in (("logit_bias", {vocab: 1.0}), ("stop_token_ids", [vocab])):
         with pytest.raises(RequestError) as error:
-            tiny_llm.engine.make_sequence("hi", SamplingParams(**{field: value}))
+            tiny_llm.engine.front_end.make_sequence("hi", SamplingParams(**{field: value}))
         assert error.value.field == field
 
 
@@ -98,7 +100,7 @@ def test_token_ids_beyond_the_vocabulary_are_refused(tiny_llm):
 @pytest.mark.parametrize("extra_tokens", [0, 5])  # prompt ends on a block boundary / inside a block (copied)
 def test_each_choice_is_what_its_own_seed_gives_alone(tiny_llm, extra_tokens):
     engine = tiny_llm.engine
-    prompt = engine.tokenize_prompt(PROMPT * 3)[:32 + extra_tokens]
+    prompt = engine.front_end.tokenize_prompt(PROMPT * 3)[:32 + extra_tokens]
     assert len(prompt) == 32 + extra_tokens
     params = dict(max_tokens=12, temperature=1.0, ignore_eos=True)
     together = tiny_llm.generate(prompt, SamplingParams(n=3, seed=11, logprobs=0, **params))[0]
@@ -115,7 +117,7 @@ def test_each_choice_is_what_its_own_seed_gives_alone(tiny_llm, extra_tokens):
 
 def test_choices_share_one_prefill(tiny_llm):
     engine = tiny_llm.engine
-    prompt = engine.tokenize_prompt(PROMPT * 3)
+    prompt = engine.front_end.tokenize_prompt(PROMPT * 3)
     before = engine.stats.prefill_tokens_run
     out = tiny_llm.generate(prompt, SamplingParams(n=4, max_tokens=4, temperature=1.0, seed=3), use_cache=False)[0]
     assert engine.stats.prefill_tokens_run - before == len(prompt)  # not 4x
@@ -125,7 +127,7 @@ def test_choices_share_one_prefill(tiny_llm):
 
 def test_forked_choices_hold_shared_blocks_once_each(tiny_llm):
     engine = tiny_llm.engine
-    prompt = engine.tokenize_prompt(PROMPT * 3)[:37]
+    prompt = engine.front_end.tokenize_prompt(PROMPT * 3)[:37]
     seq = engine.add_request(prompt, SamplingParams(n=3, max_tokens=6, temperature=1.0, seed=1, ignore_eos=True))
     while not any(c.num_completion_tokens for c in seq.choices):
         engine.step()
@@ -139,7 +141,7 @@ def test_forked_choices_hold_shared_blocks_once_each(tiny_llm):
 
 
 def test_best_of_returns_the_n_most_likely(tiny_llm):
-    prompt = tiny_llm.engine.tokenize_prompt(PROMPT)
+    prompt = tiny_llm.engine.front_end.tokenize_prompt(PROMPT)
     params = dict(max_tokens=8, temperature=1.0, ignore_eos=True)
     out = tiny_llm.generate(prompt, SamplingParams(n=2, best_of=4, seed=5, **params))[0]
     alone = [tiny_llm.generate(prompt, SamplingParams(seed=5 + i, logprobs=0, **params))[0] for i in range(4)]
@@ -152,7 +154,7 @@ def test_best_of_returns_the_n_most_likely(tiny_llm):
 # --- prompt logprobs from the cache ----------------------------------------------------------------------------
 def test_prompt_logprobs_from_the_cache_equal_computed_ones(tiny_llm):
     engine = tiny_llm.engine
-    context = engine.tokenize_prompt(PROMPT * 4)
+    context = engine.front_end.tokenize_prompt(PROMPT * 4)
     scored = SamplingParams(max_tokens=1, prompt_logprobs=2, logprobs=2)
     first = tiny_llm.generate(context + [300, 301], scored)[0]
     again = tiny_llm.generate(context + [302, 303, 304], scored)[0]
@@ -172,7 +174,7 @@ def test_prompt_logprobs_from_the_cache_equal_computed_ones(tiny_llm):
 
 
 def test_a_richer_request_does_not_take_poorer_entries(tiny_llm):
-    context = tiny_llm.engine.tokenize_prompt(PROMPT * 3)
+    context = tiny_llm.engine.front_end.tokenize_prompt(PROMPT * 3)
     tiny_llm.generate(context, SamplingParams(max_tokens=1, prompt_logprobs=1))
     richer = tiny_llm.generate(context, SamplingParams(max_tokens=1, prompt_logprobs=4))[0]
     assert richer.usage.cached_tokens == 0
@@ -183,33 +185,28 @@ def test_choices_of_one_question_score_in_two_steps(tiny_llm):
     """lm-eval sends a question's 4 choices together: the first computes the context, the others wait one step and
     each computes only its last context block (again) and its answer."""
     engine = tiny_llm.engine
-    context = engine.tokenize_prompt(PROMPT * 5)
+    context = engine.front_end.tokenize_prompt(PROMPT * 5)
     for seq in [engine.add_request(context + [400 + i, 401], SamplingParams(max_tokens=1, prompt_logprobs=1))
                 for i in range(4)]:
         assert seq.kv.prompt_logprobs == 1
-    num_steps = 0
-    while engine.has_unfinished():
-        engine.step()
-        num_steps += 1
-    assert num_steps == 2
+    assert drain(engine) == 2
 
 
 def test_scoring_only_generates_nothing(tiny_llm):
-    context = tiny_llm.engine.tokenize_prompt(PROMPT)
+    context = tiny_llm.engine.front_end.tokenize_prompt(PROMPT)
     out = tiny_llm.generate(context, SamplingParams(max_tokens=0, prompt_logprobs=0))[0]
     assert out.token_ids == [] and out.finish_reason == "length" and len(out.prompt_logprobs) == len(context)
     with pytest.raises(RequestError, match="n"):
-        tiny_llm.engine.make_sequence(context, SamplingParams(max_tokens=0, prompt_logprobs=0, n=2))
+        tiny_llm.engine.front_end.make_sequence(context, SamplingParams(max_tokens=0, prompt_logprobs=0, n=2))
 
 
 def test_evicted_blocks_take_their_logprobs_along(tiny_model_dir):
     from kvreuse.llm import LLM
 
-    from .conftest import make_config
-
-    llm = LLM(make_config(model__path=tiny_model_dir, model__dtype="fp32", engine__num_kv_blocks=16))
+    llm = LLM(tiny_config(tiny_model_dir, engine__num_kv_blocks=16))
     for i in range(4):
-        llm.generate(llm.engine.tokenize_prompt(f"{i} " + PROMPT * 2), SamplingParams(max_tokens=1, prompt_logprobs=0))
+        prompt = llm.engine.front_end.tokenize_prompt(f"{i} " + PROMPT * 2)
+        llm.generate(prompt, SamplingParams(max_tokens=1, prompt_logprobs=0))
         llm.engine.check_integrity()
     store = llm.engine.kv_manager.prompt_logprobs
     assert 0 < len(store.entries) <= llm.engine.kv_manager.pool.num_cached_blocks
@@ -217,8 +214,8 @@ def test_evicted_blocks_take_their_logprobs_along(tiny_model_dir):
 
 # --- stops ---------------------------------------------------------------------------------------------------
 def test_stop_token_ids_and_min_tokens(tiny_llm):
-    prompt = tiny_llm.engine.tokenize_prompt(PROMPT)
-    free = tiny_llm.generate(prompt, SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    prompt = tiny_llm.engine.front_end.tokenize_prompt(PROMPT)
+    free = tiny_llm.generate(prompt, greedy(8))[0]
     stop_at = free.token_ids[3]
     cut = tiny_llm.generate(prompt, SamplingParams(max_tokens=8, ignore_eos=True, stop_token_ids=[stop_at]))[0]
     assert cut.finish_reason == "stop" and cut.token_ids == free.token_ids[:free.token_ids.index(stop_at) + 1]

@@ -3,7 +3,8 @@ preemption of the youngest, max_num_seqs, and in-batch reuse (a prompt waits one
 
 from __future__ import annotations
 
-from kvreuse.engine.scheduler import Scheduler
+from kvreuse.engine.model_runner import StepOutput
+from kvreuse.engine.scheduler import Scheduler, SchedulerOutput
 from kvreuse.engine.sequence import Sequence, SequenceStatus
 from kvreuse.kvcache.manager import KVCacheManager
 from kvreuse.sampling_params import SamplingParams
@@ -22,23 +23,17 @@ def add(scheduler: Scheduler, name: str, tokens: list[int], max_tokens: int = 4)
 
 
 def step(scheduler: Scheduler) -> list[tuple[str, int]]:
-    """Schedule, then do what the engine does after a forward (with token 0 as every sample); returns
-    (request id, scheduled tokens) of the step."""
-    scheduled = [(s.request_id, s.num_scheduled_tokens) for s in scheduler.schedule().seqs]
-    after_forward(scheduler)
+    """Schedule and run a step (`finish_step`); returns (request id, scheduled tokens) of the step."""
+    batch = scheduler.schedule()
+    scheduled = [(s.request_id, s.num_scheduled_tokens) for s in batch.seqs]
+    finish_step(scheduler, batch)
     return scheduled
 
 
-def after_forward(scheduler: Scheduler) -> None:
-    """The engine's postprocess of a step (sources of segment plans are let go once copied), then the integrity
-    check."""
-    for seq in list(scheduler.running):
-        if not seq.num_scheduled_tokens:
-            continue
-        scheduler.kv_manager.release_sources(seq.kv)
-        seq.num_computed_tokens += seq.num_scheduled_tokens
-        seq.num_scheduled_tokens = 0
-        scheduler.kv_manager.cache_computed_blocks(seq.kv, seq.num_computed_tokens)
+def finish_step(scheduler: Scheduler, batch: SchedulerOutput) -> None:
+    """What the engine does after the forward of `batch` (with token 0 as every sample), then the integrity check."""
+    scheduler.update(batch, StepOutput([None] * len(batch.seqs)))
+    for seq in batch.seqs:
         if seq.num_computed_tokens == seq.num_tokens:
             seq.token_ids.append(0)
             if seq.num_completion_tokens >= seq.params.max_tokens:
@@ -138,10 +133,11 @@ def test_a_prompt_whose_reuse_can_never_fit_the_pool_is_admitted_with_less_reuse
     # Before the fix it stayed at the head of the queue forever, and the short request behind it too.
     long = add(scheduler, "intro+doc", list(range(500, 536)) + document, max_tokens=1)
     short = add(scheduler, "short", [7, 8, 9], max_tokens=1)
-    assert [s.request_id for s in scheduler.schedule().seqs] == ["intro+doc"]
+    batch = scheduler.schedule()
+    assert [s.request_id for s in batch.seqs] == ["intro+doc"]
     # With less reuse: the one source block that fits beside its own 19, the document's last (tail first).
     assert len(long.kv.segment_plan.source_block_ids) == 1 and long.kv.segment_plan.runs[0].start == 68
-    after_forward(scheduler)
+    finish_step(scheduler, batch)
     run_until_finished(scheduler, [long, short], max_steps=4)
     kv = scheduler.kv_manager
     assert kv.num_free_blocks == 20 and not scheduler.has_unfinished()

@@ -10,9 +10,8 @@ from kvreuse.bench import fidelity, workloads
 from kvreuse.config import load_config
 from kvreuse.engine import repair
 from kvreuse.llm import LLM
-from kvreuse.sampling_params import SamplingParams
 
-from .conftest import make_config
+from .helpers import greedy, make_config
 
 DOCS = workloads.documents()
 NUM_RAG_REQUESTS = 14  # the first requests bring the documents; of 14, at least 10 reuse them
@@ -20,7 +19,7 @@ NUM_RAG_REQUESTS = 14  # the first requests bring the documents; of 14, at least
 
 def rag_prompt(llm: LLM, question: str, docs: list[dict]) -> list[int]:
     body = "\n\n".join(f"[{i + 1}] {d['title']}\n{d['text']}" for i, d in enumerate(docs))
-    return llm.tokenizer.encode(llm.engine.render_chat([
+    return llm.tokenizer.encode(llm.engine.front_end.render_chat([
         {"role": "system", "content": workloads.RAG_SYSTEM},
         {"role": "user", "content": f"Question: {question}\n\nDocuments:\n\n{body}\n\nAnswer the question."}]))
 
@@ -32,10 +31,6 @@ def segment_llm(model_dir: str = "", **suffix) -> LLM:
         settings["model__path"] = model_dir
     settings.update({f"cache__suffix__{k}": v for k, v in suffix.items()})
     return LLM(make_config(**settings))
-
-
-def greedy(n: int, **kw) -> SamplingParams:
-    return SamplingParams(max_tokens=n, ignore_eos=True, **kw)
 
 
 def test_layer0_kv_of_a_shifted_block_equals_fresh_after_rerotation(tiny_model_dir, monkeypatch):
@@ -129,8 +124,8 @@ def test_approximate_blocks_never_satisfy_an_exact_prefix_match(tiny_model_dir):
 def first_reused_position(llm: LLM, prompt: list[int]) -> int:
     """Where the plan the scheduler would make for `prompt` now starts reusing segments."""
     manager = llm.engine.kv_manager
-    req = llm.engine.make_sequence(prompt, greedy(1)).kv
-    return manager.match_segments(req, len(manager.match_prefix(req))).runs[0].start
+    req = llm.engine.front_end.make_sequence(prompt, greedy(1)).kv
+    return manager.match(req).plan.runs[0].start
 
 
 @pytest.mark.slow
@@ -155,8 +150,8 @@ def test_fidelity_on_the_builtin_rag_workload_meets_the_stated_thresholds_under_
         report = fidelity.fidelity_report(num_requests=NUM_RAG_REQUESTS, modes=["blend", "shift"],
                                           progress=lambda _: None, llm=real_segment_llm, continuation=8)
     blend, shift = report["modes"]["blend"], report["modes"]["shift"]
-    # The thresholds of README "Segment reuse" (top-1 >= 0.9, KL <= 0.03), on at least 10 reusing requests: top-1
-    # moves in steps of 1/n, so only from n = 10 on does one flip stay within 0.9 and a second one fall below it:
+    # The thresholds of docs/features/segment-reuse.md (top-1 >= 0.9, KL <= 0.03), on at least 10 reusing requests:
+    # top-1 moves in steps of 1/n, so only from n = 10 on does one flip stay within 0.9 and a second one fall below it:
     # the test then resolves the stated threshold, neither stricter (fewer requests) nor looser than it.
     assert blend["requests_with_reuse"] >= 10, blend
     assert blend["top1_agreement"] >= 0.9, blend

@@ -22,6 +22,7 @@ import pytest
 
 from kvreuse.sampling_params import SamplingParams
 
+from .helpers import server_args
 from .server_process import (
     Metrics,
     Server,
@@ -44,13 +45,6 @@ def serve(tmp_path_factory, name: str, *args: str):
     return start_server(*args, log_path=log)
 
 
-def tiny_args(tiny_model_dir: str, *sets: str) -> list[str]:
-    args = ["--model", tiny_model_dir, "--dtype", "fp32"]
-    for item in sets:
-        args += ["--set", item]
-    return args
-
-
 @pytest.fixture(scope="module")
 def real_server(tmp_path_factory):
     # fp32 and the same pool size as the offline `real_llm` fixture, so greedy outputs match it exactly.
@@ -60,7 +54,7 @@ def real_server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tiny_server(tmp_path_factory, tiny_model_dir):
-    with serve(tmp_path_factory, "tiny", *tiny_args(tiny_model_dir)) as server:
+    with serve(tmp_path_factory, "tiny", *server_args(tiny_model_dir)) as server:
         yield server
 
 
@@ -652,7 +646,7 @@ class TestTokenizeAndModels:
 def keyed_server(tmp_path_factory, tiny_model_dir):
     keys = tmp_path_factory.mktemp("keys") / "api_keys.txt"
     keys.write_text("# key tenant\nkey-alpha-123 alpha\nkey-beta-456 beta\n")
-    with serve(tmp_path_factory, "keyed", *tiny_args(tiny_model_dir), "--api-keys", str(keys)) as server:
+    with serve(tmp_path_factory, "keyed", *server_args(tiny_model_dir), "--api-keys", str(keys)) as server:
         yield server
 
 
@@ -708,7 +702,7 @@ class TestTenants:
 # --- 6. backpressure -------------------------------------------------------------------------------------
 @pytest.fixture(scope="class")
 def queue2_server(tmp_path_factory, tiny_model_dir):
-    with serve(tmp_path_factory, "queue2", *tiny_args(tiny_model_dir, "server.max_queue=2")) as server:
+    with serve(tmp_path_factory, "queue2", *server_args(tiny_model_dir, "server.max_queue=2")) as server:
         yield server
 
 
@@ -759,7 +753,7 @@ def long_conversation(turns: int = 8, words: int = 80) -> list[dict]:
 
 @pytest.fixture(scope="class")
 def truncating_server(tmp_path_factory, tiny_model_dir):
-    with serve(tmp_path_factory, "truncate-oldest", *tiny_args(tiny_model_dir, "server.truncate=oldest")) as server:
+    with serve(tmp_path_factory, "truncate-oldest", *server_args(tiny_model_dir, "server.truncate=oldest")) as server:
         yield server
 
 
@@ -821,7 +815,7 @@ class TestTruncation:
 # --- 9. SIGTERM drains -----------------------------------------------------------------------------------
 def test_sigterm_refuses_new_requests_finishes_in_flight_ones_and_exits_0(tmp_path_factory, tiny_model_dir):
     max_tokens = 800  # seconds on the tiny model
-    with serve(tmp_path_factory, "sigterm", *tiny_args(tiny_model_dir)) as server:
+    with serve(tmp_path_factory, "sigterm", *server_args(tiny_model_dir)) as server:
         results, workers = start_long_requests(server, max_tokens, 120.0, read_stream, include_usage=True)
         wait_running(server, 2)
         server.process.send_signal(signal.SIGTERM)
@@ -854,7 +848,7 @@ def test_sigterm_refuses_new_requests_finishes_in_flight_ones_and_exits_0(tmp_pa
 @pytest.fixture(scope="class")
 def truncating_segment_server(tmp_path_factory, tiny_model_dir):
     sets = ("server.truncate=oldest", "cache.suffix.enabled=true", "cache.suffix.guard_margin=0")
-    with serve(tmp_path_factory, "truncate-segments", *tiny_args(tiny_model_dir, *sets)) as server:
+    with serve(tmp_path_factory, "truncate-segments", *server_args(tiny_model_dir, *sets)) as server:
         yield server
 
 

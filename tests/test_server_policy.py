@@ -15,22 +15,20 @@ import asyncio
 import json
 import signal
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager, suppress
 
 import httpx
 import pytest
-import uvicorn
 
-from kvreuse.engine.engine import LLMEngine
 from kvreuse.server.admission import Admissions
 from kvreuse.server.app import create_app
+from kvreuse.server.deltas import Cut
 
-from .conftest import make_config
+from .helpers import app_server, server_args, tiny_engine
 from .server_process import Metrics, Server, http_client, sse_events, start_long_requests
-from .test_server import assert_error, assert_serving, serve, tiny_args, wait_idle, wait_running
+from .test_server import assert_error, assert_serving, serve, wait_idle, wait_running
 
 MB = 1024 * 1024
 LIMIT_MB = 1
@@ -52,7 +50,7 @@ def policy_sets() -> list[str]:
 
 @pytest.fixture(scope="module")
 def open_server(tmp_path_factory, tiny_model_dir):
-    with serve(tmp_path_factory, "policy-open", *tiny_args(tiny_model_dir, *policy_sets())) as server:
+    with serve(tmp_path_factory, "policy-open", *server_args(tiny_model_dir, *policy_sets())) as server:
         yield server
 
 
@@ -60,7 +58,7 @@ def open_server(tmp_path_factory, tiny_model_dir):
 def keyed_server(tmp_path_factory, tiny_model_dir):
     keys = tmp_path_factory.mktemp("policy-keys") / "api_keys.txt"
     keys.write_text("".join(f"{key} {tenant}\n" for tenant, key in KEYS.items()))
-    with serve(tmp_path_factory, "policy-keyed", *tiny_args(tiny_model_dir, *policy_sets()),
+    with serve(tmp_path_factory, "policy-keyed", *server_args(tiny_model_dir, *policy_sets()),
                "--api-keys", str(keys)) as server:
         yield server
 
@@ -298,7 +296,7 @@ def test_admissions_count_per_tenant_and_release_once():
         aborted = []
         assert admissions.cut_all(aborted.append) == 2
         assert sorted(aborted) == ["r2", "r3"] and a2.cut and b.cut and not a1.cut and admissions.closed
-        assert a2.deltas.get_nowait() is None  # its consumer wakes up at once
+        assert isinstance(a2.deltas.get_nowait(), Cut)  # its consumer wakes up at once
         for admission in (a2, b):
             admissions.release(admission)
         assert len(admissions) == 0 and admissions.in_flight("alpha") == 0
@@ -307,27 +305,9 @@ def test_admissions_count_per_tenant_and_release_once():
 
 
 # --- the engine fails a step: the slot comes back too (in-process: a fault only a test hook can cause) -------
-@contextmanager
-def in_process_server(engine: LLMEngine, api_keys: dict[str, str]) -> Iterator[tuple[object, str]]:
-    app = create_app(engine, "tiny", api_keys)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, name="uvicorn-in-test", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the in-process server did not start"
-        time.sleep(0.05)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield app, f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
-
-
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
 def test_a_failed_engine_step_gives_the_tenant_its_slot_back(tiny_model_dir, monkeypatch, stream):
-    engine = LLMEngine(make_config(model__path=tiny_model_dir, model__dtype="fp32", engine__num_kv_blocks=256))
+    engine = tiny_engine(tiny_model_dir)
     real_step, calls = engine.step, []
 
     def step_failing_once():
@@ -337,7 +317,7 @@ def test_a_failed_engine_step_gives_the_tenant_its_slot_back(tiny_model_dir, mon
         return real_step()
 
     monkeypatch.setattr(engine, "step", step_failing_once)
-    with in_process_server(engine, {key: tenant for tenant, key in KEYS.items()}) as (app, root):
+    with app_server(engine, {key: tenant for tenant, key in KEYS.items()}) as (app, root):
         body = {"model": "tiny", "prompt": "Hello", "max_tokens": 8, "stream": stream}
         with http_client(30.0) as client, client.stream("POST", f"{root}/v1/completions", json=body,
                                                         headers=auth("alpha")) as r:
@@ -368,7 +348,7 @@ def test_a_stream_whose_client_left_before_its_first_byte_gives_its_place_back_a
     # An ASGI 2.4 server's `send` raises OSError once the client is gone; gone before the response starts, the
     # SSE body iterator (and with it `stream`, which aborts a request whose client left) never runs at all.
     # Called as ASGI here: uvicorn 0.54 speaks ASGI 2.3 and never raises, so a real server cannot show it yet.
-    engine = LLMEngine(make_config(model__path=tiny_model_dir, model__dtype="fp32", engine__num_kv_blocks=256))
+    engine = tiny_engine(tiny_model_dir)
     app = create_app(engine, "tiny", {key: tenant for tenant, key in KEYS.items()})
     payload = json.dumps({"model": "tiny", "prompt": "Hello", "max_tokens": LONG, "ignore_eos": True,
                           "stream": True}).encode()
@@ -394,9 +374,9 @@ def test_a_stream_whose_client_left_before_its_first_byte_gives_its_place_back_a
             state = app.state.kvreuse
             assert state.admissions.in_flight("alpha") == 0 and len(state.admissions) == 0
             deadline = loop.time() + 3  # generating all LONG tokens would take several seconds
-            while state.async_engine.num_in_flight and loop.time() < deadline:
+            while state.engine.num_in_flight and loop.time() < deadline:
                 await asyncio.sleep(0.05)
-            assert state.async_engine.num_in_flight == 0, "the engine kept generating for a client that was gone"
+            assert state.engine.num_in_flight == 0, "the engine kept generating for a client that was gone"
 
     asyncio.run(scenario())
 
@@ -404,7 +384,7 @@ def test_a_stream_whose_client_left_before_its_first_byte_gives_its_place_back_a
 # --- finding 9: past server.drain_timeout_s, unfinished requests end with a clean error ----------------------
 def test_past_the_drain_timeout_unfinished_requests_get_503_or_an_error_event_and_done(tmp_path_factory,
                                                                                       tiny_model_dir):
-    with serve(tmp_path_factory, "drain-cut", *tiny_args(tiny_model_dir, "server.drain_timeout_s=1")) as server:
+    with serve(tmp_path_factory, "drain-cut", *server_args(tiny_model_dir, "server.drain_timeout_s=1")) as server:
         results, workers = start_long_requests(server, LONG, 60.0, lambda r: list(sse_events(r)))
         wait_running(server, 2)
         signalled = time.monotonic()

@@ -86,9 +86,10 @@ def expected_completion(prompt: list[int], params: SamplingParams) -> list[int]:
 
 
 class RecordingForward:
-    """Stands in for `ModelRunner.run`. Every KV slot holds the token whose K/V it would hold: computed rows are
-    written, segment plans copied from their sources as repair.copy_segments copies K/V. Before sampling, the
-    whole sequence is read back through its block table and must be its tokens."""
+    """Stands in for the ModelRunner. Every KV slot holds the token whose K/V it would hold: computed rows are
+    written, segment plans copied from their sources as repair.copy_segments copies K/V, blocks copied as
+    `copy_blocks` copies them. Before sampling, the whole sequence is read back through its block table and must be
+    its tokens."""
 
     def __init__(self, engine: LLMEngine, coverage: Counter):
         self.engine, self.coverage = engine, coverage
@@ -123,6 +124,13 @@ class RecordingForward:
         pool = self.engine.kv_manager.pool
         for block_id in seq.kv.block_table[:seq.kv.num_cached_tokens // self.bs]:
             assert pool.blocks[block_id].extra_key == seq.kv.extra_key, "a hit crossed a salt"
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """The engine's block copies (a cached last block, a forked partial block), slot by slot."""
+        self.coverage["block copies"] += len(copies)
+        for source, destination in copies:
+            for j in range(self.bs):
+                self.slots[destination * self.bs + j] = self.slots[source * self.bs + j]
 
     def copy_segments(self, seq: Sequence) -> set[int]:
         self.coverage["segment reuse"] += 1
@@ -297,8 +305,8 @@ def test_soak_3000_operations_seed_1212(engine_factory):
 
     soak()
     assert coverage["operations"] >= SOAK_OPERATIONS, coverage
-    for seen in ("prefix hits", "segment reuse", "chunked prefill steps", "preemptions", "evictions", "refused",
-                 "finished stop", "finished length", "finished abort", "finished error"):
+    for seen in ("prefix hits", "segment reuse", "block copies", "chunked prefill steps", "preemptions", "evictions",
+                 "refused", "finished stop", "finished length", "finished abort", "finished error"):
         assert coverage[seen] > 0, f"the soak never covered {seen}: {coverage}"
 
 

@@ -18,7 +18,7 @@ from kvreuse.kvcache.tiers import entry
 from kvreuse.llm import LLM
 from kvreuse.sampling_params import SamplingParams
 
-from .conftest import make_config
+from .helpers import drain, tiny_llm
 
 BS = 16
 PROMPT = "The lighthouse keeper wrote in the log every night, noting the wind and the ships that passed. " * 12
@@ -26,15 +26,10 @@ OTHER = "A recipe for bread needs flour, water, salt and time; the dough rests o
 GREEDY = SamplingParams(max_tokens=8)
 
 
-def tier_llm(tiny_model_dir: str, **overrides) -> LLM:
-    defaults = {"model__path": tiny_model_dir, "model__dtype": "fp32", "engine__num_kv_blocks": 256}
-    return LLM(make_config(**{**defaults, **overrides}))
-
-
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir) -> dict[str, list[int]]:
     """Greedy outputs with caching off: what every tiered run must reproduce."""
-    llm = tier_llm(tiny_model_dir, cache__enabled="false")
+    llm = tiny_llm(tiny_model_dir, cache__enabled="false")
     return {p: llm.generate(p, GREEDY)[0].token_ids for p in (PROMPT, OTHER)}
 
 
@@ -54,12 +49,12 @@ def entry_file(disk: Path, key: bytes) -> Path:
 
 
 def tier_counters(engine: LLMEngine, tier: str) -> dict:
-    return engine.stats_snapshot()["tiers"]["tiers"][tier]
+    return engine.stats_snapshot().tiers["tiers"][tier]
 
 
 def computed_then_closed(tiny_model_dir: str, prompt: str = PROMPT, **overrides) -> list[int]:
     """One engine computes `prompt` with the tiers of `overrides`, writes them and exits."""
-    llm = tier_llm(tiny_model_dir, **overrides)
+    llm = tiny_llm(tiny_model_dir, **overrides)
     tokens = llm.generate(prompt, GREEDY)[0].token_ids
     llm.engine.close()
     return tokens
@@ -68,7 +63,7 @@ def computed_then_closed(tiny_model_dir: str, prompt: str = PROMPT, **overrides)
 # --- disk: restart ---------------------------------------------------------------------------------------------
 def test_a_restarted_engine_loads_the_prefix_from_disk_with_identical_output(tiny_model_dir, tmp_path, reference):
     assert computed_then_closed(tiny_model_dir, cache__disk__path=tmp_path) == reference[PROMPT]
-    llm = tier_llm(tiny_model_dir, cache__disk__path=tmp_path)
+    llm = tiny_llm(tiny_model_dir, cache__disk__path=tmp_path)
     out = llm.generate(PROMPT, GREEDY)[0]
     expected = full_blocks(llm, PROMPT)
     assert out.token_ids == reference[PROMPT]
@@ -85,7 +80,7 @@ def test_a_restarted_engine_loads_the_prefix_from_disk_with_identical_output(tin
 
 def test_only_exactly_computed_registered_blocks_reach_a_tier(tiny_model_dir, tmp_path):
     """Segment reuse copies approximate K/V; none of it (nor anything after it) may be written."""
-    llm = tier_llm(tiny_model_dir, cache__disk__path=tmp_path, cache__suffix__enabled="true",
+    llm = tiny_llm(tiny_model_dir, cache__disk__path=tmp_path, cache__suffix__enabled="true",
                    cache__suffix__recompute_ratio="0.1")
     registered: set[bytes] = set()
     llm.engine.kv_manager.pool.on_register.append(lambda block: registered.add(block.block_key))
@@ -102,8 +97,8 @@ def test_only_exactly_computed_registered_blocks_reach_a_tier(tiny_model_dir, tm
 
 def test_another_dtype_never_reads_these_entries(tiny_model_dir, tmp_path):
     computed_then_closed(tiny_model_dir, cache__disk__path=tmp_path)
-    bf16 = tier_llm(tiny_model_dir, cache__disk__path=tmp_path, model__dtype="bf16")
-    plain = tier_llm(tiny_model_dir, cache__enabled="false", model__dtype="bf16")
+    bf16 = tiny_llm(tiny_model_dir, cache__disk__path=tmp_path, model__dtype="bf16")
+    plain = tiny_llm(tiny_model_dir, cache__enabled="false", model__dtype="bf16")
     out = bf16.generate(PROMPT, GREEDY)[0]
     assert out.usage.cached_tokens == 0  # its keys carry its dtype: not one matches
     assert out.token_ids == plain.generate(PROMPT, GREEDY)[0].token_ids
@@ -143,10 +138,10 @@ FAULTS = {
 def test_a_bad_entry_is_a_miss_counted_deleted_and_recomputed(tiny_model_dir, tmp_path, reference, reason):
     computed_then_closed(tiny_model_dir, cache__disk__path=tmp_path)
     bad_index = 3
-    llm = tier_llm(tiny_model_dir, cache__disk__path=tmp_path)
+    llm = tiny_llm(tiny_model_dir, cache__disk__path=tmp_path)
     bad = entry_file(tmp_path, chain_keys(llm, PROMPT)[bad_index])
     FAULTS[reason](bad)
-    llm = tier_llm(tiny_model_dir, cache__disk__path=tmp_path)  # a fresh index over the damaged files
+    llm = tiny_llm(tiny_model_dir, cache__disk__path=tmp_path)  # a fresh index over the damaged files
     out = llm.generate(PROMPT, GREEDY)[0]
     assert out.token_ids == reference[PROMPT]
     assert out.usage.cached_tokens_disk == bad_index * BS  # the chain up to the bad entry
@@ -168,7 +163,7 @@ def test_a_full_disk_tier_keeps_the_chain_heads_and_stays_under_its_limit(tiny_m
     computed_then_closed(tiny_model_dir, cache__disk__path=tmp_path, cache__disk__max_gb=room)
     files = list(tmp_path.rglob("*.kvb"))
     assert 0 < len(files) <= 6 and sum(f.stat().st_size for f in files) <= room * 2**30
-    llm = tier_llm(tiny_model_dir, cache__disk__path=tmp_path, cache__disk__max_gb=room)
+    llm = tiny_llm(tiny_model_dir, cache__disk__path=tmp_path, cache__disk__max_gb=room)
     out = llm.generate(PROMPT, GREEDY)[0]
     assert out.token_ids == reference[PROMPT]
     assert out.usage.cached_tokens_disk == len(files) * BS  # LRU dropped tails: the head chain survived
@@ -176,7 +171,7 @@ def test_a_full_disk_tier_keeps_the_chain_heads_and_stays_under_its_limit(tiny_m
 
 
 def test_a_stalled_writer_drops_blocks_and_never_stalls_a_step(tiny_model_dir, tmp_path, reference):
-    llm = tier_llm(tiny_model_dir, cache__disk__path=tmp_path, cache__tier_queue_mb=1)
+    llm = tiny_llm(tiny_model_dir, cache__disk__path=tmp_path, cache__tier_queue_mb=1)
     disk = llm.engine.tiers.tiers[0]
     release, put = threading.Event(), disk.put
     disk.put = lambda entries: (release.wait(60), put(entries))[1]  # a disk that does not answer
@@ -192,7 +187,7 @@ def test_a_stalled_writer_drops_blocks_and_never_stalls_a_step(tiny_model_dir, t
 
 def test_a_request_waits_for_its_load_while_the_batch_runs_on(tiny_model_dir, tmp_path, reference):
     computed_then_closed(tiny_model_dir, cache__disk__path=tmp_path)
-    llm = tier_llm(tiny_model_dir, cache__disk__path=tmp_path)
+    llm = tiny_llm(tiny_model_dir, cache__disk__path=tmp_path)
     engine = llm.engine
     disk, release = engine.tiers.tiers[0], threading.Event()
     get = disk.get
@@ -205,8 +200,7 @@ def test_a_request_waits_for_its_load_while_the_batch_runs_on(tiny_model_dir, tm
     assert running.num_completion_tokens >= 4  # decoding went on...
     assert loading.num_computed_tokens == 0 and engine.kv_manager.is_loading(loading.kv)  # ...while this waited
     release.set()
-    while engine.has_unfinished():
-        engine.step()
+    drain(engine)
     out = engine.output(loading)
     assert out.usage.cached_tokens_disk == full_blocks(llm, PROMPT)
     assert out.token_ids == reference[PROMPT]
@@ -216,7 +210,7 @@ def test_a_request_waits_for_its_load_while_the_batch_runs_on(tiny_model_dir, tm
 # --- Redis -----------------------------------------------------------------------------------------------------
 def test_a_second_engine_loads_from_redis_with_identical_output(tiny_model_dir, redis_url, reference):
     assert computed_then_closed(tiny_model_dir, cache__redis__url=redis_url) == reference[PROMPT]
-    other = tier_llm(tiny_model_dir, cache__redis__url=redis_url)
+    other = tiny_llm(tiny_model_dir, cache__redis__url=redis_url)
     out = other.generate(PROMPT, GREEDY)[0]
     assert out.token_ids == reference[PROMPT]
     assert out.usage.cached_by_tier() == {"memory": 0, "disk": 0, "redis": full_blocks(other, PROMPT)}
@@ -225,20 +219,20 @@ def test_a_second_engine_loads_from_redis_with_identical_output(tiny_model_dir, 
 
 def test_a_redis_hit_is_also_written_to_the_nearer_disk(tiny_model_dir, redis_url, tmp_path, reference):
     computed_then_closed(tiny_model_dir, cache__redis__url=redis_url)
-    both = tier_llm(tiny_model_dir, cache__redis__url=redis_url, cache__disk__path=tmp_path)
+    both = tiny_llm(tiny_model_dir, cache__redis__url=redis_url, cache__disk__path=tmp_path)
     assert both.generate(PROMPT, GREEDY)[0].usage.cached_tokens_redis == full_blocks(both, PROMPT)
     both.engine.close()
-    disk_only = tier_llm(tiny_model_dir, cache__disk__path=tmp_path)
+    disk_only = tiny_llm(tiny_model_dir, cache__disk__path=tmp_path)
     out = disk_only.generate(PROMPT, GREEDY)[0]
     assert out.usage.cached_tokens_disk == full_blocks(disk_only, PROMPT) and out.token_ids == reference[PROMPT]
     disk_only.engine.close()
 
 
 def test_salted_requests_share_nothing_through_redis(tiny_model_dir, redis_url):
-    llm = tier_llm(tiny_model_dir, cache__redis__url=redis_url)
+    llm = tiny_llm(tiny_model_dir, cache__redis__url=redis_url)
     llm.generate(PROMPT, GREEDY, cache_salt="tenant-a")
     llm.engine.close()
-    other = tier_llm(tiny_model_dir, cache__redis__url=redis_url)
+    other = tiny_llm(tiny_model_dir, cache__redis__url=redis_url)
     assert other.generate(PROMPT, GREEDY, cache_salt="tenant-b")[0].usage.cached_tokens == 0
     assert other.generate(PROMPT, GREEDY, cache_salt="tenant-a")[0].usage.cached_tokens_redis > 0
     other.engine.close()
@@ -255,7 +249,7 @@ def wait_until(predicate, timeout: float = 15.0) -> bool:
 
 def test_redis_killed_and_restarted_mid_run(tiny_model_dir, reference):
     with RedisProcess() as server:
-        llm = tier_llm(tiny_model_dir, cache__redis__url=server.url, cache__redis__timeout_ms="200")
+        llm = tiny_llm(tiny_model_dir, cache__redis__url=server.url, cache__redis__timeout_ms="200")
         engine, redis = llm.engine, llm.engine.tiers.tiers[0]
         redis.BACKOFF_MIN_S = redis.BACKOFF_MAX_S = 0.2
         assert llm.generate(PROMPT, GREEDY)[0].token_ids == reference[PROMPT]
@@ -269,7 +263,7 @@ def test_redis_killed_and_restarted_mid_run(tiny_model_dir, reference):
         # (Computed again each time: a write during the backoff is dropped, and the pool would then hold them.)
         assert wait_until(lambda: (engine.reset_prefix_cache(), llm.generate(OTHER, GREEDY), engine.tiers.flush(10),
                                    redis.contains(chain_keys(llm, OTHER)[:1]))[-1] == [True])
-        reader = tier_llm(tiny_model_dir, cache__redis__url=server.url)
+        reader = tiny_llm(tiny_model_dir, cache__redis__url=server.url)
         again = reader.generate(OTHER, GREEDY)[0]
         assert again.token_ids == reference[OTHER] and again.usage.cached_tokens_redis == full_blocks(reader, OTHER)
         for closing in (llm, reader):
@@ -279,7 +273,7 @@ def test_redis_killed_and_restarted_mid_run(tiny_model_dir, reference):
 def test_an_unreachable_redis_is_only_misses(tiny_model_dir, reference):
     from kvreuse.bench.redis_process import free_port
 
-    llm = tier_llm(tiny_model_dir, cache__redis__url=f"redis://127.0.0.1:{free_port()}/0",
+    llm = tiny_llm(tiny_model_dir, cache__redis__url=f"redis://127.0.0.1:{free_port()}/0",
                    cache__redis__timeout_ms="100")
     outs = [llm.generate(p, GREEDY)[0] for p in (PROMPT, OTHER, PROMPT)]
     assert [o.token_ids for o in outs] == [reference[PROMPT], reference[OTHER], reference[PROMPT]]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import openai
 import pytest
 
+from .helpers import server_args
 from .server_process import http_client, start_server
 
 BS = 16
@@ -15,13 +16,6 @@ GREEDY = {"max_tokens": 12, "temperature": 0.0}
 
 def serve(tmp_path, name: str, *args: str):
     return start_server(*args, log_path=tmp_path / f"{name}.log")
-
-
-def tiny(tiny_model_dir: str, *sets: str) -> list[str]:
-    args = ["--model", tiny_model_dir, "--dtype", "fp32"]
-    for item in sets:
-        args += ["--set", item]
-    return args
 
 
 def complete(server, prompt: str, api_key: str = "EMPTY", **extra):
@@ -58,7 +52,7 @@ def test_real_model_restart_serves_a_2000_token_prompt_from_disk(tmp_path, real_
 def test_two_servers_share_one_redis_and_tenants_stay_apart(tmp_path, tiny_model_dir, redis_url):
     keys = tmp_path / "keys.txt"
     keys.write_text("key-alpha-123 alpha\nkey-beta-456 beta\n")
-    args = tiny(tiny_model_dir, f"cache.redis.url={redis_url}") + ["--api-keys", str(keys)]
+    args = server_args(tiny_model_dir, f"cache.redis.url={redis_url}") + ["--api-keys", str(keys)]
     prompt = "Minutes of the harbour board: the new crane arrives in May and the old one is sold for scrap. " * 8
     with serve(tmp_path, "one", *args) as one, serve(tmp_path, "two", *args) as two:
         computed = complete(one, prompt, api_key="key-alpha-123")
@@ -77,7 +71,7 @@ def test_two_servers_share_one_redis_and_tenants_stay_apart(tmp_path, tiny_model
 # --- warm-up, reset, stats -------------------------------------------------------------------------------------
 def test_warm_reset_and_stats_routes(tmp_path, tiny_model_dir):
     document = "Appendix B lists every lighthouse on the northern coast with its height and range. " * 10
-    with serve(tmp_path, "admin", *tiny(tiny_model_dir, f"cache.disk.path={tmp_path / 'kv'}")) as server, \
+    with serve(tmp_path, "admin", *server_args(tiny_model_dir, f"cache.disk.path={tmp_path / 'kv'}")) as server, \
             http_client() as client:
         warmed = client.post(f"{server.root}/cache/warm", json={"items": [
             {"prompt": document}, {"messages": [{"role": "system", "content": document}]}]})

@@ -20,6 +20,7 @@ from transformers import AutoTokenizer
 from kvreuse.cli import main
 from kvreuse.model.tokenizer import Tokenizer
 
+from .helpers import server_args
 from .server_process import Server, http_client, start_server
 
 MODEL_ID = "acme/tiny-llama"
@@ -45,7 +46,7 @@ def server(tmp_path_factory, tiny_model_dir):
     tmp = tmp_path_factory.mktemp("tokenizer-routes")
     keys = tmp / "keys.txt"
     keys.write_text(f"{KEY} alpha\n")
-    with start_server("--model", tiny_model_dir, "--dtype", "fp32", "--served-model-name", MODEL_ID,
+    with start_server(*server_args(tiny_model_dir), "--served-model-name", MODEL_ID,
                       "--api-keys", str(keys), log_path=tmp / "server.log") as running:
         yield running
 

@@ -1,4 +1,4 @@
-"""`kvreuse bench scenario [chat eval agent rag prefix]`: the seed's scenarios in every cache mode, one process.
+"""`kvreuse bench scenario [chat eval agent rag prefix]`: the article's scenarios in every cache mode, one process.
 
 Each scenario runs under its own engine config (its preset, by default). Modes: no-cache (every prompt
 computed), prefix (exact prefix caching), shift and blend (prefix + segment reuse), blend-noguard where the
@@ -84,7 +84,7 @@ def run_mode(llm: LLM, conversations: list[list[dict]], mode: str, max_tokens: i
         **serving_metrics([o.ttft_s for o in outputs], [o.total_s for o in outputs],
                           [o.usage.completion_tokens for o in outputs], duration, reuse.prompt_tokens),
         **reuse_metrics(reuse),
-        "peak_kv_bytes": engine.stats_snapshot()["peak_kv_bytes_in_use"], "peak_rss_bytes": peak_rss_bytes(),
+        "peak_kv_bytes": engine.stats_snapshot().peak_kv_bytes_in_use, "peak_rss_bytes": peak_rss_bytes(),
     }
     if warm:
         result["warm_s"] = warm_s

@@ -18,6 +18,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvreuse.bench.engine_bench import machine, synthetic_prompt
@@ -153,6 +154,30 @@ def run(repeats: int = 3, redis_url: str | None = None, dtype: str = "auto", pro
     return report
 
 
+@dataclass
+class _Samples:
+    """What the measured rounds (not the warm-up) recorded, per way, and what every round recorded."""
+
+    ways: list[str]
+    first_tokens: list[int] = field(default_factory=list)    # every round's, the warm-up's too
+    dropped_files: list[int] = field(default_factory=list)   # page-cache drops, one per disk read
+    ttft: dict[str, list[float]] = field(init=False)         # seconds, per way
+    load: dict[str, list[float]] = field(init=False)         # tier load seconds, per way that loads
+    bandwidth: dict[str, list[float]] = field(init=False)    # tier load MB/s, likewise
+    cached: dict[str, list[int]] = field(init=False)         # cached tokens, per way
+
+    def __post_init__(self) -> None:
+        self.ttft, self.load, self.bandwidth, self.cached = ({w: [] for w in self.ways} for _ in range(4))
+
+    def add(self, outs: dict[str, RequestOutput], full_blocks: int, block_size: int, bytes_per_block: int) -> None:
+        for way, out in outs.items():
+            self.ttft[way].append(out.ttft_s)
+            self.cached[way].append(out.usage.cached_tokens)
+            if way in TARGETS:  # checked by _check_round: they loaded `full_blocks` tokens, in > 0 s
+                self.load[way].append(out.tier_load_s)
+                self.bandwidth[way].append(full_blocks / block_size * bytes_per_block / out.tier_load_s / MB)
+
+
 def _measure(llm: LLM, repeats: int, prompt_tokens: int, with_redis: bool, page_cache_dir: Path | None,
              progress: Callable[[str], None]) -> dict:
     """The interleaved rounds on `llm` (tiers: disk, and Redis if `with_redis`); `page_cache_dir`: the disk tier's
@@ -160,7 +185,6 @@ def _measure(llm: LLM, repeats: int, prompt_tokens: int, with_redis: bool, page_
     engine = llm.engine
     store = engine.tiers
     expect(store is not None and "disk" in store.tier_names, "the engine has no disk tier")
-    ways = [w for w in WAYS if w != "redis" or with_redis]
     bs = engine.block_size
     full_blocks = (prompt_tokens - 1) // bs * bs  # an exact hit covers the full blocks before the last token
     expect(full_blocks > 0, f"prompt_tokens={prompt_tokens} has no full block before its last token (block size "
@@ -168,87 +192,104 @@ def _measure(llm: LLM, repeats: int, prompt_tokens: int, with_redis: bool, page_
     # A salt new to this run: its chain keys are new to every tier, so a Redis shared with earlier runs (or anyone)
     # holds nothing for it, and the cold request is cold in every tier.
     salt = f"tiers-bench-{uuid.uuid4().hex}"
-    ttft: dict[str, list[float]] = {w: [] for w in ways}
-    load: dict[str, list[float]] = {w: [] for w in ways}
-    bandwidth: dict[str, list[float]] = {w: [] for w in ways}
-    cached: dict[str, list[int]] = {w: [] for w in ways}
-    first_tokens: list[int] = []
-    dropped_files: list[int] = []
-
-    def measure(prompt: list[int]) -> RequestOutput:
-        time.sleep(SETTLE_S)
-        out = llm.generate(prompt, GREEDY, cache_salt=salt)[0]
-        expect(out.finish_reason != "error" and len(out.token_ids) == 1, f"the request failed: {out.error}")
-        # What the request queued for the tiers is written before the next one, off its clock.
-        expect(store.flush(FLUSH_TIMEOUT_S), f"the tier writer did not finish within {FLUSH_TIMEOUT_S:.0f}s")
-        return out
-
+    samples = _Samples([w for w in WAYS if w != "redis" or with_redis])
     for round_index in range(repeats + 1):  # round 0 warms up and is discarded
         prompt = synthetic_prompt(llm.tokenizer, prompt_tokens, variant=7000 + round_index)
         expect(len(prompt) == prompt_tokens, f"the synthetic prompt has {len(prompt)} tokens, not {prompt_tokens}")
-        outs: dict[str, RequestOutput] = {}
-        # cold: the first request for a new variant, with caching on. Nothing holds its blocks (a new variant under a
-        # salt new to this run), so it computes all of them, and it pays what a first request in a tiered engine
-        # really pays: the tiers' existence check when it arrives and the copy of its blocks for the writer. (With
-        # use_cache=False it would skip both and publish nothing, so it would time a request the engine never serves
-        # that way, and another request would have to fill the tiers.) It fills the pool, the disk and Redis.
-        outs["cold"] = measure(prompt)
-        # memory: the same prompt right after, its prefix held in the pool.
-        outs["memory"] = measure(prompt)
-        # disk_cached: the pool's cached blocks dropped: the prefix is prefetched from the disk, the nearest tier,
-        # whose files the OS still holds in RAM (as after a restart on a machine with memory to spare).
-        engine.reset_prefix_cache()
-        outs["disk_cached"] = measure(prompt)
-        # disk: the same, with the files dropped from the page cache first: read from the device.
-        engine.reset_prefix_cache()
-        if page_cache_dir is not None:
-            dropped_files.append(drop_page_cache(page_cache_dir))
-        outs["disk"] = measure(prompt)
-        if with_redis:
-            # redis: the pool dropped again, and the store reading Redis alone (the disk holds the blocks too).
-            engine.reset_prefix_cache()
-            disk_hits = store.counters.hit_blocks["disk"]
-            with reading_only(store, "redis"):
-                outs["redis"] = measure(prompt)
-            expect(store.counters.hit_blocks["disk"] == disk_hits, "the redis way read blocks from the disk")
+        outs = _run_round(llm, prompt, salt, with_redis, page_cache_dir, samples.dropped_files)
         _check_round(outs, full_blocks, store)
-        first_tokens.append(outs["cold"].token_ids[0])
+        samples.first_tokens.append(outs["cold"].token_ids[0])
         if round_index:
-            for way, out in outs.items():
-                ttft[way].append(out.ttft_s)
-                cached[way].append(out.usage.cached_tokens)
-                if way in TARGETS:  # checked above: they loaded `full_blocks` tokens, in > 0 s
-                    load[way].append(out.tier_load_s)
-                    bandwidth[way].append(full_blocks / bs * engine.bytes_per_block / out.tier_load_s / MB)
-        progress(f"round {round_index}/{repeats}{' (warm-up)' if not round_index else ''}: "
-                 + ", ".join(f"{w} {o.ttft_s * 1000:.1f} ms" + (f" (load {o.tier_load_s * 1000:.1f} ms)"
-                                                                 if o.tier_load_s else "")
-                             for w, o in outs.items()))
-
-    cold_ms = statistics.median(ttft["cold"]) * 1000
-    rows = {}
-    for way in ways:
-        ttft_ms = statistics.median(ttft[way]) * 1000
-        load_s = median_or_none(load[way])
-        rows[way] = {"median_ttft_ms": ttft_ms, "x_cold": ttft_ms / cold_ms,
-                     "median_load_ms": None if load_s is None else load_s * 1000,
-                     "median_load_mb_s": median_or_none(bandwidth[way]),
-                     "cached_tokens": cached[way],
-                     "samples_ms": [x * 1000 for x in ttft[way]],
-                     "load_samples_ms": [x * 1000 for x in load[way]]}
-    targets = {tier: {"target": TARGET_TEXT[tier], "max_x_cold": limit,
-                      "x_cold": rows[tier]["x_cold"] if tier in rows else None,
-                      "met": rows[tier]["x_cold"] <= limit if tier in rows else None}
-               for tier, limit in TARGETS.items()}
+            samples.add(outs, full_blocks, bs, engine.bytes_per_block)
+        progress(_round_line(round_index, repeats, outs))
+    rows = _rows(samples)
     return {"suite": "tiers", "repeats": repeats, "prompt_tokens": prompt_tokens, "block_size": bs,
             "full_block_tokens": full_blocks, "bytes_per_block": engine.bytes_per_block,
             "dtype": engine.dtype_description, "cpu": cpu_identity(), "machine": machine(),
-            "ways": rows, "targets": targets,
-            "first_tokens": first_tokens, "first_tokens_match": True,  # checked every round (BenchError otherwise)
+            "ways": rows, "targets": _targets(rows),
+            "first_tokens": samples.first_tokens,
+            "first_tokens_match": True,  # checked every round (BenchError otherwise)
             "disk": {"page_cache": ("dropped before each disk read (posix_fadvise DONTNEED, advisory)"
-                                    if dropped_files and all(dropped_files) else
+                                    if samples.dropped_files and all(samples.dropped_files) else
                                     "warm: the entries were just written and the OS likely holds them in RAM")},
             "tier_counters": store.snapshot()}
+
+
+def _timed_request(llm: LLM, prompt: list[int], salt: str) -> RequestOutput:
+    """One measured request, after the settling pause; the tiers' writes it queued are flushed before returning."""
+    time.sleep(SETTLE_S)
+    out = llm.generate(prompt, GREEDY, cache_salt=salt)[0]
+    expect(out.finish_reason != "error" and len(out.token_ids) == 1, f"the request failed: {out.error}")
+    # What the request queued for the tiers is written before the next one, off its clock.
+    expect(llm.engine.tiers.flush(FLUSH_TIMEOUT_S), f"the tier writer did not finish within {FLUSH_TIMEOUT_S:.0f}s")
+    return out
+
+
+def _run_round(llm: LLM, prompt: list[int], salt: str, with_redis: bool, page_cache_dir: Path | None,
+               dropped_files: list[int]) -> dict[str, RequestOutput]:
+    """One round: `prompt` served each way in turn (WAYS' order); how many files each page-cache drop asked for is
+    appended to `dropped_files`."""
+    engine, store = llm.engine, llm.engine.tiers
+    outs: dict[str, RequestOutput] = {}
+    # cold: the first request for a new variant, with caching on. Nothing holds its blocks (a new variant under a
+    # salt new to this run), so it computes all of them, and it pays what a first request in a tiered engine
+    # really pays: the tiers' existence check when it arrives and the copy of its blocks for the writer. (With
+    # use_cache=False it would skip both and publish nothing, so it would time a request the engine never serves
+    # that way, and another request would have to fill the tiers.) It fills the pool, the disk and Redis.
+    outs["cold"] = _timed_request(llm, prompt, salt)
+    # memory: the same prompt right after, its prefix held in the pool.
+    outs["memory"] = _timed_request(llm, prompt, salt)
+    # disk_cached: the pool's cached blocks dropped: the prefix is prefetched from the disk, the nearest tier,
+    # whose files the OS still holds in RAM (as after a restart on a machine with memory to spare).
+    engine.reset_prefix_cache()
+    outs["disk_cached"] = _timed_request(llm, prompt, salt)
+    # disk: the same, with the files dropped from the page cache first: read from the device.
+    engine.reset_prefix_cache()
+    if page_cache_dir is not None:
+        dropped_files.append(drop_page_cache(page_cache_dir))
+    outs["disk"] = _timed_request(llm, prompt, salt)
+    if with_redis:
+        # redis: the pool dropped again, and the store reading Redis alone (the disk holds the blocks too).
+        engine.reset_prefix_cache()
+        disk_hits = store.counters.hit_blocks["disk"]
+        with reading_only(store, "redis"):
+            outs["redis"] = _timed_request(llm, prompt, salt)
+        expect(store.counters.hit_blocks["disk"] == disk_hits, "the redis way read blocks from the disk")
+    return outs
+
+
+def _round_line(round_index: int, repeats: int, outs: dict[str, RequestOutput]) -> str:
+    """The progress line of one round: each way's TTFT, and its tier load time where it loaded."""
+    def timing(way: str, out: RequestOutput) -> str:
+        load = f" (load {out.tier_load_s * 1000:.1f} ms)" if out.tier_load_s else ""
+        return f"{way} {out.ttft_s * 1000:.1f} ms{load}"
+
+    warm_up = " (warm-up)" if not round_index else ""
+    return f"round {round_index}/{repeats}{warm_up}: " + ", ".join(timing(w, o) for w, o in outs.items())
+
+
+def _rows(samples: _Samples) -> dict[str, dict]:
+    """The report's row per way: medians (TTFT, load time and bandwidth), the ratio to cold, and the samples."""
+    cold_ms = statistics.median(samples.ttft["cold"]) * 1000
+    rows = {}
+    for way in samples.ways:
+        ttft_ms = statistics.median(samples.ttft[way]) * 1000
+        load_s = median_or_none(samples.load[way])
+        rows[way] = {"median_ttft_ms": ttft_ms, "x_cold": ttft_ms / cold_ms,
+                     "median_load_ms": None if load_s is None else load_s * 1000,
+                     "median_load_mb_s": median_or_none(samples.bandwidth[way]),
+                     "cached_tokens": samples.cached[way],
+                     "samples_ms": [x * 1000 for x in samples.ttft[way]],
+                     "load_samples_ms": [x * 1000 for x in samples.load[way]]}
+    return rows
+
+
+def _targets(rows: dict[str, dict]) -> dict[str, dict]:
+    """Each tier's target and whether its median met it (None: the way was not measured)."""
+    return {tier: {"target": TARGET_TEXT[tier], "max_x_cold": limit,
+                   "x_cold": rows[tier]["x_cold"] if tier in rows else None,
+                   "met": rows[tier]["x_cold"] <= limit if tier in rows else None}
+            for tier, limit in TARGETS.items()}
 
 
 def _check_round(outs: dict[str, RequestOutput], full_blocks: int, store: TieredStore) -> None:

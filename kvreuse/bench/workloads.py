@@ -1,7 +1,7 @@
 """Deterministic workloads over a small corpus shipped in the repo (no downloads).
 
 Each workload is a list of chat conversations, in the order they are sent; the shared text is the
-larger part of each prompt, placed as the seed's scenarios place it.
+larger part of each prompt, placed as the article's scenarios (chat, eval, agent, RAG) place it.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """`kvreuse serve --replicas N`: the OpenAI app here, N engine replicas on Ray Serve behind it.
 
-This process is the ingress: it reads the model's metadata (never its weights), resolves `model.dtype = auto` once
-so every replica computes, and keys its blocks, alike, starts Ray (or joins `cluster.ray_address`), deploys the
-replicas with the cache-aware router, and serves the same FastAPI app as the single server, with a RemoteEngine in
-place of the engine thread, through the same uvicorn server (ready line, SIGTERM draining). Serve's own HTTP proxy
+This process is the ingress: it reads the model's metadata (never its weights) into a FrontEnd, which resolves
+`model.dtype = auto` once so every replica computes, and keys its blocks, alike, starts Ray (or joins
+`cluster.ray_address`), deploys the replicas with the cache-aware router, and serves the same FastAPI app as the
+single server, with a RemoteEngine in place of the engine thread, through the same uvicorn server (ready line,
+SIGTERM draining). Serve's own HTTP proxy
 is not started: requests reach the replicas only through this ingress's DeploymentHandle.
 """
 
@@ -17,11 +18,12 @@ import time
 from collections.abc import Iterator
 
 from kvreuse.config import Config, ConfigError
-from kvreuse.engine.front_end import FrontEnd, dtype_name
+from kvreuse.engine.front_end import FrontEnd
 from kvreuse.server import lifecycle
-from kvreuse.server.app import create_app
+from kvreuse.server.app import client_app
 from kvreuse.server.auth import load_api_keys
 from kvreuse.server.lifecycle import model_name_of, run_http
+from kvreuse.server.metrics import Metrics
 
 logger = logging.getLogger(__name__)
 
@@ -40,20 +42,22 @@ def serve_cluster(config: Config, *, served_model_name: str | None = None, log_l
     if config.cluster.routing == "ray_prefix":
         ray_prefix_router()  # a Ray without it fails here, before anything starts
     api_keys = load_api_keys(config.server.api_keys_file) if config.server.api_keys_file else None
+    # Its config names the model path and the dtype it resolved: every replica loads the same weights in the same
+    # dtype, and so names its blocks with the same keys the router computes.
     front = FrontEnd.from_config(config)
-    config = pinned(config, front)
-    front.config = config
+    config = front.config
     model_name = served_model_name or model_name_of(front.model_path)
     with ray_session(config) as joined:
         try:
             handle = deploy(config, front)
-            app = create_app(front, model_name, api_keys, runner=lambda metrics: _remote(handle, metrics, front))
+            metrics = Metrics(model_name)
+            app = client_app(_remote(handle, front, metrics), metrics, model_name, api_keys)
             return run_http(app, config, describe(config, front, model_name, api_keys), log_level)
         finally:
             _stop_serve(joined)
 
 
-def _remote(handle, metrics, front: FrontEnd):
+def _remote(handle, front: FrontEnd, metrics: Metrics):
     from kvreuse.cluster.remote_engine import RemoteEngine
 
     # Ray's prefix router matches the prompt's text: the ingress sends it beside the tokens (decoded, so it is
@@ -61,15 +65,8 @@ def _remote(handle, metrics, front: FrontEnd):
     text = None
     if front.config.cluster.routing == "ray_prefix":
         text = lambda seq: front.tokenizer.decode(seq.prompt_token_ids, skip_special_tokens=False)  # noqa: E731
-    return RemoteEngine(handle, on_finish=metrics.observe_finished, on_gauges=metrics.observe_replica,
+    return RemoteEngine(handle, front, on_finish=metrics.observe_finished, on_snapshot=metrics.observe_replica,
                         prompt_text=text)
-
-
-def pinned(config: Config, front: FrontEnd) -> Config:
-    """`config` with what the ingress resolved written in, so that every replica loads the same weights in the same
-    dtype, and so names its blocks with the same keys the router computes: the model's path, and its dtype."""
-    model = config.model.model_copy(update={"path": str(front.model_path), "dtype": dtype_name(front.dtype)})
-    return config.model_copy(update={"model": model})
 
 
 def describe(config: Config, front: FrontEnd, model_name: str, api_keys: dict | None) -> str:

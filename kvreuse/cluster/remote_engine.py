@@ -1,4 +1,4 @@
-"""The ingress's engine: AsyncEngine's interface, with the requests run by the replicas instead of a thread here.
+"""The ingress's engine: the server's EngineClient, with the requests run by the replicas instead of a thread here.
 
 `submit` sends the request's spec through a streaming DeploymentHandle (the router picks the replica) and relays
 the replica's deltas onto the asyncio.Queue the server reads, exactly as the engine thread would fill it. A replica
@@ -15,9 +15,12 @@ import logging
 from collections.abc import Callable
 
 from kvreuse.cluster.spec import AdminSpec, RequestSpec
+from kvreuse.engine.front_end import FrontEnd
 from kvreuse.engine.output import RequestOutput
 from kvreuse.engine.sequence import Sequence
-from kvreuse.server.async_engine import Delta, EngineDeadError
+from kvreuse.engine.stats import EngineSnapshot
+from kvreuse.server.deltas import Delta
+from kvreuse.server.engine_client import EngineDeadError
 from kvreuse.server.errors import APIError
 
 logger = logging.getLogger(__name__)
@@ -26,15 +29,20 @@ RETRIES = 1  # a request whose replica fails before it sent anything is sent aga
 
 
 class RemoteEngine:
-    def __init__(self, handle, on_finish: Callable[[RequestOutput], None] | None = None,
-                 on_gauges: Callable[[str, dict], None] | None = None,
+    """The replicas behind a DeploymentHandle, as the server's EngineClient; `front_end` prepares the requests here."""
+
+    tiers = None  # the replicas write their own lower tiers; this process writes none
+
+    def __init__(self, handle, front_end: FrontEnd, on_finish: Callable[[RequestOutput], None] | None = None,
+                 on_snapshot: Callable[[EngineSnapshot], None] | None = None,
                  prompt_text: Callable[[Sequence], str] | None = None):
         self._generate = handle.options(stream=True).generate
         self._admin = handle.admin
+        self.front_end = front_end
         self.replicas: set[str] = set()  # replicas that have served a request: where admin work goes
         self._prompt_text = prompt_text  # for a router that matches prompt text (ray_prefix)
         # Metrics: the ingress counts every replica's requests, and keeps each replica's gauges as of its last one.
-        self.on_finish, self.on_gauges = on_finish, on_gauges
+        self.on_finish, self.on_snapshot = on_finish, on_snapshot
         self._relays: dict[str, asyncio.Task] = {}
         self._running = False
 
@@ -90,8 +98,8 @@ class RemoteEngine:
         if delta.output.replica:
             self.replicas.add(delta.output.replica)
         self._notify(self.on_finish, delta.output)
-        if delta.gauges is not None and delta.output.replica:
-            self._notify(self.on_gauges, delta.output.replica, delta.gauges)
+        if delta.snapshot is not None:
+            self._notify(self.on_snapshot, delta.snapshot)
 
     def _notify(self, callback: Callable | None, *args) -> None:
         if callback is None:
@@ -106,10 +114,6 @@ class RemoteEngine:
         if relay is not None:
             relay.cancel()
 
-    async def call(self, fn):
-        """Arbitrary engine-state work has no single engine here: 501 (the admin routes use the methods below)."""
-        raise APIError(501, "not available with --replicas > 1: each replica has its own engine", "not_implemented")
-
     async def reset_prefix_cache(self, tiers: bool = False) -> dict[str, int]:
         """Every replica that has served drops its cached blocks (and with `tiers` its tiers); the sums per tier. A
         replica that never served holds nothing to drop."""
@@ -119,11 +123,11 @@ class RemoteEngine:
                 total[tier] = total.get(tier, 0) + count
         return total
 
-    async def snapshots(self) -> dict[str, dict]:
-        """The engine snapshot of every replica that has served, by name."""
-        return await self._fan_out("stats")
+    async def snapshots(self) -> list[EngineSnapshot]:
+        """The engine snapshot of every replica that has served, in the order of their names."""
+        return list((await self._fan_out("stats")).values())
 
-    async def _fan_out(self, operation: str, tiers: bool = False) -> dict[str, dict]:
+    async def _fan_out(self, operation: str, tiers: bool = False) -> dict[str, EngineSnapshot | dict[str, int]]:
         if self._prompt_text is not None:  # ray_prefix: Ray's router picks by prompt text, it cannot address one
             raise APIError(501, "not available with cluster.routing = ray_prefix: Ray's router cannot address a "
                                 "replica by name", "not_implemented")

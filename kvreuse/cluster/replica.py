@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import torch
 from ray import serve
@@ -16,8 +17,11 @@ from kvreuse.cluster.routing import KEY_BYTES
 from kvreuse.cluster.spec import AdminSpec, RequestSpec
 from kvreuse.config import Config
 from kvreuse.engine.engine import LLMEngine
-from kvreuse.server.async_engine import AsyncEngine, Delta, EngineDeadError
-from kvreuse.server.lifecycle import warm_up
+from kvreuse.engine.stats import EngineSnapshot
+from kvreuse.server.async_engine import AsyncEngine
+from kvreuse.server.deltas import Delta, EngineDied
+from kvreuse.server.engine_client import EngineDeadError
+from kvreuse.warm import warm_up
 
 
 def held_keys(engine: LLMEngine, key_bytes: int) -> bytes:
@@ -39,33 +43,37 @@ class EngineReplica:
     async def generate(self, spec: RequestSpec) -> AsyncIterator[Delta]:
         """The request's deltas as the engine thread produces them; the last one carries the output, named with
         this replica. Cancelled (the client went away), it aborts the request and frees its blocks."""
-        seq = self.engine.make_sequence(spec.prompt_token_ids, spec.params, spec.request_id,
-                                        cache_salt=spec.cache_salt, use_cache=spec.use_cache,
-                                        response_format=spec.response_format)
+        seq = self.engine.front_end.make_sequence(spec.prompt_token_ids, spec.params, spec.request_id,
+                                                  cache_salt=spec.cache_salt, use_cache=spec.use_cache,
+                                                  response_format=spec.response_format)
         deltas = self.runner.submit(seq)
         finished = False
         try:
             while not finished:
                 delta = await deltas.get()
-                if delta is None:
-                    raise EngineDeadError(f"the engine loop of replica {self.name} died: {self.runner.error!r}")
+                if isinstance(delta, EngineDied):
+                    raise EngineDeadError(f"the engine loop of replica {self.name} died: {delta.cause}")
                 if delta.output is not None:
                     delta.output.replica = self.name
                     # Read off the engine thread: counters and lengths only, a moment's inconsistency is harmless.
-                    delta.gauges = self.engine.stats_snapshot()
+                    delta.snapshot = self._named(self.engine.stats_snapshot())
                     finished = True
                 yield delta
         finally:
             if not finished:
                 self.runner.abort(spec.request_id)
 
-    async def admin(self, spec: AdminSpec) -> dict:
+    async def admin(self, spec: AdminSpec) -> EngineSnapshot | dict[str, int]:
         """`spec`'s operation on this replica's engine: the dropped blocks per tier, or its snapshot."""
         if spec.replica != self.name:
             raise LookupError(f"admin work for replica {spec.replica} reached replica {self.name}")
         if spec.operation == "stats":
-            return (await self.runner.snapshots())[""]
+            [snapshot] = await self.runner.snapshots()
+            return self._named(snapshot)
         return await self.runner.reset_prefix_cache(spec.tiers)
+
+    def _named(self, snapshot: EngineSnapshot) -> EngineSnapshot:
+        return replace(snapshot, replica=self.name)
 
     async def record_routing_stats(self) -> dict:
         """What the router corrects its picture with: the keys the pool holds now, and the queue."""
@@ -79,5 +87,4 @@ class EngineReplica:
     def __del__(self):
         runner = getattr(self, "runner", None)
         if runner is not None:
-            runner.shutdown()
-            self.engine.close()  # what is queued for the lower tiers is written before the replica goes
+            runner.shutdown()  # and what is queued for the lower tiers is written before the replica goes

@@ -17,7 +17,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvreuse.kvcache.hashing import extra_keys, sha256_block_key
+from kvreuse.kvcache.hashing import extend_chain, extra_keys
 
 KEY_BYTES = 8
 # A key sent less than this long before a replica's report may belong to a request that had not yet computed its
@@ -28,11 +28,8 @@ REPORT_SLACK_S = 10.0
 def chain_keys(token_ids: Sequence[int], fingerprint: str, block_size: int, salt: str | None) -> list[bytes]:
     """The (shortened) chain keys of the full blocks of a prompt: the engine's keys, salt included."""
     extra = extra_keys(fingerprint, block_size, salt)
-    keys, parent = [], b""
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = sha256_block_key(parent, token_ids[start:start + block_size], extra)
-        keys.append(parent[:KEY_BYTES])
-    return keys
+    keys = extend_chain([], token_ids, block_size, extra, len(token_ids) // block_size)
+    return [key[:KEY_BYTES] for key in keys]
 
 
 @dataclass(frozen=True)

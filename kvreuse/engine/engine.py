@@ -6,6 +6,8 @@ import logging
 import time
 from dataclasses import replace
 
+import torch
+
 from kvreuse.config import Config, SuffixConfig
 from kvreuse.engine.block_io import PoolBlockIO
 from kvreuse.engine.detokenizer import detokenize, find_stop, stop_search_start
@@ -17,16 +19,16 @@ from kvreuse.engine.front_end import (  # noqa: F401 (RequestError, DTYPES, dtyp
     resolve_device,
     resolve_dtype,
 )
-from kvreuse.engine.model_runner import Draw, ModelRunner
+from kvreuse.engine.model_runner import ModelRunner
 from kvreuse.engine.output import RequestOutput, Usage
-from kvreuse.engine.repair import RepairOutcome
-from kvreuse.engine.scheduler import Scheduler
+from kvreuse.engine.scheduler import Scheduler, SchedulerOutput
 from kvreuse.engine.sequence import Sequence
-from kvreuse.engine.stats import EngineStats
+from kvreuse.engine.stats import DecodeGraphStatus, EngineSnapshot, EngineStats
 from kvreuse.kvcache.accounting import ReuseRecord
+from kvreuse.kvcache.copy_jobs import CopyJobs
 from kvreuse.kvcache.events import KVEventPublisher
 from kvreuse.kvcache.manager import KVCacheManager
-from kvreuse.kvcache.request import CacheRequest
+from kvreuse.kvcache.request import CacheRequest, ReuseScope
 from kvreuse.kvcache.tiers.store import TieredStore
 from kvreuse.layers.sampler import TokenLogprob
 from kvreuse.model.decode_graph import DecodeGraph
@@ -38,24 +40,25 @@ from kvreuse.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
-class LLMEngine(FrontEnd):
-    """The front end (request preparation, inherited) plus the model, its KV pool, the cache and the scheduler."""
+class LLMEngine:
+    """The model, its KV pool, the cache and the scheduler, with the front end that prepares their requests."""
 
     def __init__(self, config: Config):
         self.device = resolve_device(config.model.device)
         weights = load_weights(config.model.path or None)
         dtype, why = resolve_dtype(config.model.dtype, self.device, weights.args)
-        super().__init__(config, ModelInfo(weights.args, weights.path, weights.fingerprint), dtype, why)
-        model = Llama.from_weights(weights, self.dtype, self.device)
+        self.front_end = FrontEnd(config, ModelInfo(weights.args, weights.path, weights.fingerprint), dtype, why)
+        front = self.front_end
+        model = Llama.from_weights(weights, dtype, self.device)
         quantize_model(model, config.model.quantization)  # weight-only; "none" leaves it as loaded
         del weights
 
-        num_blocks = self.num_kv_blocks
+        num_blocks = front.num_kv_blocks
         decode_graph = DecodeGraph(model, config.engine.max_num_seqs) if config.engine.compile == "decode" else None
-        self.runner = ModelRunner(model, num_blocks, self.block_size, self.dtype, self.device,
-                                  self.tokenizer.eos_token_ids, decode_graph)
-        self.tiers = TieredStore.from_config(config.cache, PoolBlockIO(self.runner.kv_cache, self.fingerprint))
-        self.kv_manager = KVCacheManager.from_config(config.cache, num_blocks, self.fingerprint, tiers=self.tiers)
+        self.runner = ModelRunner(model, num_blocks, front.block_size, dtype, self.device,
+                                  front.tokenizer.eos_token_ids, decode_graph)
+        self.tiers = TieredStore.from_config(config.cache, PoolBlockIO(self.runner.kv_cache, front.fingerprint))
+        self.kv_manager = KVCacheManager.from_config(config.cache, num_blocks, front.fingerprint, tiers=self.tiers)
         self.reuse = config.cache.suffix  # segment reuse settings: immutable, replaced only by set_reuse
         self.stats = EngineStats()
         self.scheduler = Scheduler(self.kv_manager, config.engine.max_num_seqs, config.engine.max_num_batched_tokens)
@@ -64,6 +67,27 @@ class LLMEngine(FrontEnd):
         self.events = self._start_events(config)
         if decode_graph is not None:
             decode_graph.start()
+
+    # The pool's and the model's shape, as the front end sized them.
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.front_end.dtype
+
+    @property
+    def dtype_description(self) -> str:
+        return self.front_end.dtype_description
+
+    @property
+    def block_size(self) -> int:
+        return self.front_end.block_size
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.front_end.num_kv_blocks
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.front_end.bytes_per_block
 
     def _start_events(self, config: Config) -> KVEventPublisher | None:
         """vLLM-format KV events of the pool (`[events] endpoint`), starting with a clear: a subscriber forgets this
@@ -81,7 +105,7 @@ class LLMEngine(FrontEnd):
         self.kv_manager.enable_segments = self.kv_manager.enable_caching and settings.enabled
 
     def add_sequence(self, seq: Sequence) -> Sequence:
-        """Queue a sequence made by `make_sequence` (engine thread only)."""
+        """Queue a sequence made by `front_end.make_sequence` (engine thread only)."""
         if seq.request_id in self.sequences:
             raise RequestError(f"request id {seq.request_id!r} is already in use")
         self.sequences[seq.request_id] = seq
@@ -93,16 +117,17 @@ class LLMEngine(FrontEnd):
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, **cache_options) -> Sequence:
-        """`make_sequence` + `add_sequence`."""
-        return self.add_sequence(self.make_sequence(prompt, params, request_id, **cache_options))
+        """`front_end.make_sequence` + `add_sequence`."""
+        return self.add_sequence(self.front_end.make_sequence(prompt, params, request_id, **cache_options))
 
     def _choice(self, seq: Sequence, index: int) -> Sequence:
         """Choice `index` of `seq`'s request: its prompt, its own seed stream (seed + index) and grammar state; it gets
-        its K/V and first token when `seq` draws its own (`_fork`)."""
-        kv = CacheRequest(list(seq.prompt_token_ids), seq.kv.extra_key, seq.kv.use_cache)
+        its K/V and first token when `seq` draws its own (Scheduler.fork)."""
+        kv = CacheRequest(list(seq.prompt_token_ids), seq.kv.extra_key, ReuseScope.ANY if seq.kv.use_cache else
+                          ReuseScope.NONE)
         choice = Sequence(f"{seq.request_id}#{index}", kv, seq.params, arrival_time=seq.arrival_time, index=index,
                           parent=seq, grammar=seq.grammar, cache_salt=seq.cache_salt)
-        choice.generator = choice.generator or self.generator
+        choice.generator = choice.generator or self.front_end.generator
         return choice
 
     def abort(self, request_id: str) -> None:
@@ -125,7 +150,7 @@ class LLMEngine(FrontEnd):
         try:
             batch = self.scheduler.schedule()
             if batch.seqs:
-                self._run(batch.seqs, batch.num_prefill_tokens, updated)
+                self._run(batch, updated)
             else:
                 self.scheduler.wait_for_head(timeout=0.05)
         except Exception as exc:
@@ -135,24 +160,20 @@ class LLMEngine(FrontEnd):
             updated += [s for s in self._fail(touched, exc) if all(s is not u for u in updated)]
         return updated
 
-    def _run(self, seqs: list[Sequence], num_prefill_tokens: int, updated: list[Sequence]) -> None:
+    def _run(self, batch: SchedulerOutput, updated: list[Sequence]) -> None:
         """The forward and its postprocess; appends to `updated` as it goes, so that if it raises, the sequences
         that already finished are still reported."""
-        copying = [s.kv for s in seqs if s.kv.last_block_copy is not None]
-        if copying:  # fully cached prompts: their last blocks' K/V, before the step computes their last tokens
-            self.runner.copy_blocks([req.last_block_copy for req in copying])
-            for req in copying:
-                self.kv_manager.release_sources(req)
-        step = self.runner.run(seqs, self.reuse)
+        self._copy(batch.copy_jobs)  # loaded and cached K/V into the admitted sequences' blocks
+        step = self.runner.run(batch.seqs, self.reuse)
         now = time.perf_counter()
-        self.stats.record_step(self.kv_manager, num_prefill_tokens)
-        for seq, draws in zip(seqs, step.draws, strict=True):
-            self._account(seq, step.outcomes.get(seq.request_id))
-            seq.num_computed_tokens += seq.num_scheduled_tokens
-            seq.num_scheduled_tokens = 0
-            self.kv_manager.cache_computed_blocks(seq.kv, seq.num_computed_tokens)
-            if seq.kv.prompt_logprobs is not None:
-                self._add_prompt_logprobs(seq, *step.prompt_logprobs.get(seq.request_id, (0, [])))
+        self.stats.record_step(self.kv_manager, batch.num_prefill_tokens)
+        for seq in batch.seqs:
+            if seq.reuse is None:  # its first step: how the prompt was obtained (once, from its first admission)
+                seq.reuse = ReuseRecord.admitted(seq.num_prompt_tokens, seq.kv)
+                if seq.request_id in step.outcomes:
+                    seq.reuse = step.outcomes[seq.request_id].account(seq.reuse)
+        self._copy(self.scheduler.update(batch, step))
+        for seq, draws in zip(batch.seqs, step.draws, strict=True):
             if draws is None:
                 continue
             if seq.params.max_tokens == 0:  # it only scores its prompt: the prompt is done
@@ -163,22 +184,21 @@ class LLMEngine(FrontEnd):
             self._append(seq, *draws[0], now)
             updated.append(seq)
             for choice, draw in zip(forked, draws[1:], strict=True):
-                self._fork(seq, choice, draw, now)
+                choice.reuse = ReuseRecord()  # the prompt is its request's, accounted once, on `seq`
+                self._copy(self.scheduler.fork(seq, choice))
+                self._append(choice, *draw, now)
                 updated.append(choice)
 
-    def _add_prompt_logprobs(self, seq: Sequence, first: int, records: list) -> None:
-        """Merge the prompt logprobs a step computed (from position `first` on) after those taken from the cache at
-        admission, keeping the ones already known, and store those of its published blocks."""
-        known = seq.prompt_logprobs
-        for position, record in enumerate(seq.kv.cached_logprob_records):
-            if position >= len(known):
-                known.append(record)
-        seq.kv.cached_logprob_records = []
-        if records and not known:
-            known.append(None)  # position 0: nothing before it
-        assert first <= len(known) or not records, f"{seq.request_id}: prompt logprobs from {first}, {len(known)} known"
-        known.extend(records[len(known) - first:])
-        self.kv_manager.store_prompt_logprobs(seq.kv, known)
+    def _copy(self, jobs: CopyJobs) -> None:
+        """Every tensor copy the cache asks for, in its order: tier payloads into the pool, pool blocks into pool
+        blocks, pool blocks out to the tiers' write queue."""
+        if jobs.writes:
+            block_ids, payloads = zip(*jobs.writes, strict=True)
+            self.tiers.io.write(block_ids, payloads)
+        if jobs.copies:
+            self.runner.copy_blocks(jobs.copies)
+        for job in jobs.stores:
+            self.tiers.store(job.blocks, job.block_ids, job.tiers)
 
     def _append(self, seq: Sequence, token_id: int, logprob: TokenLogprob | None, now: float) -> None:
         seq.token_ids.append(token_id)
@@ -191,18 +211,6 @@ class LLMEngine(FrontEnd):
         if seq.first_token_time is None:
             seq.first_token_time = now
         self._check_finished(seq, token_id, now)
-
-    def _fork(self, seq: Sequence, choice: Sequence, draw: Draw, now: float) -> None:
-        """Start `choice` from `seq`'s computed prompt with its own first token `draw`: it shares `seq`'s full blocks
-        and gets a copy of its partial last block. Without a block free for that copy, it waits at the head of the
-        queue and computes its prompt again (from the prefix cache, mostly)."""
-        num_computed = seq.num_computed_tokens
-        choice.reuse = ReuseRecord()  # the prompt is its request's, accounted once, on `seq`
-        if self.kv_manager.can_fork(seq.kv, num_computed):
-            self.runner.copy_blocks(self.kv_manager.fork(seq.kv, choice.kv, num_computed))
-            choice.num_computed_tokens = num_computed
-        self.scheduler.add_forked(choice, running=choice.num_computed_tokens > 0)
-        self._append(choice, *draw, now)
 
     def _fail(self, seqs: list[Sequence], exc: Exception) -> list[Sequence]:
         """Finish the unfinished of `seqs` with finish_reason "error" and free their blocks; returns them. Like
@@ -220,39 +228,23 @@ class LLMEngine(FrontEnd):
         self.check_integrity()  # blocks published by earlier steps were computed whole: the cache stays valid
         return failed
 
-    def _account(self, seq: Sequence, outcome: RepairOutcome | None) -> None:
-        """After a sequence's step: its reuse record (once, from its first admission's plan and the repair), and
-        the plan's sources let go (their K/V are copied into the sequence's own blocks now)."""
-        kv = seq.kv
-        if seq.reuse is None:
-            plan = kv.segment_plan
-            seq.reuse = ReuseRecord.planned(seq.num_prompt_tokens, kv.num_cached_tokens,
-                                            plan.num_tokens if plan else 0, plan.num_shifted_tokens if plan else 0,
-                                            kv.num_loaded_tokens)
-            if outcome is not None:
-                seq.reuse = replace(seq.reuse, recomputed_tokens=outcome.num_recomputed_tokens,
-                                    discarded_tokens=outcome.num_discarded_tokens,
-                                    guarded_requests=int(outcome.guarded))
-        if outcome is not None and outcome.exact:
-            kv.num_exact_tokens = None  # every reused token was recomputed: the whole KV is exact
-        self.kv_manager.release_sources(kv)
-
     def _check_finished(self, seq: Sequence, token_id: int, now: float) -> None:
         """Detokenize the new token (incrementally) and finish on EOS, a stop string, max_tokens or the context
         limit. Stops are searched only where the new text can complete one, with the same result as searching
         the whole text every step (see detokenizer.py)."""
         params = seq.params
         reason = None
-        if (not params.ignore_eos and token_id in self.tokenizer.eos_token_ids) or token_id in params.stop_token_ids:
+        tokenizer = self.front_end.tokenizer
+        if (not params.ignore_eos and token_id in tokenizer.eos_token_ids) or token_id in params.stop_token_ids:
             reason = "stop"
         search_from = stop_search_start(len(seq.output_text), params.stop)
-        pending = detokenize(self.tokenizer, seq)    # a character still cut short, if any
+        pending = detokenize(tokenizer, seq)    # a character still cut short, if any
         text = seq.output_text + pending
         cut = find_stop(text, params.stop, search_from) if params.stop else -1
         if cut >= 0:
             text, reason = text[:cut], "stop"
         elif reason is None and (seq.num_completion_tokens >= params.max_tokens
-                                 or seq.num_tokens >= self.max_model_len):
+                                 or seq.num_tokens >= self.front_end.max_model_len):
             reason = "length"
         if reason is not None:
             seq.output_text = text  # what decoding the whole completion gives, a cut-short character as U+FFFD
@@ -286,21 +278,15 @@ class LLMEngine(FrontEnd):
         usage = sum((Usage.of(c) for c in seq.choices[1:]), Usage.of(seq))
         return replace(outputs[0], usage=usage, choices=outputs if len(outputs) > 1 else [])
 
-    def stats_snapshot(self) -> dict:
-        """Engine state and accounting as one flat dict: the only view of the engine that metrics and logs read.
-        With lower tiers, `tiers` holds their counters (TieredStore.snapshot)."""
-        snapshot = {**self.stats.snapshot(self.kv_manager, self.bytes_per_block),
-                    "num_requests_running": len(self.scheduler.running),
-                    "num_requests_waiting": len(self.scheduler.waiting)}
+    def stats_snapshot(self) -> EngineSnapshot:
+        """Engine state and accounting now: the only view of the engine that metrics and logs read."""
         graph = self.runner.decode_graph
-        if graph is not None:
-            snapshot["decode_graph"] = {"state": graph.state, "num_steps": graph.num_steps,
-                                        "compile_s": graph.compile_s}
-        if self.tiers is not None:
-            snapshot["tiers"] = self.tiers.snapshot()
-        if self.events is not None:
-            snapshot["events"] = self.events.snapshot()
-        return snapshot
+        return self.stats.snapshot(
+            self.kv_manager, self.front_end.bytes_per_block, num_requests_running=len(self.scheduler.running),
+            num_requests_waiting=len(self.scheduler.waiting),
+            decode_graph=DecodeGraphStatus(graph.state, graph.num_steps, graph.compile_s) if graph else None,
+            tiers=self.tiers.snapshot() if self.tiers is not None else None,
+            events=self.events.snapshot() if self.events is not None else None)
 
     def reset_prefix_cache(self, tiers: bool = False) -> dict[str, int]:
         """Drop the pool's cached blocks that no request holds (and with `tiers`, every lower tier's entries);

@@ -1,7 +1,7 @@
 """The request-preparation half of the engine: normalize, tokenize, validate, make the Sequence.
 
 It needs the model's metadata (shape, fingerprint, tokenizer), the dtype and the pool size, never its weights: the
-LLMEngine is one (it inherits this), and an ingress that never runs the model builds one from `load_model_info`
+LLMEngine builds one (its `front_end`), and an ingress that never runs the model builds one from `load_model_info`
 (`FrontEnd.from_config`), so both prepare a request, and key its blocks, exactly alike.
 """
 
@@ -17,10 +17,8 @@ import torch
 from kvreuse.config import Config
 from kvreuse.engine.model_runner import kv_bytes_per_block
 from kvreuse.engine.sequence import Sequence
-from kvreuse.kvcache.hashing import extra_keys
 from kvreuse.kvcache.normalize import normalize_text
-from kvreuse.kvcache.request import CacheRequest
-from kvreuse.kvcache.tiers.store import TieredStore
+from kvreuse.kvcache.request import new_cache_request
 from kvreuse.model import dtype_probe
 from kvreuse.model.loader import ModelArgs, ModelInfo, load_model_info
 from kvreuse.model.quantize import quantization_tag
@@ -71,8 +69,6 @@ def dtype_name(dtype: torch.dtype) -> str:
 class FrontEnd:
     """Prepares requests for one model in one dtype; touches no engine state, so any thread may use it."""
 
-    tiers: TieredStore | None = None  # the lower tiers: the engine's own; a front end alone writes to none
-
     def __init__(self, config: Config, info: ModelInfo, dtype: torch.dtype, why: str = ""):
         self.config = config
         self.model_path, self.model_args = info.path, info.args
@@ -94,10 +90,13 @@ class FrontEnd:
     @classmethod
     def from_config(cls, config: Config) -> FrontEnd:
         """The front end of `config`'s model, from its metadata alone; `model.dtype = auto` is resolved here
-        (the probe), for the device `model.device` names. ModelLoadError for a bad model path."""
+        (the probe), for the device `model.device` names. Its `config` names the model path and dtype resolved, so
+        that engines built from it (a cluster's replicas) load the same weights in the same dtype, and key their
+        blocks alike. ModelLoadError for a bad model path."""
         info = load_model_info(config.model.path or None)
         dtype, why = resolve_dtype(config.model.dtype, resolve_device(config.model.device), info.args)
-        return cls(config, info, dtype, why)
+        model = config.model.model_copy(update={"path": str(info.path), "dtype": dtype_name(dtype)})
+        return cls(config.model_copy(update={"model": model}), info, dtype, why)
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -178,8 +177,8 @@ class FrontEnd:
             raise RequestError("prompt is empty")
         self.check_fits(len(token_ids), params.max_tokens)
         request_id = request_id or f"req-{next(self._request_counter)}"
-        kv = self.new_cache_request(list(token_ids), cache_salt, use_cache)
-        kv.prompt_logprobs = params.prompt_logprobs
+        kv = new_cache_request(list(token_ids), self.fingerprint, self.block_size, cache_salt=cache_salt,
+                               use_cache=use_cache, prompt_logprobs=params.prompt_logprobs)
         grammar = self.grammars.compile(response_format) if response_format is not None else None
         seq = Sequence(request_id, kv, params, grammar=grammar)
         seq.generator = seq.generator or self.generator
@@ -192,11 +191,6 @@ class FrontEnd:
         from kvreuse.structured import GrammarCompiler  # xgrammar, only when a request asks for a format
 
         return GrammarCompiler(self.tokenizer, self.model_args.vocab_size)
-
-    def new_cache_request(self, token_ids: list[int], cache_salt: str | None, use_cache: bool) -> CacheRequest:
-        """The cache's record of a new request: its extra key (fingerprint, block size, salt) is part of every
-        block key, the same as `KVCacheManager.new_request` gives."""
-        return CacheRequest(token_ids, extra_keys(self.fingerprint, self.block_size, cache_salt), use_cache)
 
     def _check_stops(self, stops: list[str]) -> None:
         # Every step searches the new text for every stop string: their number and length bound that work.
@@ -221,6 +215,3 @@ class FrontEnd:
                 f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {needed} tokens does not fit "
                 f"in the KV pool of {self.kv_capacity_tokens} tokens (engine.num_kv_blocks x cache.block_size)"
             )
-
-    def close(self) -> None:
-        """Release what the front end holds: nothing of its own (the engine overrides this)."""

@@ -2,7 +2,7 @@
 (`Llama.forward_selective`).
 
 Beyond layer 0 a reused block's K/V depend on the text it was computed after, so reusing it in another context is
-an approximation (DESIGN.md section 1). For each forward in which some sequences reuse cached segments:
+an approximation (docs/design/reuse.md). For each forward in which some sequences reuse cached segments:
 1. copy: each plan's K/V (every layer) are copied into the sequence's own blocks, K re-rotated by the distance
    the segment moved (RoPE is a rotation); the cached sources stay untouched;
 2. repair, per `settings.mode` (the `cache.suffix.*` keys, an immutable value):
@@ -20,12 +20,13 @@ now exact everywhere.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from kvreuse.config import SuffixConfig
 from kvreuse.engine.sequence import Sequence
+from kvreuse.kvcache.accounting import ReuseRecord
 from kvreuse.kvcache.request import CacheRequest
 from kvreuse.kvcache.segment import SegmentPlan
 from kvreuse.layers.attention import AttentionMetadata
@@ -40,6 +41,11 @@ class RepairOutcome:
     num_discarded_tokens: int = 0     # token work of the approximate pass the guard threw away
     guarded: bool = False
     exact: bool = False               # every reused token was recomputed: the sequence's K/V are exact
+
+    def account(self, record: ReuseRecord) -> ReuseRecord:
+        """`record` (what admission planned) with what the repair did."""
+        return replace(record, recomputed_tokens=self.num_recomputed_tokens, discarded_tokens=self.num_discarded_tokens,
+                       guarded_requests=int(self.guarded))
 
 
 # --- row selection ---------------------------------------------------------------------------------------

@@ -8,20 +8,29 @@ step waits one step and reuses them instead of computing them alongside. A promp
 a lower tier (disk, Redis) waits for the read, while the running sequences go on. When the KV pool runs out, the
 youngest running sequence is preempted: its blocks are freed and it goes back to the front of the queue, to be
 recomputed later.
+
+The scheduler alone writes a sequence's `num_computed_tokens` and `num_scheduled_tokens`: at admission, preemption and
+fork, and after each forward (`update`, which also has the cache publish what was computed).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvreuse.engine.sequence import Sequence, SequenceStatus
+from kvreuse.kvcache.copy_jobs import CopyJobs
 from kvreuse.kvcache.manager import KVCacheManager
+
+if TYPE_CHECKING:
+    from kvreuse.engine.model_runner import StepOutput
 
 
 @dataclass
 class SchedulerOutput:
     seqs: list[Sequence]
+    copy_jobs: CopyJobs = field(default_factory=CopyJobs)  # what admission asks for before the forward
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -41,15 +50,6 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
-    def add_forked(self, seq: Sequence, running: bool) -> None:
-        """A choice forked from a running sequence (n > 1): running beside it (it holds its blocks, may exceed
-        max_num_seqs for as long as it runs), or else first in the queue."""
-        if running:
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-        else:
-            self.waiting.appendleft(seq)
-
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -60,45 +60,65 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
-        scheduled: list[Sequence] = []
+        out = SchedulerOutput([])
         for seq in list(self.running):
             if budget == 0:
                 break
             if seq.status == SequenceStatus.RUNNING and self._reserve(seq, min(seq.num_uncomputed_tokens, budget)):
-                scheduled.append(seq)
+                out.seqs.append(seq)
                 budget -= seq.num_scheduled_tokens
-        num_prefilling = sum(s.is_prefilling for s in scheduled)
+        num_prefilling = sum(s.is_prefilling for s in out.seqs)
         kv = self.kv_manager
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if kv.is_loading(seq.kv):
                 break  # strict arrival order: the queue waits for its head's prefix to arrive
-            hits = kv.match_prefix(seq.kv)
-            loads = kv.match_loads(seq.kv, hits)
-            num_cached_blocks = len(hits) + len(loads)
-            plan = kv.match_segments(seq.kv, num_cached_blocks)
-            publishing = [(s.kv, s.num_computed_tokens + s.num_scheduled_tokens) for s in scheduled]
-            if kv.gains_by_waiting(seq.kv, num_cached_blocks, plan, publishing):
+            match = kv.match(seq.kv)
+            publishing = [(s.kv, s.num_computed_tokens + s.num_scheduled_tokens) for s in out.seqs]
+            if kv.gains_by_waiting(seq.kv, match, publishing):
                 break  # blocks it shares with this step's prompts are reusable from the next step on
-            last_block = kv.match_last_block(seq.kv, hits)
-            num_cached_tokens = num_cached_blocks * kv.block_size + (kv.block_size - 1 if last_block is not None else 0)
-            num_tokens = seq.num_tokens - num_cached_tokens
-            if plan is None:
+            num_tokens = seq.num_tokens - match.num_cached_tokens
+            if match.plan is None:
                 num_tokens = min(num_tokens, budget)
             elif num_prefilling and num_tokens > budget:
                 break  # a prompt that reuses segments is repaired in one forward, whole
-            if not kv.can_allocate(seq.kv, num_cached_tokens + num_tokens, hits, plan, last_block):
+            if not kv.can_admit(match, num_tokens):
                 break  # strict arrival order: nobody overtakes the head of the queue
             self.waiting.popleft()
-            kv.allocate(seq.kv, num_cached_tokens + num_tokens, hits, plan, loads, last_block)
-            seq.num_computed_tokens = num_cached_tokens
+            out.copy_jobs += kv.admit(seq.kv, match, num_tokens)
+            seq.num_computed_tokens = match.num_cached_tokens
             seq.num_scheduled_tokens = num_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            scheduled.append(seq)
+            out.seqs.append(seq)
             num_prefilling += 1
             budget -= num_tokens
-        return SchedulerOutput(scheduled)
+        return out
+
+    def update(self, out: SchedulerOutput, step: StepOutput) -> CopyJobs:
+        """After the forward of `out`: each sequence's computed tokens advance by what it computed, and the cache
+        publishes them (see KVCacheManager.update). Returns the copy jobs that publishing asks for."""
+        jobs = CopyJobs()
+        for seq in out.seqs:
+            seq.num_computed_tokens += seq.num_scheduled_tokens
+            seq.num_scheduled_tokens = 0
+            outcome = step.outcomes.get(seq.request_id)
+            jobs += self.kv_manager.update(seq.kv, seq.num_computed_tokens, exact=outcome is not None and outcome.exact,
+                                           prompt_logprobs=step.prompt_logprobs.get(seq.request_id))
+        return jobs
+
+    def fork(self, seq: Sequence, choice: Sequence) -> CopyJobs:
+        """Start `choice` (n > 1) from `seq`'s computed prompt: running beside it, sharing its full blocks with a copy
+        of its partial last block (it may exceed max_num_seqs for as long as it runs); without a block free for that
+        copy, first in the queue, to compute its prompt again (from the prefix cache, mostly)."""
+        if not self.kv_manager.can_fork(seq.kv, seq.num_computed_tokens):
+            self.waiting.appendleft(choice)
+            return CopyJobs()
+        jobs = self.kv_manager.fork(seq.kv, choice.kv, seq.num_computed_tokens)
+        choice.num_computed_tokens = seq.num_computed_tokens
+        choice.status = SequenceStatus.RUNNING
+        self.running.append(choice)
+        return jobs
 
     def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
         """Allocate room for `num_tokens` of a running sequence, preempting the youngest running

@@ -50,7 +50,6 @@ class Sequence:
     parent: Sequence | None = field(default=None, repr=False)  # choice 0, on the other choices
     logprobs: list[TokenLogprob] = field(default_factory=list)  # of the completion tokens, when asked for
     cumulative_logprob: float = 0.0   # their sum (best_of ranks choices by it)
-    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # position 0 has none
     grammar: object | None = None     # the compiled response_format (kvreuse.structured), shared by the choices
     matcher: TokenMask | None = None  # the grammar's state along this choice's tokens
 
@@ -78,6 +77,11 @@ class Sequence:
     @property
     def completion_token_ids(self) -> list[int]:
         return self.kv.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def prompt_logprobs(self) -> list[TokenLogprob | None]:
+        """Scoring the prompt: each position's record known so far (position 0 has none), as the cache keeps them."""
+        return self.kv.prompt_logprob_records
 
     @property
     def num_completion_tokens(self) -> int:

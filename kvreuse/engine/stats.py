@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import resource
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 
 from kvreuse.engine.sequence import Sequence
 from kvreuse.kvcache.accounting import ReuseRecord
@@ -40,28 +40,67 @@ class EngineStats:
         self.completion_tokens += seq.num_completion_tokens
         self.num_preemptions += seq.num_preemptions
 
-    def snapshot(self, kv: KVCacheManager, bytes_per_block: int) -> dict:
-        """Everything as one flat dict (for logs, `--json` summaries and metrics)."""
+    def snapshot(self, kv: KVCacheManager, bytes_per_block: int, **engine_state) -> EngineSnapshot:
+        """These counters with the pool's state now; `engine_state`: the rest of EngineSnapshot's fields."""
         pool = kv.pool
-        cached = pool.num_cached_blocks
-        in_use = pool.num_used_blocks
-        counters = asdict(self)
-        del counters["reuse"]
-        return {
-            **counters,
-            **self.reuse.as_dict(),
-            "hit_rate": round(self.reuse.hit_rate, 4),
-            "approximate_hit_rate": round(self.reuse.approximate_hit_rate, 4),
-            "prefill_work_tokens": self.reuse.prefill_work_tokens,
-            "blocks_total": pool.num_blocks,
-            "blocks_in_use": in_use,
-            "blocks_cached": cached,
-            "blocks_free": len(pool.free_block_ids),
-            "evictions": pool.num_evictions,
-            "eviction_policy": pool.evictable.name,
-            "kv_bytes_in_use": in_use * bytes_per_block,
-            "kv_bytes_cached": cached * bytes_per_block,
-            "peak_kv_bytes_in_use": self.peak_blocks_in_use * bytes_per_block,
-            "peak_kv_bytes_in_use_or_cached": self.peak_blocks_in_use_or_cached * bytes_per_block,
-            "peak_rss_bytes": peak_rss_bytes(),
-        }
+        counters = {f.name: getattr(self, f.name) for f in fields(self)}
+        return EngineSnapshot(**counters, blocks_total=pool.num_blocks, blocks_in_use=pool.num_used_blocks,
+                              blocks_cached=pool.num_cached_blocks, blocks_free=len(pool.free_block_ids),
+                              evictions=pool.num_evictions, eviction_policy=pool.evictable.name,
+                              bytes_per_block=bytes_per_block, peak_rss_bytes=peak_rss_bytes(), **engine_state)
+
+
+@dataclass(frozen=True)
+class DecodeGraphStatus:
+    """The compiled decode step (`engine.compile = decode`, decode_graph.py): its state and use so far."""
+    state: str                # compiling, ready or failed
+    num_steps: int            # steps run through the graph
+    compile_s: float | None   # how long compiling took, once done
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """The engine's state and accounting at one moment: what metrics, logs, `/cache/stats` and the benches read of
+    it. Plain values only, so that it pickles: a cluster replica sends its own to the ingress."""
+    num_requests: int                  # finished requests (the choices of one request count once)
+    reuse: ReuseRecord                 # how the prompts of the finished requests were obtained, summed
+    completion_tokens: int
+    prefill_tokens_run: int            # tokens run through prefill steps, recomputation after preemption included
+    num_preemptions: int
+    peak_blocks_in_use: int
+    peak_blocks_in_use_or_cached: int
+    blocks_total: int
+    blocks_in_use: int                 # held by requests
+    blocks_cached: int                 # held by no request, kept for reuse
+    blocks_free: int
+    evictions: int                     # cached blocks evicted so far
+    eviction_policy: str
+    bytes_per_block: int               # of K/V, all layers
+    peak_rss_bytes: int                # of this process
+    num_requests_running: int
+    num_requests_waiting: int
+    decode_graph: DecodeGraphStatus | None = None  # with `engine.compile = decode`
+    tiers: dict | None = None          # with lower tiers: their counters and the write queue's (TieredStore.snapshot)
+    events: dict | None = None         # with `[events] endpoint`: the publisher's counters (KVEventPublisher.snapshot)
+    replica: str | None = None         # the cluster replica whose engine this is; None: this process's own engine
+
+    @property
+    def kv_usage(self) -> float:
+        """The fraction of the pool's blocks held by requests."""
+        return self.blocks_in_use / self.blocks_total
+
+    @property
+    def kv_bytes_in_use(self) -> int:
+        return self.blocks_in_use * self.bytes_per_block
+
+    @property
+    def kv_bytes_cached(self) -> int:
+        return self.blocks_cached * self.bytes_per_block
+
+    @property
+    def peak_kv_bytes_in_use(self) -> int:
+        return self.peak_blocks_in_use * self.bytes_per_block
+
+    @property
+    def peak_kv_bytes_in_use_or_cached(self) -> int:
+        return self.peak_blocks_in_use_or_cached * self.bytes_per_block

@@ -26,3 +26,13 @@ def sha256_block_key(parent_key: bytes, token_ids: Sequence[int], extra: bytes) 
     digest.update(extra)
     return digest.digest()
 
+
+
+def extend_chain(keys: list[bytes], token_ids: Sequence[int], block_size: int, extra: bytes, num_blocks: int,
+                 hash_fn: BlockHashFn = sha256_block_key) -> list[bytes]:
+    """Extend `keys`, the chain keys of a prompt's first full blocks, in place to its first `num_blocks`; returns it.
+    The one definition of a chain: the pool, the tiers, KV events and the cluster's router all key blocks by it."""
+    while len(keys) < num_blocks:
+        i = len(keys)
+        keys.append(hash_fn(keys[-1] if keys else b"", token_ids[i * block_size:(i + 1) * block_size], extra))
+    return keys

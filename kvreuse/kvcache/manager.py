@@ -1,18 +1,19 @@
 """Maps requests to KV blocks: exact prefix and segment matching at admission, growing block tables, publishing
 fully computed blocks to the cache (and through it to the lower tiers), and freeing. It works on CacheRequest
-records and token counts only."""
+records and block ids only: the tensor work it decides comes back as CopyJobs for the engine to run."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from concurrent.futures import TimeoutError as FutureTimeout  # the builtin from 3.11, not on 3.10
 
 from kvreuse.config import CacheConfig
 from kvreuse.kvcache.block_pool import BlockPool
-from kvreuse.kvcache.hashing import BlockHashFn, extra_keys, sha256_block_key
+from kvreuse.kvcache.copy_jobs import CopyJobs
+from kvreuse.kvcache.hashing import BlockHashFn, extend_chain, sha256_block_key
+from kvreuse.kvcache.match import NO_MATCH, Match
 from kvreuse.kvcache.prompt_logprobs import PromptLogprobStore
-from kvreuse.kvcache.request import CacheRequest
+from kvreuse.kvcache.request import CacheRequest, ReuseScope, new_cache_request
 from kvreuse.kvcache.segment import SegmentIndex, SegmentPlan
 from kvreuse.kvcache.tiers.store import LoadedBlock, StoredBlock, TieredStore
 from kvreuse.kvcache.tokens import common_prefix_length
@@ -53,10 +54,11 @@ only registered blocks are written to the lower tiers."""
                    policy=cache.policy, min_match_blocks=cache.min_match_blocks, fingerprint=fingerprint,
                    enable_segments=segments, tiers=tiers)
 
-    def new_request(self, token_ids: list[int], cache_salt: str | None = None, use_cache: bool = True) -> CacheRequest:
-        """The cache's record of a new request (pure: safe from any thread). Requests with different salts
-        never share KV; `use_cache=False` neither reuses nor publishes."""
-        return CacheRequest(token_ids, extra_keys(self.fingerprint, self.block_size, cache_salt), use_cache)
+    def new_request(self, token_ids: list[int], cache_salt: str | None = None, use_cache: bool = True,
+                    prompt_logprobs: int | None = None) -> CacheRequest:
+        """The cache's record of a new request (`new_cache_request` for this manager's model and block size)."""
+        return new_cache_request(token_ids, self.fingerprint, self.block_size, cache_salt=cache_salt,
+                                 use_cache=use_cache, prompt_logprobs=prompt_logprobs)
 
     def caches(self, req: CacheRequest) -> bool:
         return self.enable_caching and req.use_cache
@@ -64,12 +66,25 @@ only registered blocks are written to the lower tiers."""
     # --- matching ------------------------------------------------------------------------------------
     def _key(self, req: CacheRequest, index: int) -> bytes:
         """Chain key of full block `index`, computing (and keeping) the keys before it."""
-        bs = self.block_size
-        while len(req.block_keys) <= index:
-            i = len(req.block_keys)
-            parent = req.block_keys[-1] if req.block_keys else b""
-            req.block_keys.append(self.hash_fn(parent, req.token_ids[i * bs:(i + 1) * bs], req.extra_key))
-        return req.block_keys[index]
+        return extend_chain(req.block_keys, req.token_ids, self.block_size, req.extra_key, index + 1,
+                            self.hash_fn)[index]
+
+    def match(self, req: CacheRequest) -> Match:
+        """What the cache holds of a waiting request's prompt, its last token excluded (its logits are needed): the
+        exact prefix from the pool, its continuation prefetched from the lower tiers, or for a block-aligned prompt
+        cached whole the pool's copy of its last block; then cached segments beyond that prefix."""
+        if not self.caches(req):
+            return NO_MATCH
+        hits = self.match_prefix(req)
+        if req.scope is ReuseScope.SCORED:
+            return Match(tuple(hits), num_cached_tokens=len(hits) * self.block_size)
+        last_block = self._match_last_block(req, hits)
+        if last_block is not None:
+            return Match(tuple(hits), last_block=last_block, num_cached_tokens=req.num_tokens - 1)
+        loads = self._match_loads(req, hits)
+        num_cached_blocks = len(hits) + len(loads)
+        return Match(tuple(hits), tuple(loads), plan=self._match_segments(req, num_cached_blocks),
+                     num_cached_tokens=num_cached_blocks * self.block_size)
 
     def match_prefix(self, req: CacheRequest) -> list[int]:
         """Block ids of the longest cached exact prefix of `req` (confirmed token by token), capped so the
@@ -77,19 +92,18 @@ only registered blocks are written to the lower tiers."""
         if not self.caches(req):
             return []
         hits = self._pool_run(req)
-        if req.prompt_logprobs is not None:
+        if req.scope is ReuseScope.SCORED:
             # Only blocks with stored prompt logprobs, and the last of those is computed again: its last row's logits
             # give the first position after it.
             hits = hits[:max(0, self._num_logprob_blocks(req, len(hits)) - 1)]
         return hits if len(hits) >= max(1, self.min_match_blocks) else []
 
-    def match_last_block(self, req: CacheRequest, hits: Sequence[int]) -> int | None:
+    def _match_last_block(self, req: CacheRequest, hits: Sequence[int]) -> int | None:
         """For a block-aligned prompt whose every block but the last is a hit (`hits`): the pool's copy of its last
         block, if it holds one, else None. Its last token must be computed again (its logits are needed); a copy of the
         block brings the other tokens' K/V, so the step computes one token instead of a block's worth."""
         bs, num_blocks = self.block_size, len(hits) + 1
-        if (req.prompt_logprobs is not None or req.num_tokens != num_blocks * bs or not self.caches(req)
-                or num_blocks < self.min_match_blocks):
+        if req.num_tokens != num_blocks * bs or num_blocks < self.min_match_blocks:
             return None
         parent_uid = self.pool.blocks[hits[-1]].uid if hits else None
         block = self.pool.lookup(self._key(req, len(hits)), req.token_ids[-bs:], parent_uid)
@@ -119,53 +133,25 @@ only registered blocks are written to the lower tiers."""
         """Full blocks before the last token, which is always computed (its logits are needed)."""
         return (req.num_tokens - 1) // self.block_size
 
-    # --- the lower tiers -----------------------------------------------------------------------------
-    def prefetch(self, req: CacheRequest) -> None:
-        """Start reading, in the background, the part of `req`'s prefix chain that the pool lacks from the lower
-        tiers; `match_loads` hands it over at admission. Nothing to do without tiers."""
-        if self.tiers is None or not self.caches(req) or req.prompt_logprobs is not None:
-            return  # (the tiers keep K/V only: a request scoring its prompt needs the logprobs too)
-        start = len(self._pool_run(req))
-        if start < max(1, self.min_match_blocks):
-            start = 0  # a pool run too short to be used at admission: the tiers' run must stand on its own
-        end = self._num_usable_blocks(req)
-        if start >= end:
-            return
-        bs = self.block_size
-        keys = [self._key(req, i) for i in range(end)]
-        token_blocks = [req.token_ids[i * bs:(i + 1) * bs] for i in range(start, end)]
-        req.tier_load = self.tiers.prefetch(keys[start:], token_blocks, start, keys[start - 1] if start else None)
-
-    def is_loading(self, req: CacheRequest) -> bool:
-        """Its prefetch is still reading: admitting it now would compute what is about to arrive."""
-        return req.tier_load is not None and not req.tier_load.done()
-
-    def wait_for_load(self, req: CacheRequest, timeout: float) -> None:
-        if self.is_loading(req):
-            try:
-                req.tier_load.result(timeout)
-            except FutureTimeout:  # still loading: the caller asks again
-                pass
-
-    def match_loads(self, req: CacheRequest, hits: Sequence[int]) -> list[LoadedBlock]:
+    def _match_loads(self, req: CacheRequest, hits: Sequence[int]) -> list[LoadedBlock]:
         """The prefetched blocks that continue `hits` (the pool's prefix hits at admission): empty if there are none,
         if the pool lost blocks before them since the prefetch, or if all together are fewer than
         `min_match_blocks`."""
-        if req.tier_load is None or not req.tier_load.done() or req.prompt_logprobs is not None:
+        if req.tier_load is None or not req.tier_load.done():
             return []
         load = req.tier_load.result()
         offset = len(hits) - load.start
         loads = load.blocks[offset:] if offset >= 0 else []
         return loads if len(hits) + len(loads) >= max(1, self.min_match_blocks) else []
 
-    def match_segments(self, req: CacheRequest, num_prefix_blocks: int) -> SegmentPlan | None:
+    def _match_segments(self, req: CacheRequest, num_prefix_blocks: int) -> SegmentPlan | None:
         """Cached runs inside the part of `req` that its exact prefix does not cover, leaving the last
         token to be computed; None if there are none or segment reuse is off. The plan's sources are held
         beside the request's own blocks until they are copied, so it is cut (tail first) to what fits in the
         whole pool with them: a plan that could never fit would keep its request out forever, and strict
         arrival order would keep out everyone behind it."""
-        if not (self.enable_segments and req.use_cache) or req.prompt_logprobs is not None:
-            return None  # scored prompts are exact
+        if not self.enable_segments:
+            return None
         runs = self.segments.find_runs(req.token_ids, num_prefix_blocks * self.block_size, req.num_tokens - 1,
                                        req.extra_key, self.min_match_blocks)
         if not runs:
@@ -174,23 +160,23 @@ only registered blocks are written to the lower tiers."""
         plan = SegmentPlan(runs)
         return plan if len(set(plan.source_block_ids)) <= room else plan.tail(room, self.min_match_blocks)
 
-    def gains_by_waiting(self, req: CacheRequest, num_cached_blocks: int, plan: SegmentPlan | None,
-                         publishing: Sequence[tuple[CacheRequest, int]]) -> bool:
-        """Whether `req`, admitted one step later with `num_cached_blocks` prefix blocks cached (in the pool or loaded
-        from a lower tier), would reuse at least `min_match_blocks` more blocks: blocks
+    def gains_by_waiting(self, req: CacheRequest, match: Match, publishing: Sequence[tuple[CacheRequest, int]]
+                         ) -> bool:
+        """Whether `req`, admitted one step later than with `match`, would reuse at least `min_match_blocks` more
+        blocks: blocks
         that the requests in `publishing` (each with its computed tokens once this step has run) compute
         exactly and publish in this step. (SGLang's in-batch prefix caching, extended to segments: of several
         equal prompts arriving together only the first is computed, and the rest reuse it.)"""
         if not self.caches(req) or not publishing:
             return False
         bs, need = self.block_size, max(1, self.min_match_blocks)
-        usable = self._num_usable_blocks(req)
+        usable, num_cached_blocks, scored = self._num_usable_blocks(req), match.num_cached_blocks, self._scored(req)
         published: set[tuple[int, ...]] = set()  # contents of the blocks this step publishes
         gained = 0
         for other, num_computed in publishing:
             if not self.caches(other) or other.extra_key != req.extra_key:
                 continue
-            if req.prompt_logprobs is not None and (other.prompt_logprobs or -1) < req.prompt_logprobs:
+            if scored and not (self._scored(other) and other.prompt_logprobs >= req.prompt_logprobs):
                 continue  # it publishes K/V without the prompt logprobs req needs
             end = other.num_publishable_tokens(num_computed) // bs
             if end <= len(other.block_uids):
@@ -199,11 +185,14 @@ only registered blocks are written to the lower tiers."""
             # Exact prefix: the blocks req shares from the start with one that publishes them (scoring a prompt, the
             # last of them would be computed again: see match_prefix).
             common = common_prefix_length(other.token_ids[:min(end, usable) * bs], req.token_ids)
-            recomputed = 1 if req.prompt_logprobs is not None else 0
-            gained = max(gained, common // bs - recomputed - num_cached_blocks)
-        if gained >= need or not self.enable_segments or not published:
+            gained = max(gained, common // bs - int(scored) - num_cached_blocks)
+        if gained >= need or scored or not self.enable_segments or not published:
             return gained >= need
-        return self._num_published_windows(req, num_cached_blocks, plan, published, need) >= need
+        return self._num_published_windows(req, num_cached_blocks, match.plan, published, need) >= need
+
+    @staticmethod
+    def _scored(req: CacheRequest) -> bool:
+        return req.scope is ReuseScope.SCORED
 
     def _num_published_windows(self, req: CacheRequest, num_hits: int, plan: SegmentPlan | None,
                                published: set[tuple[int, ...]], need: int) -> int:
@@ -221,97 +210,123 @@ only registered blocks are written to the lower tiers."""
                 t += 1
         return num_windows
 
-    # --- allocation ----------------------------------------------------------------------------------
-    def num_new_blocks(self, req: CacheRequest, num_tokens: int, num_hit_blocks: int = 0) -> int:
-        """Blocks to allocate so the table (after taking `num_hit_blocks` hits) covers `num_tokens` tokens."""
-        return max(0, -(-num_tokens // self.block_size) - max(len(req.block_table), num_hit_blocks))
+    # --- the lower tiers -----------------------------------------------------------------------------
+    def prefetch(self, req: CacheRequest) -> None:
+        """Start reading, in the background, the part of `req`'s prefix chain that the pool lacks from the lower
+        tiers; `match` hands it over at admission. Nothing to do without tiers."""
+        if self.tiers is None or not self.caches(req) or req.scope is not ReuseScope.ANY:
+            return  # (the tiers keep K/V only: a request scoring its prompt needs the logprobs too)
+        start = len(self._pool_run(req))
+        if start < max(1, self.min_match_blocks):
+            start = 0  # a pool run too short to be used at admission: the tiers' run must stand on its own
+        end = self._num_usable_blocks(req)
+        if start >= end:
+            return
+        bs = self.block_size
+        keys = extend_chain(req.block_keys, req.token_ids, bs, req.extra_key, end, self.hash_fn)[:end]
+        token_blocks = [req.token_ids[i * bs:(i + 1) * bs] for i in range(start, end)]
+        req.tier_load = self.tiers.prefetch(keys[start:], token_blocks, start, keys[start - 1] if start else None)
 
-    def can_allocate(self, req: CacheRequest, num_tokens: int, hits: Sequence[int] = (),
-                     plan: SegmentPlan | None = None, last_block: int | None = None) -> bool:
+    def is_loading(self, req: CacheRequest) -> bool:
+        """Its prefetch is still reading: admitting it now would compute what is about to arrive."""
+        return req.tier_load is not None and not req.tier_load.done()
+
+    def wait_for_load(self, req: CacheRequest, timeout: float) -> None:
+        if self.is_loading(req):
+            try:
+                req.tier_load.result(timeout)
+            except FutureTimeout:  # still loading: the caller asks again
+                pass
+
+    # --- admission and growth ------------------------------------------------------------------------
+    def num_new_blocks(self, req: CacheRequest, num_tokens: int) -> int:
+        """Blocks to allocate so that `req`'s table covers `num_tokens` tokens."""
+        return max(0, -(-num_tokens // self.block_size) - len(req.block_table))
+
+    def can_admit(self, match: Match, num_new_tokens: int) -> bool:
+        """The pool has room for a waiting request that takes `match` and computes `num_new_tokens` beyond it."""
         # Hits and copy sources that sit unreferenced in the cache stop being available once held.
-        held = set(hits) | set(plan.source_block_ids if plan else ()) | ({last_block} - {None})
-        num_held = sum(self.pool.blocks[b].ref_cnt == 0 for b in held)
-        return self.pool.can_allocate(self.num_new_blocks(req, num_tokens, len(hits)) + num_held)
+        num_held = sum(self.pool.blocks[b].ref_cnt == 0 for b in match.held_block_ids)
+        num_blocks = -(-(match.num_cached_tokens + num_new_tokens) // self.block_size) - len(match.hits)
+        return self.pool.can_allocate(num_blocks + num_held)
 
-    def allocate(self, req: CacheRequest, num_tokens: int, hits: Sequence[int] = (),
-                 plan: SegmentPlan | None = None, loads: Sequence[LoadedBlock] = (), last_block: int | None = None
-                 ) -> None:
-        """Grow the table to cover `num_tokens` tokens. At admission a request first takes its prefix hits, then
-        puts the blocks loaded from lower tiers into its first new blocks and publishes them (`num_cached_tokens`
-        says how many tokens both hold), and holds its segment sources, or its last block's cached copy
-        (`match_last_block`), until they are copied."""
-        if not req.block_table:  # admission
-            self.pool.hold(hits)
-            req.block_table = list(hits)
-            req.block_uids = [self.pool.blocks[b].uid for b in hits]
-            req.num_cached_tokens = (len(hits) + len(loads)) * self.block_size
-            if last_block is not None:
-                self.pool.hold([last_block])
-                req.num_cached_tokens = req.num_tokens - 1
-            if req.prompt_logprobs is not None and hits:  # before allocating below can evict the block after them
-                self._take_logprob_records(req, len(hits) + 1)
-        assert not (hits or loads) or len(req.block_table) == len(hits), "hits and loads only apply at admission"
+    def admit(self, req: CacheRequest, match: Match, num_new_tokens: int) -> CopyJobs:
+        """Give a waiting request the blocks of `match` and new ones for `num_new_tokens` beyond it: it holds its
+        hits, takes the loaded blocks into its first new blocks and publishes them, and holds its segment sources,
+        or its last block's cached copy, until the step after this one has copied them."""
+        assert not req.block_table, "admission is for a request that holds no blocks"
+        self.pool.hold(match.hits)
+        req.block_table = list(match.hits)
+        req.block_uids = [self.pool.blocks[b].uid for b in match.hits]
+        req.num_cached_tokens = match.num_cached_tokens
+        plan = match.plan
+        req.num_reused_tokens = plan.num_tokens if plan else 0
+        req.num_shifted_tokens = plan.num_shifted_tokens if plan else 0
+        if req.scope is ReuseScope.SCORED and match.hits:  # before allocating below can evict the block after them
+            self._key(req, len(match.hits))
+            self.prompt_logprobs.take(req, len(match.hits) + 1)
         if plan is not None:
             self.pool.hold(plan.source_block_ids)
             req.segment_plan = plan
             req.num_exact_tokens = plan.runs[0].start
-        req.block_table.extend(self.pool.allocate(self.num_new_blocks(req, num_tokens)))
-        if last_block is not None:
-            req.last_block_copy = (last_block, req.block_table[len(hits)])
-        if loads:
-            self._fill(req, len(hits), loads)
+        if match.last_block is not None:
+            self.pool.hold([match.last_block])
+            req.last_block_source = match.last_block
+        req.block_table.extend(self.pool.allocate(self.num_new_blocks(req, match.num_cached_tokens + num_new_tokens)))
+        jobs = CopyJobs()
+        if match.last_block is not None:
+            jobs.copies.append((match.last_block, req.block_table[len(match.hits)]))
+        if match.loads:
+            self._fill(req, len(match.hits), match.loads, jobs)
         req.tier_load = None
+        return jobs
 
-    def _take_logprob_records(self, req: CacheRequest, num_blocks: int) -> None:
-        entries = [self.prompt_logprobs.get(self._key(req, i), req.prompt_logprobs) for i in range(num_blocks)]
-        assert all(entries), "a matched block lost its prompt logprobs"
-        req.cached_logprob_records = [r for entry in entries for r in entry.records]
-        req.num_logprob_blocks_stored = num_blocks
-        self.prompt_logprobs.num_hits += num_blocks
+    def can_allocate(self, req: CacheRequest, num_tokens: int) -> bool:
+        """A running request's table can grow to cover `num_tokens` tokens."""
+        return self.pool.can_allocate(self.num_new_blocks(req, num_tokens))
 
-    def store_prompt_logprobs(self, req: CacheRequest, records: Sequence) -> None:
-        """Keep the prompt logprob `records` (one per prompt position computed so far) of `req`'s published blocks
-        whose every position is known, under their chain keys."""
-        if not self.caches(req) or req.prompt_logprobs is None:
-            return
+    def allocate(self, req: CacheRequest, num_tokens: int) -> None:
+        req.block_table.extend(self.pool.allocate(self.num_new_blocks(req, num_tokens)))
+
+    def _fill(self, req: CacheRequest, first: int, loads: Sequence[LoadedBlock], jobs: CopyJobs) -> None:
+        """Put loaded K/V into the request's blocks `first`, ... (a job) and publish them. A block from a farther tier
+        is also written to the nearer ones (a Redis hit lands on the local disk)."""
         bs = self.block_size
-        for i in range(req.num_logprob_blocks_stored, min(len(records) // bs, len(req.block_uids))):
-            if req.block_uids[i] is None:
-                return  # the chain broke: nothing after it is published
-            if self.prompt_logprobs.can_put(req.block_keys[i], req.prompt_logprobs):
-                self.prompt_logprobs.put(req.block_keys[i], req.prompt_logprobs, records[i * bs:(i + 1) * bs])
-            req.num_logprob_blocks_stored = i + 1
-
-    def _fill(self, req: CacheRequest, first: int, loads: Sequence[LoadedBlock]) -> None:
-        """Copy loaded K/V into the request's blocks `first`, ... and publish them. A block from a farther tier is
-        also written to the nearer ones (a Redis hit lands on the local disk)."""
-        began = time.perf_counter()
-        bs = self.block_size
-        self.tiers.io.write(req.block_table[first:first + len(loads)], [b.payload for b in loads])
+        jobs.writes += zip(req.block_table[first:first + len(loads)], [b.payload for b in loads], strict=True)
         req.num_loaded_tokens = {}
         for block in loads:
             req.num_loaded_tokens[block.tier] = req.num_loaded_tokens.get(block.tier, 0) + bs
         names = self.tiers.tier_names
-        nearer = names[:max(names.index(b.tier) for b in loads)]
-        self._publish(req, (first + len(loads)) * bs, nearer)
-        req.load_seconds = req.tier_load.result().seconds + time.perf_counter() - began
+        self._publish(req, (first + len(loads)) * bs, names[:max(names.index(b.tier) for b in loads)], jobs)
+        req.load_seconds = req.tier_load.result().seconds
 
-    def release_sources(self, req: CacheRequest) -> None:
-        """The plan's K/V (or the last block's) have been copied into the request's own blocks: let the sources go."""
+    # --- after a forward ----------------------------------------------------------------------------
+    def update(self, req: CacheRequest, num_computed_tokens: int, *, exact: bool = False,
+               prompt_logprobs: tuple[int, Sequence] | None = None) -> CopyJobs:
+        """A forward has computed `req` up to `num_computed_tokens`: let its copy sources go (their K/V are in its own
+        blocks now), mark its K/V exact if the repair recomputed every reused token (`exact`), publish the full blocks
+        that hold exact K/V (returning the lower tiers' writes as jobs), and merge the prompt logprob records the
+        step computed (`prompt_logprobs`: the first position, then one record per position) and store those of its
+        published blocks."""
+        self._release_sources(req)
+        if exact:
+            req.num_exact_tokens = None
+        jobs = CopyJobs()
+        if self.caches(req):
+            self._publish(req, num_computed_tokens, self.tiers.tier_names if self.tiers else [], jobs)
+        if req.prompt_logprobs is not None:
+            self.prompt_logprobs.add(req, *(prompt_logprobs or (0, ())), publishes=self.caches(req))
+        return jobs
+
+    def _release_sources(self, req: CacheRequest) -> None:
         if req.segment_plan is not None:
             self.pool.free(req.segment_plan.source_block_ids)
             req.segment_plan = None
-        if req.last_block_copy is not None:
-            self.pool.free([req.last_block_copy[0]])
-            req.last_block_copy = None
+        if req.last_block_source is not None:
+            self.pool.free([req.last_block_source])
+            req.last_block_source = None
 
-    def cache_computed_blocks(self, req: CacheRequest, num_computed_tokens: int) -> None:
-        """Register the full blocks among the first `num_computed_tokens` that hold exact K/V, so later
-        requests can reuse them, and queue them for the lower tiers."""
-        if self.caches(req):
-            self._publish(req, num_computed_tokens, self.tiers.tier_names if self.tiers else [])
-
-    def _publish(self, req: CacheRequest, num_computed_tokens: int, tiers: Sequence[str]) -> None:
+    def _publish(self, req: CacheRequest, num_computed_tokens: int, tiers: Sequence[str], jobs: CopyJobs) -> None:
         """Register the exact full blocks not yet registered, and queue those that got a new identity (not a twin's)
         for `tiers`."""
         bs = self.block_size
@@ -334,18 +349,17 @@ only registered blocks are written to the lower tiers."""
                     stored.append(StoredBlock(key, req.block_keys[i - 1] if i else None, tuple(token_ids)))
                     stored_ids.append(block_id)
             req.block_uids.append(uid)
-        if stored and tiers:
-            self.tiers.store(stored, stored_ids, tiers)
+        jobs.store(stored, stored_ids, tiers)
 
     # --- n > 1: choices forked from one prompt ---------------------------------------------------------
     def can_fork(self, req: CacheRequest, num_computed_tokens: int) -> bool:
         """A block is free for the copy of `req`'s partial last block, if it has one."""
         return self.pool.can_allocate(int(num_computed_tokens % self.block_size > 0))
 
-    def fork(self, parent: CacheRequest, child: CacheRequest, num_computed_tokens: int) -> list[tuple[int, int]]:
+    def fork(self, parent: CacheRequest, child: CacheRequest, num_computed_tokens: int) -> CopyJobs:
         """Give `child` (a request with the parent's tokens and no blocks) the parent's K/V for its first
         `num_computed_tokens`: the full blocks shared (one more reference each), the partial last block copied on
-        write. Returns the (source, destination) blocks whose K/V the caller must copy."""
+        write (a job)."""
         assert not child.block_table and child.token_ids[:num_computed_tokens] == parent.token_ids[:num_computed_tokens]
         num_full = num_computed_tokens // self.block_size
         shared = parent.block_table[:num_full]
@@ -354,14 +368,14 @@ only registered blocks are written to the lower tiers."""
         child.block_keys = parent.block_keys[:num_full]
         child.block_uids = parent.block_uids[:num_full]
         child.num_exact_tokens = parent.num_exact_tokens
-        if num_computed_tokens % self.block_size == 0:
-            return []
-        copy = self.pool.allocate(1)[0]
-        child.block_table.append(copy)
-        return [(parent.block_table[num_full], copy)]
+        jobs = CopyJobs()
+        if num_computed_tokens % self.block_size:
+            child.block_table += self.pool.allocate(1)
+            jobs.copies.append((parent.block_table[num_full], child.block_table[-1]))
+        return jobs
 
     def free(self, req: CacheRequest) -> None:
-        self.release_sources(req)
+        self._release_sources(req)
         req.tier_load = None
         self.pool.free(req.block_table)
         req.block_table = []
@@ -380,7 +394,7 @@ only registered blocks are written to the lower tiers."""
         held: dict[int, int] = {}
         for req in holders:
             sources = req.segment_plan.source_block_ids if req.segment_plan else []
-            sources = sources + ([req.last_block_copy[0]] if req.last_block_copy else [])
+            sources = sources + ([req.last_block_source] if req.last_block_source is not None else [])
             assert len(req.block_uids) <= len(req.block_table), "more published blocks than blocks"
             for block_id in req.block_table + sources:
                 held[block_id] = held.get(block_id, 0) + 1

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from kvreuse.kvcache.block import KVCacheBlock
 from kvreuse.kvcache.block_pool import BlockPool
+from kvreuse.kvcache.request import CacheRequest
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,33 @@ class PromptLogprobStore:
     def put(self, key: bytes, num_top: int, records: Sequence) -> None:
         assert self.can_put(key, num_top) and len(records) == self.block_size, "a stale or partial entry"
         self.entries[key] = LogprobEntry(num_top, tuple(records))
+
+    def take(self, req: CacheRequest, num_blocks: int) -> None:
+        """At admission: the stored records of `req`'s first `num_blocks` blocks (their keys computed), after those
+        it already knows."""
+        entries = [self.get(key, req.prompt_logprobs) for key in req.block_keys[:num_blocks]]
+        assert len(entries) == num_blocks and all(entries), "a matched block lost its prompt logprobs"
+        known = req.prompt_logprob_records
+        known.extend([r for entry in entries for r in entry.records][len(known):])
+        req.num_logprob_blocks_stored = num_blocks
+        self.num_hits += num_blocks
+
+    def add(self, req: CacheRequest, first: int, records: Sequence, publishes: bool) -> None:
+        """After a step: merge the records it computed (from position `first` on) after those `req` knows, keeping the
+        known ones (a recomputation after preemption gives them again); if `publishes`, store those of its published
+        blocks whose every position is known."""
+        known = req.prompt_logprob_records
+        if records and not known:
+            known.append(None)  # position 0: nothing before it
+        assert first <= len(known) or not records, f"prompt logprobs from {first}, {len(known)} known"
+        known.extend(records[len(known) - first:])
+        bs = self.block_size
+        for i in range(req.num_logprob_blocks_stored, min(len(known) // bs, len(req.block_uids)) if publishes else 0):
+            if req.block_uids[i] is None:
+                return  # the chain broke: nothing after it is published
+            if self.can_put(req.block_keys[i], req.prompt_logprobs):
+                self.put(req.block_keys[i], req.prompt_logprobs, known[i * bs:(i + 1) * bs])
+            req.num_logprob_blocks_stored = i + 1
 
     def _evicted(self, block: KVCacheBlock) -> None:
         self.entries.pop(block.block_key, None)

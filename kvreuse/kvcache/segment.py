@@ -3,7 +3,7 @@
 Every exactly computed, published block is indexed by its content (token ids + extra keys, no
 position). A new prompt's uncovered part is scanned with a rolling hash over every block_size-token
 window, at every token offset (a document moved by a number of tokens that is not a multiple of
-block_size lands on another block grid), from the tail backwards as the seed describes; hits are
+block_size lands on another block grid), from the tail backwards as the article describes; hits are
 confirmed token by token and extended backwards to maximal runs of consecutive cached blocks.
 
 Reused K/V is approximate beyond layer 0 (the cached block attended to other text); engine/repair.py repairs it.

@@ -1,7 +1,7 @@
-"""The cache's own simulator: prompts admitted one after another through a KVCacheManager, exactly as the
-engine's scheduler admits them (the same matching, allocation, publishing and eviction code), with no model run.
-So its hit rates are what the engine would measure for those prompts in that order, generated tokens aside
-(they are never cached here). `kvreuse analyze` and the bench's block-size sweep use it."""
+"""The cache's own simulator: prompts admitted one after another through a KVCacheManager's own admission pair and
+post-forward update (`match`, `can_admit` / `admit`, `update`, `free`: the calls the engine's scheduler makes), with
+no model run. So its hit rates are what the engine would measure for those prompts in that order, generated tokens
+aside (they are never cached here). `kvreuse analyze` and the bench's block-size sweep use it."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from kvreuse.config import CacheConfig
 from kvreuse.kvcache.accounting import ReuseRecord
 from kvreuse.kvcache.manager import KVCacheManager
+from kvreuse.kvcache.match import NO_MATCH
 
 
 def simulate(token_lists: Iterable[list[int]], cache: CacheConfig, fingerprint: str, num_blocks: int, *,
@@ -22,18 +23,14 @@ def simulate(token_lists: Iterable[list[int]], cache: CacheConfig, fingerprint: 
     total = ReuseRecord()
     for token_ids in token_lists:
         req = manager.new_request(list(token_ids))
-        hits = manager.match_prefix(req)
-        plan = manager.match_segments(req, len(hits))
-        last_block = manager.match_last_block(req, hits)
-        if not manager.can_allocate(req, req.num_tokens, hits, plan, last_block):
+        match = manager.match(req)
+        if not manager.can_admit(match, req.num_tokens - match.num_cached_tokens):
             manager.pool.reset_cache()
-            hits, plan, last_block = [], None, None
-            if not manager.can_allocate(req, req.num_tokens):
+            match = NO_MATCH
+            if not manager.can_admit(match, req.num_tokens):
                 continue
-        manager.allocate(req, req.num_tokens, hits, plan, last_block=last_block)
-        total += ReuseRecord.planned(req.num_tokens, req.num_cached_tokens, plan.num_tokens if plan else 0,
-                                     plan.num_shifted_tokens if plan else 0)
-        manager.release_sources(req)
-        manager.cache_computed_blocks(req, req.num_tokens)
+        manager.admit(req, match, req.num_tokens - match.num_cached_tokens)
+        total += ReuseRecord.admitted(req.num_tokens, req)
+        manager.update(req, req.num_tokens)
         manager.free(req)
     return total

@@ -1,4 +1,5 @@
-"""The requests in flight, as the event loop sees them: one tenant's share of the queue, and the drain's cut.
+"""The requests in flight, as the event loop sees them: what is admitted to the engine's queue (one tenant's share,
+the server's bound: 429 beyond), and the drain's cut.
 
 A request is added once it is handed to the engine and released once its answer is over, however it ends:
 finished, aborted by its client, failed by the engine, or cut at the drain deadline. The counts are the sizes
@@ -8,8 +9,17 @@ of the sets of live admissions, so releasing twice cannot count twice, and a cou
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvreuse.server.deltas import Cut
+from kvreuse.server.engine_client import EngineDeadError
+from kvreuse.server.errors import APIError
+
+if TYPE_CHECKING:
+    from kvreuse.engine.sequence import Sequence
+    from kvreuse.server.state import ServerState
 
 
 @dataclass(eq=False)  # compared by identity: each request is its own admission
@@ -44,6 +54,14 @@ class Admissions:
             if not live:
                 del self._by_tenant[admission.tenant]
 
+    def release_all(self, admissions: Iterable[Admission], abort: Callable[[str], None] | None = None) -> None:
+        """The answers of `admissions` are over, however they ended: each gives its place back and, with `abort`,
+        its request stops in the engine (`abort(request_id)`; nothing for a request that already ended)."""
+        for admission in admissions:
+            self.release(admission)
+            if abort is not None:
+                abort(admission.request_id)
+
     def cut_all(self, abort: Callable[[str], None]) -> int:
         """The drain deadline: admit nothing more, abort every live request in the engine (`abort(request_id)`)
         and wake its consumer, which answers "shutting down". Returns how many were cut."""
@@ -52,7 +70,56 @@ class Admissions:
         for admission in live:
             admission.cut = True
             abort(admission.request_id)
-            # None ends a request's deltas, so its consumer stops waiting at once, even when the engine is
+            # A Cut ends a request's deltas, so its consumer stops waiting at once, even when the engine is
             # in a long step or dead; the abort's own final delta comes later and is never read.
-            admission.deltas.put_nowait(None)
+            admission.deltas.put_nowait(Cut())
         return len(live)
+
+
+def admit_all(state: ServerState, seqs: list[Sequence], tenant: str | None) -> list[Admission]:
+    """`admit` each sequence of one request, or none of them: a refusal gives back those already admitted."""
+    admissions: list[Admission] = []
+    try:
+        for seq in seqs:
+            admissions.append(admit(state, seq, tenant))
+    except APIError:
+        state.admissions.release_all(admissions, state.engine.abort)
+        raise
+    return admissions
+
+
+def admit(state: ServerState, seq: Sequence, tenant: str | None = None) -> Admission:
+    """Hand `seq` to the engine as `tenant`'s (None without API keys). 429 beyond `server.max_queue_per_tenant`
+    requests of the tenant or `server.max_queue` in all; 503 if the engine died or the drain deadline passed."""
+    check_queue(state, tenant)
+    try:
+        deltas = state.engine.submit(seq)
+    except EngineDeadError as exc:
+        raise APIError(503, str(exc), "service_unavailable") from exc
+    return state.admissions.add(seq.request_id, tenant, deltas)
+
+
+def check_queue(state: ServerState, tenant: str | None) -> None:
+    """Raise the APIError that refuses one more request of `tenant` now, if any."""
+    if state.admissions.closed:
+        raise shutting_down(state)
+    config = state.config.server
+    held = state.admissions.in_flight(tenant)
+    # Without API keys every request belongs to no tenant, and only server.max_queue applies.
+    if tenant is not None and held >= config.max_queue_per_tenant:
+        raise busy(f"tenant {tenant!r} has {held} requests in flight "
+                   f"(server.max_queue_per_tenant = {config.max_queue_per_tenant})")
+    in_flight = state.engine.num_in_flight
+    if in_flight >= config.max_queue:
+        raise busy(f"server busy: {in_flight} requests in flight (server.max_queue = {config.max_queue})")
+
+
+def busy(reason: str) -> APIError:
+    return APIError(429, f"{reason}; retry later", "rate_limit_error", headers={"Retry-After": "1"})
+
+
+def shutting_down(state: ServerState) -> APIError:
+    """The answer of a request cut at the drain deadline, and of one arriving after it."""
+    timeout = state.config.server.drain_timeout_s
+    return APIError(503, f"the server is shutting down: server.drain_timeout_s ({timeout} s) passed before this "
+                         f"request finished", "service_unavailable")

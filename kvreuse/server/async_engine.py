@@ -1,8 +1,9 @@
 """The engine on a background thread, for the asyncio server.
 
 One thread owns the LLMEngine and calls `step()` in a loop. The server never touches engine state: it prepares a
-request on its worker threads (`LLMEngine.make_sequence` is pure), hands the sequence over through a command queue,
-and receives text deltas (the last one with the output, or an error) on a per-request asyncio.Queue.
+request on its worker threads (`FrontEnd.make_sequence` is pure), hands the sequence over through a command queue,
+and receives text deltas (the last one with the output, or an error) on a per-request asyncio.Queue. It is the
+server's EngineClient (engine_client.py) for an engine in this process.
 """
 
 from __future__ import annotations
@@ -17,37 +18,18 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from kvreuse.engine.engine import LLMEngine
+from kvreuse.engine.front_end import FrontEnd
 from kvreuse.engine.output import RequestOutput
 from kvreuse.engine.sequence import Sequence
-from kvreuse.layers.sampler import TokenLogprob
+from kvreuse.engine.stats import EngineSnapshot
+from kvreuse.kvcache.tiers.store import TieredStore
+from kvreuse.server.deltas import Delta, EngineDied
+from kvreuse.server.engine_client import EngineDeadError
 
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.5
 T = TypeVar("T")
-
-
-@dataclass
-class Delta:
-    """New text of one choice of a request since its last delta (choice `index`; a request has one unless n > 1), with
-    the logprobs of its new tokens when asked for. `output` is set on the request's last delta (all choices done;
-    `output.all_choices` has each one's). On the last one, `error` says why the request failed (a step computing it
-    raised; finish_reason "error"), else None. A `None` in place of a Delta means the engine loop itself died."""
-    text: str
-    output: RequestOutput | None = None
-    gauges: dict | None = None  # from a cluster replica, on the last delta: its engine's stats_snapshot()
-    index: int = 0
-    logprobs: list[TokenLogprob] | None = None
-    finish_reason: str | None = None  # set when choice `index` is done
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # the prompt's (echo), on the request's first delta
-
-    @property
-    def finished(self) -> bool:
-        return self.output is not None
-
-    @property
-    def error(self) -> str | None:
-        return self.output.error if self.output is not None else None
 
 
 @dataclass
@@ -59,11 +41,9 @@ class _Stream:
     sent_prompt_logprobs: bool = False
 
 
-class EngineDeadError(RuntimeError):
-    pass
-
-
 class AsyncEngine:
+    """An LLMEngine on a thread of its own: the server's EngineClient for an engine in this process."""
+
     def __init__(self, engine: LLMEngine, on_step: Callable[[LLMEngine], None] | None = None,
                  on_finish: Callable[[RequestOutput], None] | None = None):
         self.engine = engine
@@ -84,6 +64,14 @@ class AsyncEngine:
         self._thread.start()
 
     @property
+    def front_end(self) -> FrontEnd:
+        return self.engine.front_end
+
+    @property
+    def tiers(self) -> TieredStore | None:
+        return self.engine.tiers
+
+    @property
     def num_in_flight(self) -> int:
         """Submitted and not yet finished (for backpressure)."""
         return self._num_submitted - self._num_finished
@@ -93,7 +81,7 @@ class AsyncEngine:
         return self._thread.is_alive() and self.error is None
 
     def submit(self, seq: Sequence) -> asyncio.Queue:
-        """Queue a sequence made by `engine.make_sequence`; its deltas arrive on the returned queue."""
+        """Queue a sequence made by `front_end.make_sequence`; its deltas arrive on the returned queue."""
         if not self.is_alive:
             raise EngineDeadError(f"the engine loop is not running: {self.error!r}")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
@@ -117,18 +105,20 @@ class AsyncEngine:
             dropped.update(await asyncio.to_thread(self.engine.tiers.clear))
         return dropped
 
-    async def snapshots(self) -> dict[str, dict]:
-        """The engine's snapshot, under the name "" (a cluster's ingress names one per replica)."""
-        return {"": await self.call(LLMEngine.stats_snapshot)}
+    async def snapshots(self) -> list[EngineSnapshot]:
+        """The engine's snapshot, taken between two steps."""
+        return [await self.call(LLMEngine.stats_snapshot)]
 
     def abort(self, request_id: str) -> None:
         """Stop a request (client gone); its blocks are freed on the engine thread."""
         self._commands.put(("abort", request_id, None))
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread, then close the engine: what is queued for the lower tiers is written."""
         self._stopping = True
         self._commands.put(("stop", None, None))
         self._thread.join(timeout)
+        self.engine.close()
 
     # --- engine thread -------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -142,7 +132,7 @@ class AsyncEngine:
             self.error = exc
             logger.exception("engine loop died")
             for request_id in list(self._streams):
-                self._finish_stream(request_id, None)
+                self._finish_stream(request_id, EngineDied(repr(exc)))
 
     def _drain_commands(self, block: bool) -> None:
         try:
@@ -199,15 +189,15 @@ class AsyncEngine:
         for group_id, request in finished.items():
             self._finish_stream(group_id, self.engine.output(request))
 
-    def _finish_stream(self, request_id: str, output: RequestOutput | None) -> None:
+    def _finish_stream(self, request_id: str, end: RequestOutput | EngineDied) -> None:
         stream = self._streams.pop(request_id, None)
         if stream is None:
             return
         self._num_finished += 1
-        final = Delta("", output) if output else None  # None tells the consumer the engine died
+        final = Delta("", end) if isinstance(end, RequestOutput) else end
         stream.loop.call_soon_threadsafe(stream.queue.put_nowait, final)
-        if output is not None:  # after the reply is on its way
-            self._notify(self.on_finish, output)
+        if isinstance(end, RequestOutput):  # after the reply is on its way
+            self._notify(self.on_finish, end)
 
     def _notify(self, callback: Callable | None, arg: object) -> None:
         """Run an observer (metrics). Its failure is logged and counted, never the engine loop's end: serving

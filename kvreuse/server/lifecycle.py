@@ -13,9 +13,9 @@ import uvicorn
 from kvreuse.config import Config
 from kvreuse.engine.engine import LLMEngine
 from kvreuse.engine.front_end import FrontEnd
-from kvreuse.sampling_params import SamplingParams
 from kvreuse.server.app import create_app
 from kvreuse.server.auth import load_api_keys
+from kvreuse.warm import warm_up
 
 logger = logging.getLogger(__name__)
 
@@ -31,9 +31,9 @@ def serve(config: Config, *, served_model_name: str | None = None, log_level: st
     api_keys = load_api_keys(config.server.api_keys_file) if config.server.api_keys_file else None
     engine = LLMEngine(config)
     warm_up(engine)
-    model_name = served_model_name or model_name_of(engine.model_path)
+    model_name = served_model_name or model_name_of(engine.front_end.model_path)
     app = create_app(engine, model_name, api_keys)
-    return run_http(app, config, describe(config, engine, model_name, api_keys), log_level)
+    return run_http(app, config, describe(config, engine.front_end, model_name, api_keys), log_level)
 
 
 def describe(config: Config, front: FrontEnd, model_name: str, api_keys: dict | None, cluster: str = "") -> str:
@@ -59,13 +59,6 @@ def run_http(app, config: Config, description: str, log_level: str = "warning") 
         signal.signal(sig, lambda *_: None)
     server.run()
     return 0
-
-
-def warm_up(engine: LLMEngine) -> None:
-    """One tiny request through the engine, so the first client's does not pay for lazy initialization."""
-    engine.add_request("warm up", SamplingParams(max_tokens=2), use_cache=False)
-    while engine.has_unfinished():
-        engine.step()
 
 
 def model_name_of(weights: Path) -> str:
@@ -106,5 +99,5 @@ class DrainingServer(uvicorn.Server):
     async def _cut_at_deadline(self) -> None:
         await asyncio.sleep(self.drain_timeout_s)
         state = self.config.app.state.kvreuse
-        cut = state.admissions.cut_all(state.async_engine.abort)
+        cut = state.admissions.cut_all(state.engine.abort)
         logger.warning("drain timeout (server.drain_timeout_s = %s s): %d requests cut", self.drain_timeout_s, cut)

@@ -5,20 +5,19 @@ Each app gets its own registry: no global state, several engines can live in one
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvreuse.engine.engine import LLMEngine
 from kvreuse.engine.output import RequestOutput
-from kvreuse.engine.stats import peak_rss_bytes
+from kvreuse.engine.stats import EngineSnapshot, peak_rss_bytes
 from kvreuse.kvcache.accounting import ReuseRecord
 from kvreuse.kvcache.tiers.entry import REASONS
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
 LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 LOAD_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
-# Snapshot values a cluster's gauges sum over its replicas.
-SUMMED = ("blocks_in_use", "blocks_total", "num_requests_running", "num_requests_waiting", "blocks_cached",
-          "evictions")
 # Counters of the lower tiers (TieredStore.snapshot, per tier): metric name -> (snapshot key, help).
 TIER_COUNTERS = {
     "kvreuse:tier_hit_blocks": ("hit_blocks", "Blocks loaded from a lower tier and checked"),
@@ -28,6 +27,32 @@ TIER_COUNTERS = {
     "kvreuse:tier_evictions": ("evictions", "Entries a lower tier dropped to stay within its limit"),
     "kvreuse:tier_errors": ("errors", "Lower-tier operations that failed (I/O, connection, timeout): misses"),
 }
+
+
+@dataclass(frozen=True)
+class GaugeValues:
+    """What the engine gauges show: one engine's snapshot, or a cluster's replicas' together."""
+    blocks_in_use: int
+    blocks_total: int
+    num_requests_running: int
+    num_requests_waiting: int
+    blocks_cached: int
+    evictions: int
+    eviction_policy: str
+    peak_kv_bytes_in_use: int
+
+    @classmethod
+    def of(cls, s: EngineSnapshot) -> GaugeValues:
+        return cls(s.blocks_in_use, s.blocks_total, s.num_requests_running, s.num_requests_waiting, s.blocks_cached,
+                   s.evictions, s.eviction_policy, s.peak_kv_bytes_in_use)
+
+    @classmethod
+    def summed(cls, snapshots: list[EngineSnapshot], eviction_policy: str) -> GaugeValues:
+        """The replicas' sums, and the highest of their peaks."""
+        return cls(sum(s.blocks_in_use for s in snapshots), sum(s.blocks_total for s in snapshots),
+                   sum(s.num_requests_running for s in snapshots), sum(s.num_requests_waiting for s in snapshots),
+                   sum(s.blocks_cached for s in snapshots), sum(s.evictions for s in snapshots), eviction_policy,
+                   max(s.peak_kv_bytes_in_use for s in snapshots))
 
 
 class Metrics:
@@ -73,7 +98,7 @@ class Metrics:
                                     "the write queue was full", labels, registry=r)
         self._tier_seen: dict[tuple, float] = {}  # last snapshot value of each mirrored counter
         # With --replicas N: each replica's latest engine snapshot, and its gauges.
-        self.replica_snapshots: dict[str, dict] = {}
+        self.replica_snapshots: dict[str, EngineSnapshot] = {}
         replica_labels = labels + ["replica"]
         self.replica_kv_usage = Gauge("kvreuse:replica_kv_cache_usage_perc", "A replica's fraction of KV blocks held "
                                       "by requests (as of its latest finished request)", replica_labels, registry=r)
@@ -88,31 +113,29 @@ class Metrics:
 
     def observe_step(self, engine: LLMEngine) -> None:
         """Gauges, from the engine thread after each step (and after an abort frees blocks)."""
-        self._set_gauges(engine.stats_snapshot())
+        snapshot = engine.stats_snapshot()
+        self._set_gauges(GaugeValues.of(snapshot))
+        if snapshot.tiers is not None:
+            self._observe_tiers(snapshot.tiers)
 
-    def observe_replica(self, replica: str, snapshot: dict) -> None:
+    def observe_replica(self, snapshot: EngineSnapshot) -> None:
         """A cluster replica's engine snapshot (as of its latest finished request): its own gauges, labeled with the
         replica, and the cluster's gauges summed over the replicas' latest snapshots."""
-        m = self.model_name
+        m, replica = self.model_name, snapshot.replica
         self.replica_snapshots[replica] = snapshot
-        self.replica_kv_usage.labels(m, replica).set(snapshot["blocks_in_use"] / snapshot["blocks_total"])
-        self.replica_running.labels(m, replica).set(snapshot["num_requests_running"])
-        self.replica_waiting.labels(m, replica).set(snapshot["num_requests_waiting"])
-        total = {key: sum(s[key] for s in self.replica_snapshots.values()) for key in SUMMED}
-        self._set_gauges({**total, "eviction_policy": snapshot["eviction_policy"],
-                          "peak_kv_bytes_in_use": max(s["peak_kv_bytes_in_use"]
-                                                      for s in self.replica_snapshots.values())})
+        self.replica_kv_usage.labels(m, replica).set(snapshot.kv_usage)
+        self.replica_running.labels(m, replica).set(snapshot.num_requests_running)
+        self.replica_waiting.labels(m, replica).set(snapshot.num_requests_waiting)
+        self._set_gauges(GaugeValues.summed(list(self.replica_snapshots.values()), snapshot.eviction_policy))
 
-    def _set_gauges(self, s: dict) -> None:
+    def _set_gauges(self, g: GaugeValues) -> None:
         m = self.model_name
-        self.kv_usage.labels(m).set(s["blocks_in_use"] / s["blocks_total"])
-        self.running.labels(m).set(s["num_requests_running"])
-        self.waiting.labels(m).set(s["num_requests_waiting"])
-        self.cached_blocks.labels(m).set(s["blocks_cached"])
-        self.evictions.labels(m, s["eviction_policy"]).set(s["evictions"])
-        self.peak_kv_bytes.labels(m).set(s["peak_kv_bytes_in_use"])
-        if "tiers" in s:
-            self._observe_tiers(s["tiers"])
+        self.kv_usage.labels(m).set(g.blocks_in_use / g.blocks_total)
+        self.running.labels(m).set(g.num_requests_running)
+        self.waiting.labels(m).set(g.num_requests_waiting)
+        self.cached_blocks.labels(m).set(g.blocks_cached)
+        self.evictions.labels(m, g.eviction_policy).set(g.evictions)
+        self.peak_kv_bytes.labels(m).set(g.peak_kv_bytes_in_use)
 
     def _observe_tiers(self, snapshot: dict) -> None:
         """Mirror the store's counters (their growth since the last step) into Prometheus counters."""

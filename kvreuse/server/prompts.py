@@ -1,6 +1,6 @@
 """From a validated request body to what the engine runs: model check, chat prompt, Sequence.
 
-Rendering the chat template, tokenizing and `LLMEngine.make_sequence` run on a small pool of preparation threads
+Rendering the chat template, tokenizing and `FrontEnd.make_sequence` run on a small pool of preparation threads
 (`off_loop`), never on the event loop: a prompt of megabytes delays no other route, /health included. None of them
 touches engine state. Problems become 400/404 APIErrors naming the field.
 """
@@ -12,7 +12,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, TypeVar
 
-from kvreuse.engine.engine import LLMEngine, RequestError
+from kvreuse.engine.front_end import FrontEnd, RequestError
 from kvreuse.engine.sequence import Sequence
 from kvreuse.sampling_params import InvalidSamplingParam, SamplingParams
 from kvreuse.server.errors import APIError
@@ -68,29 +68,29 @@ def refusal(exc: RequestError, chat: bool) -> APIError:
     return APIError(400, str(exc), param=field, code=exc.code)
 
 
-def completion_prompts(engine: LLMEngine, body: CompletionRequest, tenant: str | None) -> list[Prompt]:
+def completion_prompts(front: FrontEnd, body: CompletionRequest, tenant: str | None) -> list[Prompt]:
     """The prompts of a /v1/completions body (one, or a batch): each is the caller's whole text (or token ids)."""
     prompts = []
     for prompt in body.prompts:
-        seq = _sequence(engine, lambda p=prompt: engine.tokenize_prompt(p), body, tenant, chat=False)
+        seq = _sequence(front, lambda p=prompt: front.tokenize_prompt(p), body, tenant, chat=False)
         echo = None
         if body.echo:
-            echo = prompt if isinstance(prompt, str) else engine.tokenizer.decode(prompt, skip_special_tokens=False)
+            echo = prompt if isinstance(prompt, str) else front.tokenizer.decode(prompt, skip_special_tokens=False)
         prompts.append(Prompt(seq, echo))
     return prompts
 
 
-def chat_prompt(engine: LLMEngine, body: ChatCompletionRequest, tenant: str | None) -> tuple[Prompt, int]:
+def chat_prompt(front: FrontEnd, body: ChatCompletionRequest, tenant: str | None) -> tuple[Prompt, int]:
     """The prompt of a /v1/chat/completions body, and how many turns `server.truncate = oldest` dropped."""
-    check_tools(engine, body)
+    check_tools(body)
     messages = message_dicts(body.messages)
     dropped = 0
     try:
-        if engine.config.server.truncate == "oldest":
-            messages, dropped = fit_conversation(engine, messages, body.max_tokens)
+        if front.config.server.truncate == "oldest":
+            messages, dropped = fit_conversation(front, messages, body.max_tokens)
     except RequestError as exc:
         raise refusal(exc, chat=True) from exc
-    return Prompt(_sequence(engine, lambda: engine.tokenize_chat(messages), body, tenant, chat=True)), dropped
+    return Prompt(_sequence(front, lambda: front.tokenize_chat(messages), body, tenant, chat=True)), dropped
 
 
 def structured_format(body: SamplingFields) -> FormatSpec | None:
@@ -103,7 +103,7 @@ def structured_format(body: SamplingFields) -> FormatSpec | None:
     return parse_format(body.response_format, body.guided_regex, body.guided_choice, body.guided_json)
 
 
-def check_tools(engine: LLMEngine, body: ChatCompletionRequest) -> None:
+def check_tools(body: ChatCompletionRequest) -> None:
     """`tools` reach the model only through its chat template: refused (400) for a template that cannot render them,
     rather than silently dropped. kvreuse does not parse tool calls out of the answer."""
     asks = bool(body.tools) or body.tool_choice not in (None, "none", "auto")
@@ -113,16 +113,16 @@ def check_tools(engine: LLMEngine, body: ChatCompletionRequest) -> None:
                             f"tools, and kvreuse parses no tool calls); leave out tools and tool_choice", param=param)
 
 
-def tokenize_body(engine: LLMEngine, body: TokenizeRequest) -> list[int]:
+def tokenize_body(front: FrontEnd, body: TokenizeRequest) -> list[int]:
     """The tokens of a /tokenize body, exactly as a completion or chat request would get them."""
     chat = body.messages is not None
     try:
-        return engine.tokenize_chat(message_dicts(body.messages)) if chat else engine.tokenize_prompt(body.prompt)
+        return front.tokenize_chat(message_dicts(body.messages)) if chat else front.tokenize_prompt(body.prompt)
     except RequestError as exc:
         raise refusal(exc, chat) from exc
 
 
-def _sequence(engine: LLMEngine, tokenize: Callable[[], list[int]], body: SamplingFields, tenant: str | None,
+def _sequence(front: FrontEnd, tokenize: Callable[[], list[int]], body: SamplingFields, tenant: str | None,
               chat: bool) -> Sequence:
     """The Sequence for the tokens `tokenize` gives under the body's sampling fields, salted by the tenant; 400
     if it cannot run (over the context limit, bad token ids or text, bad sampling values, too many stops)."""
@@ -132,12 +132,12 @@ def _sequence(engine: LLMEngine, tokenize: Callable[[], list[int]], body: Sampli
         token_ids = tokenize()
         max_tokens = body.max_tokens
         if max_tokens is None:
-            room = engine.max_model_len - len(token_ids)
-            max_tokens = max(1, min(engine.config.server.default_max_tokens, room))
+            room = front.max_model_len - len(token_ids)
+            max_tokens = max(1, min(front.config.server.default_max_tokens, room))
         params = SamplingParams(max_tokens=max_tokens, **body.sampling_options())
         response_format = structured_format(body)
-        return engine.make_sequence(token_ids, params, make_id("req"), cache_salt=salt, use_cache=body.use_cache,
-                                    response_format=response_format)
+        return front.make_sequence(token_ids, params, make_id("req"), cache_salt=salt, use_cache=body.use_cache,
+                                   response_format=response_format)
     except RequestError as exc:
         raise refusal(exc, chat) from exc
     except UnsupportedFormat as exc:

@@ -1,8 +1,10 @@
-"""Running a Sequence and answering with its completion: whole (JSON) or streamed (server-sent events).
+"""Answering with a request's completions, rendered in its endpoint's shape: whole (JSON) or streamed (server-sent
+events).
 
 A client that goes away aborts its request, streaming or not, so its blocks are freed at once. Every admitted
-request holds a place in `state.admissions` (its tenant's share of the queue) until its answer is over: finished,
-aborted by its client, failed by the engine, or cut at the drain deadline (503, or an error event and [DONE]).
+request holds a place in `state.admissions` (admission.py: its tenant's share of the queue) until its answer is
+over: finished, aborted by its client, failed by the engine, or cut at the drain deadline (503, or an error event
+and [DONE]).
 """
 
 from __future__ import annotations
@@ -18,8 +20,7 @@ from fastapi.responses import StreamingResponse
 from kvreuse.engine.output import RequestOutput
 from kvreuse.engine.sequence import Sequence
 from kvreuse.model.tokenizer import Tokenizer
-from kvreuse.server.admission import Admission
-from kvreuse.server.async_engine import Delta, EngineDeadError
+from kvreuse.server.admission import Admission, admit_all, shutting_down
 from kvreuse.server.choices import (
     TextOffsets,
     chat_choice,
@@ -29,6 +30,7 @@ from kvreuse.server.choices import (
     completion_logprobs,
     merge_logprobs,
 )
+from kvreuse.server.deltas import Cut, Delta, EngineDied, is_last
 from kvreuse.server.errors import APIError
 from kvreuse.server.protocol import SamplingFields, error_body, make_id, now
 from kvreuse.server.state import ServerState
@@ -54,18 +56,15 @@ async def respond(state: ServerState, prompts: list[Prompt], body: SamplingField
     admissions = admit_all(state, [p.seq for p in prompts], tenant)
     response_id = make_id("chatcmpl" if chat else "cmpl")
     extra = {"truncated_turns": truncated_turns} if truncated_turns else {}
-    render = Render(state.engine.tokenizer, body, chat)
+    render = Render(state.engine.front_end.tokenizer, body, chat)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return AdmittedStream(state, admissions,
                               stream(state, prompts, admissions, response_id, render, include_usage, extra))
     try:
-        outputs = await asyncio.gather(*(collect_admitted(state, a, p.seq, request)
-                                          for p, a in zip(prompts, admissions, strict=True)))
+        outputs = await asyncio.gather(*(collect_admitted(state, a, request) for a in admissions))
     except BaseException:
-        for admission in admissions:  # one failed: the others stop too
-            state.admissions.release(admission)
-            state.async_engine.abort(admission.request_id)
+        state.admissions.release_all(admissions, state.engine.abort)  # one failed: the others stop too
         raise
     choices = [render.whole_choice(j * body.n + out.index, prompt, out)
                for j, (prompt, (_, output)) in enumerate(zip(prompts, outputs, strict=True))
@@ -122,62 +121,10 @@ class Render:
         return completion_choice(index, text, delta.finish_reason, rendered)
 
 
-def admit_all(state: ServerState, seqs: list[Sequence], tenant: str | None) -> list[Admission]:
-    """`admit` each sequence of one request, or none of them: a refusal gives back those already admitted."""
-    admissions: list[Admission] = []
-    try:
-        for seq in seqs:
-            admissions.append(admit(state, seq, tenant))
-    except APIError:
-        for admission in admissions:
-            state.admissions.release(admission)
-            state.async_engine.abort(admission.request_id)
-        raise
-    return admissions
-
-
-def admit(state: ServerState, seq: Sequence, tenant: str | None = None) -> Admission:
-    """Hand `seq` to the engine thread as `tenant`'s (None without API keys). 429 beyond
-    `server.max_queue_per_tenant` requests of the tenant or `server.max_queue` in all; 503 if the engine died
-    or the drain deadline passed."""
-    check_queue(state, tenant)
-    try:
-        deltas = state.async_engine.submit(seq)
-    except EngineDeadError as exc:
-        raise APIError(503, str(exc), "service_unavailable") from exc
-    return state.admissions.add(seq.request_id, tenant, deltas)
-
-
-def check_queue(state: ServerState, tenant: str | None) -> None:
-    """Raise the APIError that refuses one more request of `tenant` now, if any."""
-    if state.admissions.closed:
-        raise shutting_down(state)
-    config = state.engine.config.server
-    held = state.admissions.in_flight(tenant)
-    # Without API keys every request belongs to no tenant, and only server.max_queue applies.
-    if tenant is not None and held >= config.max_queue_per_tenant:
-        raise busy(f"tenant {tenant!r} has {held} requests in flight "
-                   f"(server.max_queue_per_tenant = {config.max_queue_per_tenant})")
-    in_flight = state.async_engine.num_in_flight
-    if in_flight >= config.max_queue:
-        raise busy(f"server busy: {in_flight} requests in flight (server.max_queue = {config.max_queue})")
-
-
-def busy(reason: str) -> APIError:
-    return APIError(429, f"{reason}; retry later", "rate_limit_error", headers={"Retry-After": "1"})
-
-
-def shutting_down(state: ServerState) -> APIError:
-    timeout = state.engine.config.server.drain_timeout_s
-    return APIError(503, f"the server is shutting down: server.drain_timeout_s ({timeout} s) passed before this "
-                         f"request finished", "service_unavailable")
-
-
-async def collect_admitted(state: ServerState, admission: Admission, seq: Sequence,
-                           request: Request) -> tuple[str, RequestOutput]:
+async def collect_admitted(state: ServerState, admission: Admission, request: Request) -> tuple[str, RequestOutput]:
     """`collect`, giving the admission back however it ends; a request cut at the drain deadline gets 503."""
     try:
-        return await collect(state, seq, admission.deltas, request)
+        return await collect(state, admission.request_id, admission.deltas, request)
     except Exception:
         if not admission.cut:
             raise
@@ -200,11 +147,8 @@ class AdmittedStream(StreamingResponse):
     async def __call__(self, scope, receive, send):
         try:
             await super().__call__(scope, receive, send)
-        finally:
-            for admission in self.admissions:
-                self.state.admissions.release(admission)
-                if not self.relayed_all:  # for a request that already ended, an abort would do nothing
-                    self.state.async_engine.abort(admission.request_id)
+        finally:  # for requests that already ended, an abort would do nothing
+            self.state.admissions.release_all(self.admissions, None if self.relayed_all else self.state.engine.abort)
 
     @property
     def cut(self) -> bool:
@@ -226,7 +170,7 @@ class AdmittedStream(StreamingResponse):
         yield DONE
 
 
-async def collect(state: ServerState, seq: Sequence, deltas: asyncio.Queue,
+async def collect(state: ServerState, request_id: str, deltas: asyncio.Queue,
                   request: Request) -> tuple[str, RequestOutput]:
     """The whole text (of choice 0) and the final output of a request; aborts it (499) if the client disconnects."""
     parts = []
@@ -234,15 +178,17 @@ async def collect(state: ServerState, seq: Sequence, deltas: asyncio.Queue,
     next_check = loop.time() + DISCONNECT_POLL_S
     while True:
         try:
-            delta: Delta | None = await asyncio.wait_for(deltas.get(), DISCONNECT_POLL_S)
+            delta: Delta | EngineDied | Cut = await asyncio.wait_for(deltas.get(), DISCONNECT_POLL_S)
         except TimeoutError:
             delta = Delta("")
         if loop.time() >= next_check:  # on a timer: deltas arrive every step while it generates
             next_check = loop.time() + DISCONNECT_POLL_S
             if await request.is_disconnected():
-                state.async_engine.abort(seq.request_id)
+                state.engine.abort(request_id)
                 raise APIError(499, "client disconnected")
-        if delta is None:
+        if isinstance(delta, Cut):
+            raise shutting_down(state)
+        if isinstance(delta, EngineDied):
             raise APIError(500, "the engine stopped while serving this request", "server_error")
         if delta.error is not None:  # a step computing it failed; the engine serves on
             raise APIError(500, delta.error, "server_error")
@@ -265,8 +211,8 @@ async def stream(state: ServerState, prompts: list[Prompt], admissions: list[Adm
     outputs: dict[int, RequestOutput] = {}
     try:
         async for j, delta in _merged([a.deltas for a in admissions]):
-            if delta is None or delta.error is not None:  # the engine died, or a step computing it failed
-                message = "the engine stopped" if delta is None else delta.error
+            if not isinstance(delta, Delta) or delta.error is not None:  # the engine died, or a step computing it did
+                message = delta.error if isinstance(delta, Delta) else "the engine stopped"
                 yield f"data: {json.dumps(error_body(message, 'server_error'))}\n\n"
                 yield DONE
                 return
@@ -292,13 +238,11 @@ async def stream(state: ServerState, prompts: list[Prompt], admissions: list[Adm
             total = usage(RequestOutput.of_requests([outputs[j] for j in range(len(prompts))]))
             yield f"data: {json.dumps({**base, 'choices': [], 'usage': total})}\n\n"
         yield DONE
-    finally:
-        for j, admission in enumerate(admissions):
-            if j not in outputs:  # the client went away mid-stream: free its blocks now
-                state.async_engine.abort(admission.request_id)
+    finally:  # the client went away mid-stream, or one request failed: free the others' blocks now
+        state.admissions.release_all([a for j, a in enumerate(admissions) if j not in outputs], state.engine.abort)
 
 
-async def _merged(queues: list[asyncio.Queue]) -> AsyncIterator[tuple[int, Delta | None]]:
+async def _merged(queues: list[asyncio.Queue]) -> AsyncIterator[tuple[int, Delta | EngineDied | Cut]]:
     """The deltas of several requests as they come, each with its request's position, until every one has ended."""
     merged: asyncio.Queue = asyncio.Queue()
 
@@ -306,7 +250,7 @@ async def _merged(queues: list[asyncio.Queue]) -> AsyncIterator[tuple[int, Delta
         while True:
             delta = await deltas.get()
             merged.put_nowait((j, delta))
-            if delta is None or delta.finished:
+            if is_last(delta):
                 return
 
     relays = [asyncio.create_task(forward(j, q)) for j, q in enumerate(queues)]
@@ -315,7 +259,7 @@ async def _merged(queues: list[asyncio.Queue]) -> AsyncIterator[tuple[int, Delta
             while True:
                 j, delta = await merged.get()
                 yield j, delta
-                if delta is None or delta.finished:
+                if is_last(delta):
                     break
     finally:
         for relay in relays:

@@ -18,7 +18,7 @@ router = APIRouter()
 
 @router.get("/health")
 async def health(state: StateDep):
-    if not state.ready or not state.async_engine.is_alive:
+    if not state.ready or not state.engine.is_alive:
         reason = "engine loop died" if state.ready else "not ready"
         return JSONResponse({"status": reason}, 503)
     return {"status": "ok"}

@@ -14,7 +14,7 @@ router = APIRouter(dependencies=[Depends(authenticate)])
 def model_card(state: ServerState) -> dict:
     """The served model as OpenAI's model object, with vLLM's `max_model_len` beside."""
     return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "kvreuse",
-            "max_model_len": state.engine.max_model_len}
+            "max_model_len": state.engine.front_end.max_model_len}
 
 
 @router.get("/v1/models")

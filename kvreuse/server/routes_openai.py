@@ -16,12 +16,12 @@ router = APIRouter(dependencies=[Depends(authenticate)])
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request, state: StateDep, tenant: TenantDep):
     check_model(state.model_name, body.model)
-    prompts = await off_loop(completion_prompts, state.engine, body, tenant)
+    prompts = await off_loop(completion_prompts, state.engine.front_end, body, tenant)
     return await respond(state, prompts, body, request, tenant, chat=False)
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request, state: StateDep, tenant: TenantDep):
     check_model(state.model_name, body.model)
-    prompt, dropped = await off_loop(chat_prompt, state.engine, body, tenant)
+    prompt, dropped = await off_loop(chat_prompt, state.engine.front_end, body, tenant)
     return await respond(state, [prompt], body, request, tenant, chat=True, truncated_turns=dropped)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends
 
-from kvreuse.engine.engine import LLMEngine
+from kvreuse.engine.front_end import FrontEnd
 from kvreuse.server.auth import authenticate
 from kvreuse.server.errors import APIError
 from kvreuse.server.prompts import check_model, off_loop, tokenize_body
@@ -24,34 +24,36 @@ class TokenizeBody(TokenizeRequest):
     return_token_strs: bool | None = False
 
 
-def _tokenize(engine: LLMEngine, body: TokenizeBody) -> dict:
-    tokens = tokenize_body(engine, body)
+def _tokenize(front: FrontEnd, body: TokenizeBody) -> dict:
+    tokens = tokenize_body(front, body)
     if not body.add_special_tokens:
-        tokens = engine.tokenizer.without_additions(tokens)
-    return {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens,
-            "token_strs": engine.tokenizer.token_strings(tokens) if body.return_token_strs else None}
+        tokens = front.tokenizer.without_additions(tokens)
+    return {"count": len(tokens), "max_model_len": front.max_model_len, "tokens": tokens,
+            "token_strs": front.tokenizer.token_strings(tokens) if body.return_token_strs else None}
 
 
 @router.post("/tokenize")
 async def tokenize(body: TokenizeBody, state: StateDep):
     check_model(state.model_name, body.model)
-    return await off_loop(_tokenize, state.engine, body)
+    return await off_loop(_tokenize, state.engine.front_end, body)
 
 
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, state: StateDep):
     check_model(state.model_name, body.model)
-    vocab = state.engine.model_args.vocab_size
+    front = state.engine.front_end
+    vocab = front.model_args.vocab_size
     if any(t >= vocab for t in body.tokens):
         raise APIError(400, f"tokens must be integers in [0, {vocab})", param="tokens")
-    return {"prompt": await off_loop(state.engine.tokenizer.decode, body.tokens, False)}
+    return {"prompt": await off_loop(front.tokenizer.decode, body.tokens, False)}
 
 
 @router.get("/tokenizer_info")
 async def tokenizer_info(state: StateDep):
     """vLLM's shape: the tokenizer_config.json of the served tokenizer (`tokenizer_class`, the special tokens,
     `chat_template`, `added_tokens_decoder`), with `model_max_length` the server's context limit."""
-    config = state.engine.tokenizer.tokenizer_config(state.engine.max_model_len)
+    front = state.engine.front_end
+    config = front.tokenizer.tokenizer_config(front.max_model_len)
     # vLLM gives each added token's text only, not HF's object of flags.
     config["added_tokens_decoder"] = {i: token["content"] for i, token in config["added_tokens_decoder"].items()}
     return {**config, "name_or_path": state.model_name}

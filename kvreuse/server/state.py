@@ -1,4 +1,4 @@
-"""What every route shares: the engine, its thread, the metrics, the requests in flight and the server's settings.
+"""What every route shares: the engine (an EngineClient), the metrics, the requests in flight and the settings.
 
 One `ServerState` lives on `app.state.kvreuse`; routes reach it through the `get_state` dependency (tests can
 swap it with `app.dependency_overrides[get_state]`).
@@ -11,17 +11,16 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from kvreuse.engine.engine import LLMEngine
+from kvreuse.config import Config
 from kvreuse.server.admission import Admissions
-from kvreuse.server.async_engine import AsyncEngine
+from kvreuse.server.engine_client import EngineClient
 from kvreuse.server.metrics import Metrics
 from kvreuse.server.protocol import now
 
 
 @dataclass
 class ServerState:
-    engine: LLMEngine
-    async_engine: AsyncEngine
+    engine: EngineClient
     metrics: Metrics
     model_name: str
     api_keys: dict[str, str] | None  # key -> tenant; None: no authentication
@@ -29,6 +28,10 @@ class ServerState:
     ready: bool = False     # the engine thread runs
     admissions: Admissions = field(default_factory=Admissions)  # requests in flight, per tenant
     created: int = field(default_factory=now)
+
+    @property
+    def config(self) -> Config:
+        return self.engine.front_end.config
 
 
 async def get_state(request: Request) -> ServerState:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from kvreuse.engine.engine import LLMEngine, RequestError
+from kvreuse.engine.front_end import FrontEnd, RequestError
 
 LEADING_ROLES = ("system", "developer")
 
 
-def fit_conversation(engine: LLMEngine, messages: list[dict], max_tokens: int | None) -> tuple[list[dict], int]:
+def fit_conversation(front: FrontEnd, messages: list[dict], max_tokens: int | None) -> tuple[list[dict], int]:
     """Drop whole turns (a user message and the replies after it) right after the system message, oldest
     first, until the prompt plus `max_tokens` fits the context limit. The last message always stays; if it
     still does not fit, the engine's own check refuses the request. Returns (messages, turns dropped)."""
@@ -20,7 +20,7 @@ def fit_conversation(engine: LLMEngine, messages: list[dict], max_tokens: int | 
     low, high = 0, len(starts) - 1
     while low < high:
         mid = (low + high) // 2
-        if _fits(engine, messages[:first] + messages[starts[mid]:], needed):
+        if _fits(front, messages[:first] + messages[starts[mid]:], needed):
             high = mid
         else:
             low = mid + 1
@@ -39,9 +39,9 @@ def _tail_starts(messages: list[dict], first: int) -> list[int]:
     return starts
 
 
-def _fits(engine: LLMEngine, messages: list[dict], needed: int) -> bool:
+def _fits(front: FrontEnd, messages: list[dict], needed: int) -> bool:
     try:
-        return len(engine.tokenize_chat(messages)) + needed <= engine.max_model_len
+        return len(front.tokenize_chat(messages)) + needed <= front.max_model_len
     except RequestError as exc:
         if exc.code != "context_length_exceeded":  # not a matter of length: dropping turns cannot help
             raise

@@ -1,0 +1,5 @@
+import sys
+
+from kvreuse.cli import main
+
+sys.exit(main())

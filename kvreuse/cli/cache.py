@@ -1,0 +1,131 @@
+"""`kvreuse cache warm|stats|clear`: the lower KV tiers (disk, Redis) from outside a server."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from kvreuse.cli.common import InputError, build_config, common_flags
+from kvreuse.prompts_file import read_prompts_file
+
+NO_TIER = "no lower KV tier is configured (cache.disk.path, cache.redis.url)"
+
+
+def add_cache(sub) -> None:
+    """The `cache` command and its actions."""
+    cache = sub.add_parser("cache", help="the lower KV tiers (disk, Redis): warm, stats, clear",
+                           description="The lower KV tiers that [cache] configures (cache.disk.path, "
+                                       "cache.redis.url), from outside a server.")
+    actions = cache.add_subparsers(dest="action", required=True, metavar="ACTION")
+
+    warm = actions.add_parser("warm", help="compute the KV of a prompt file and write it to the lower tiers")
+    common_flags(warm)
+    warm.add_argument("file", metavar="FILE.jsonl", help='JSONL: {"prompt": ...} or {"messages": [...]} per line')
+    warm.add_argument("--cache-salt", help="the salt the requests to serve will carry (KV is shared only within it)")
+    warm.add_argument("--json", action="store_true", help="the summary as JSON")
+    warm.set_defaults(func=cmd_cache_warm)
+
+    stats = actions.add_parser("stats", help="what each lower tier holds (without loading the model)")
+    common_flags(stats)
+    stats.add_argument("--json", action="store_true", help="the tiers as JSON")
+    stats.set_defaults(func=cmd_cache_stats)
+
+    clear = actions.add_parser("clear", help="remove every entry of every lower tier (Redis: only ours)")
+    common_flags(clear)
+    clear.add_argument("--json", action="store_true", help="the counts as JSON")
+    clear.set_defaults(func=cmd_cache_clear)
+
+
+def _mib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**20:.1f} MiB"
+
+
+def _warm_summary(summary: dict) -> str:
+    by_tier = summary["cached_tokens_details"]
+    written = ", ".join(f"{name} {n}" for name, n in summary["blocks_written"].items())
+    reused = f", {summary['reused_tokens']} reused" if summary["reused_tokens"] else ""
+    return (f"warmed {summary['num_items']} prompts ({summary['prompt_tokens']} prompt tokens) in "
+            f"{summary['seconds']:.2f}s: {summary['cached_tokens']} tokens were already cached (memory "
+            f"{by_tier['memory']}, disk {by_tier['disk']}, redis {by_tier['redis']}){reused}, "
+            f"{summary['computed_prompt_tokens']} computed; blocks written: {written}; "
+            f"{summary['dropped_blocks']} dropped by a full write queue.")
+
+
+def cmd_cache_warm(args: argparse.Namespace) -> int:
+    """Compute the KV of every prompt in the file and write it to the lower tiers; 1 if any failed or was lost."""
+    from kvreuse.engine.engine import RequestError
+    from kvreuse.llm import LLM
+    from kvreuse.warm import WarmError, warm
+
+    config = build_config(args)
+    if not (config.cache.disk.path or config.cache.redis.url):
+        raise InputError(f"{NO_TIER}: warming a process that then exits would be pointless; set "
+                         "--set cache.disk.path=DIR and/or --set cache.redis.url=redis://HOST:PORT/DB")
+    if not config.cache.enabled:
+        raise InputError("cache.enabled is false: nothing would be cached or written to the lower tiers")
+    records = read_prompts_file(args.file)
+    if not records:
+        raise InputError(f"{args.file}: no prompts")
+
+    llm = LLM(config)
+    try:
+        summary = warm(llm, records, cache_salt=args.cache_salt)
+    except WarmError as exc:
+        raise InputError(f"{args.file}, {exc}") from exc
+    except RequestError as exc:
+        raise InputError(str(exc)) from exc
+    finally:
+        llm.engine.close()
+
+    print(json.dumps(summary, ensure_ascii=False) if args.json else _warm_summary(summary))
+    for item in summary["failed"]:
+        print(f"kvreuse: {args.file}, line {item['line']}: {item['error']}", file=sys.stderr)
+    if not summary["flushed"]:
+        print("kvreuse: the lower tiers did not finish writing in time; some blocks may be missing",
+              file=sys.stderr)
+    return 0 if summary["flushed"] and not summary["failed"] else 1
+
+
+def cmd_cache_stats(args: argparse.Namespace) -> int:
+    """Print each configured lower tier's entries, size, capacity and availability."""
+    from kvreuse.kvcache.tiers.store import build_tiers
+
+    tiers = build_tiers(build_config(args).cache)
+    try:
+        usage = [t.usage() for t in tiers]
+    finally:
+        for tier in tiers:
+            tier.close()
+    if args.json:
+        print(json.dumps({"tiers": [u.__dict__ for u in usage]}))
+        return 0
+    if not usage:
+        print(NO_TIER)
+    for u in usage:
+        entries = "? entries" if u.num_entries is None else f"{u.num_entries} entries"
+        size = "size unknown" if u.num_bytes is None else _mib(u.num_bytes)
+        capacity = "no limit of ours" if u.capacity_bytes is None else f"capacity {_mib(u.capacity_bytes)}"
+        print(f"{u.name}  {u.detail}  {entries}  {size}  {capacity}  "
+              f"{'available' if u.available else 'UNAVAILABLE'}")
+    return 0
+
+
+def cmd_cache_clear(args: argparse.Namespace) -> int:
+    """Remove every entry of every configured lower tier and print how many each held."""
+    from kvreuse.kvcache.tiers.store import build_tiers
+
+    tiers = build_tiers(build_config(args).cache)
+    try:
+        cleared = [(t.name, t.usage().detail, t.clear()) for t in tiers]
+    finally:
+        for tier in tiers:
+            tier.close()
+    if args.json:
+        print(json.dumps({"cleared": {name: n for name, _, n in cleared}}))
+        return 0
+    if not cleared:
+        print(NO_TIER)
+    for name, detail, n in cleared:
+        print(f"{name}  {detail}  {n} entries removed")
+    return 0

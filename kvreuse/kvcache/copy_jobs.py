@@ -1,0 +1,38 @@
+"""Tensor work the cache decides and the engine runs, in one place: the KV cache itself handles block ids only."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvreuse.kvcache.tiers.store import StoredBlock
+
+
+@dataclass(frozen=True)
+class StoreJob:
+    """Published blocks to queue for the lower tiers named in `tiers`."""
+    blocks: tuple[StoredBlock, ...]
+    block_ids: tuple[int, ...]
+    tiers: tuple[str, ...]
+
+
+@dataclass
+class CopyJobs:
+    """Run in this order, before the pool is written again: bytes loaded from a lower tier into pool blocks, pool
+    blocks into pool blocks (every layer: a cached last block, a forked partial block), pool blocks out to tiers."""
+    writes: list[tuple[int, memoryview]] = field(default_factory=list)  # (block id, payload)
+    copies: list[tuple[int, int]] = field(default_factory=list)         # (source block, destination block)
+    stores: list[StoreJob] = field(default_factory=list)
+
+    def __iadd__(self, other: CopyJobs) -> CopyJobs:
+        self.writes += other.writes
+        self.copies += other.copies
+        self.stores += other.stores
+        return self
+
+    def __bool__(self) -> bool:
+        return bool(self.writes or self.copies or self.stores)
+
+    def store(self, blocks: Sequence[StoredBlock], block_ids: Sequence[int], tiers: Sequence[str]) -> None:
+        if blocks and tiers:
+            self.stores.append(StoreJob(tuple(blocks), tuple(block_ids), tuple(tiers)))

@@ -1,0 +1,32 @@
+"""What the cache holds of a waiting request's prompt: `KVCacheManager.match` finds it, `can_admit` / `admit` take it
+(as vLLM's get_computed_blocks, then allocate_slots)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvreuse.kvcache.segment import SegmentPlan
+from kvreuse.kvcache.tiers.store import LoadedBlock
+
+
+@dataclass(frozen=True)
+class Match:
+    hits: tuple[int, ...] = ()             # pool blocks of the exact prefix, in order
+    loads: tuple[LoadedBlock, ...] = ()    # the prefix's continuation, read from a lower tier
+    last_block: int | None = None          # the pool's copy of a fully cached block-aligned prompt's last block
+    plan: SegmentPlan | None = None        # cached segments beyond the exact prefix
+    num_cached_tokens: int = 0             # tokens the exact prefix gives: hits, loads and the last block's copy
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Full blocks of the exact prefix (in the pool or loaded)."""
+        return len(self.hits) + len(self.loads)
+
+    @property
+    def held_block_ids(self) -> set[int]:
+        """Pool blocks the request holds besides its own new ones once admitted: hits and copy sources."""
+        sources = self.plan.source_block_ids if self.plan else ()
+        return {*self.hits, *sources, *((self.last_block,) if self.last_block is not None else ())}
+
+
+NO_MATCH = Match()
