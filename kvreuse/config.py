@@ -369,13 +369,6 @@ def parse_value(key: str, text: str, kind: type) -> bool | int | float | str:
         raise ConfigError(_message(key, exc.errors()[0])) from None
 
 
-def validate_config(config: Config) -> None:
-    """Raise ConfigError naming the first invalid value of ``config``. Sections check their values when built
-    and assigned, so this only re-checks one assembled without validation (``model_construct``)."""
-    with _reported(Config):
-        Config.model_validate(config.model_dump(warnings=False))
-
-
 _HEADER_WITH_KEYS = re.compile(r"\s*\[[^\]]*\]\s*[^\s#;]")
 _HEADER = re.compile(r"\s*(\[[^\]]*\])\s*")
 _PAIR = re.compile(r"([^\s=]+)\s*=\s*(\S+)")

@@ -13,8 +13,12 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import torch
+
 from kvreuse.config import Config, load_config
 from kvreuse.engine.engine import LLMEngine
+from kvreuse.layers.logits_processors import SamplingRow
+from kvreuse.layers.sampler import sample_rows
 from kvreuse.llm import LLM
 from kvreuse.sampling_params import SamplingParams
 
@@ -46,6 +50,14 @@ def tiny_engine(model_dir: str, **sets: object) -> LLMEngine:
 def greedy(max_tokens: int, **overrides: object) -> SamplingParams:
     """Greedy decoding (temperature 0, the default) of exactly `max_tokens` tokens: EOS does not end it."""
     return SamplingParams(max_tokens=max_tokens, ignore_eos=True, **overrides)
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
+    """The sampler on logits [S, vocab] fp32 with one params and generator per row (`sample_rows` without the rest of
+    a sampling row): its token ids."""
+    if len(params) != len(generators) or len(params) != logits.shape[0]:
+        raise ValueError(f"{logits.shape[0]} logits rows, {len(params)} params, {len(generators)} generators")
+    return sample_rows(logits, [SamplingRow(p, g) for p, g in zip(params, generators, strict=True)])[0]
 
 
 def server_args(model_dir: str, *sets: str) -> list[str]:

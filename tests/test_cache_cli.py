@@ -54,8 +54,8 @@ def reference(tiny_model_dir) -> LLM:
 
 def prompt_tokens(llm: LLM, record: dict) -> list[int]:
     if "messages" in record:
-        return llm.engine.tokenize_chat(record["messages"])
-    return llm.engine.tokenize_prompt(record["prompt"])
+        return llm.engine.front_end.tokenize_chat(record["messages"])
+    return llm.engine.front_end.tokenize_prompt(record["prompt"])
 
 
 def warm_json(argv: list[str], capsys) -> dict:

@@ -20,7 +20,6 @@ from kvreuse.config import (
     config_to_ini,
     load_config,
     parse_value,
-    validate_config,
 )
 
 ARTICLE = """\
@@ -343,14 +342,14 @@ def test_config_error_is_value_error():
     assert issubclass(ConfigError, ValueError)
 
 
-def test_validate_config_checks_code_built_configs():
-    validate_config(ALL_CHANGED)
+def test_code_built_configs_are_checked_when_built():
+    assert Config(**ALL_CHANGED.model_dump()) == ALL_CHANGED
     with pytest.raises(ConfigError, match=r"^config key 'cache.block_size' must be an integer, got '16'$"):
-        validate_config(Config(cache=CacheConfig(block_size="16")))
+        Config(cache=CacheConfig(block_size="16"))
     with pytest.raises(ConfigError, match=r"^config key 'server.port' must be an integer, got True$"):
-        validate_config(Config(server=ServerConfig(port=True)))
+        Config(server=ServerConfig(port=True))
     with pytest.raises(ConfigError, match=r"must be between 0.0 and 1.0, got 2$"):
-        validate_config(Config(cache=CacheConfig(suffix=SuffixConfig(recompute_ratio=2))))
+        Config(cache=CacheConfig(suffix=SuffixConfig(recompute_ratio=2)))
 
 
 def test_as_dict():

@@ -10,11 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvreuse.layers.attention import AttentionMetadata, paged_attention
-from kvreuse.layers.sampler import sample
 from kvreuse.model.llama import RMSNorm
 from kvreuse.sampling_params import SamplingParams
 
-from .helpers import greedy
+from .helpers import greedy, sample
 
 CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
 PARAGRAPH = ("A paged KV cache stores the keys and values of every token in fixed-size blocks, and a block table "

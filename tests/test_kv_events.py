@@ -342,9 +342,9 @@ def test_topic_filtering(make_publisher, ctx):
     assert not wrong.sock.poll(300)
 
 
-def test_int_hashes_attach_and_tiers(make_publisher, ctx):
+def test_int_hashes_and_attach(make_publisher, ctx):
     """`int_hashes` sends vLLM's default int hashes, which the older integer-only schema decodes; `attach` announces
-    the blocks already cached, parents first; `tier_stored` sends a chain run for a lower tier."""
+    the blocks already cached, parents first."""
     pool = BlockPool(4)
     ids = pool.allocate(3)
     keys = [bytes(range(i, i + 32)) for i in range(3)]
@@ -355,17 +355,13 @@ def test_int_hashes_attach_and_tiers(make_publisher, ctx):
     sub = Subscriber(ctx, publisher)
     sub.sync()
     publisher.attach(pool)
-    publisher.tier_stored(keys[:2], None, [[0] * BS, [1] * BS], "DISK")
     h = [low64(key) for key in keys]
     assert h[0] == int.from_bytes(keys[0], "big") & (2**64 - 1)       # vLLM's maybe_convert_block_hash
     assert sub.receive() == [BlockStored([h[0]], None, [0] * BS, BS, None, "CPU"),
                              BlockStored([h[1]], h[0], [1] * BS, BS, None, "CPU"),
-                             BlockStored([h[2]], h[1], [2] * BS, BS, None, "CPU"),
-                             BlockStored(h[:2], None, [0] * BS + [1] * BS, BS, None, "DISK")]
+                             BlockStored([h[2]], h[1], [2] * BS, BS, None, "CPU")]
     batch = msgspec.msgpack.Decoder(type=IntKVEventBatch).decode(sub.payloads[sub.last_seq])
-    assert [e.block_hashes for e in batch.events] == [[h[0]], [h[1]], [h[2]], h[:2]]
-    publisher.tier_removed(keys[:1], "DISK")
-    assert sub.receive() == [BlockRemoved(h[:1], "DISK")]
+    assert [e.block_hashes for e in batch.events] == [[h[0]], [h[1]], [h[2]]]
 
 
 def test_an_engine_publishes_its_pool(tiny_model_dir, ctx):

@@ -7,8 +7,10 @@ import math
 import pytest
 import torch
 
-from kvreuse.layers.sampler import filtered_probs, sample
+from kvreuse.layers.sampler import filtered_probs
 from kvreuse.sampling_params import SamplingParams
+
+from .helpers import sample
 
 VOCAB = 50
 

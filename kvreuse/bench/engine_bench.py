@@ -112,7 +112,7 @@ def prefill_flops_per_token(args: ModelArgs) -> float:
 def run(repeats: int = 3, include_bf16: bool = True, progress: Callable[[str], None] = print) -> dict:
     systems = [make() for make in available_systems(include_bf16)]
     tokenizer = systems[0].llm.tokenizer
-    model_args = systems[0].llm.engine.model_args
+    model_args = systems[0].llm.engine.front_end.model_args
     peak = gemm_peak(model_args)
     progress("GEMM peak on the model's linears: " + ", ".join(f"{d} {v / 1e9:.0f} GFLOP/s" for d, v in peak.items()))
     results = Interleaved()

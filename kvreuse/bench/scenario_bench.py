@@ -54,7 +54,8 @@ def send_all(llm: LLM, conversations: list[list[dict]], params: SamplingParams, 
     while pending or in_flight:
         while pending and len(in_flight) < concurrency:
             messages = pending.pop()
-            seq = engine.add_request(engine.tokenize_chat(replies.fill(messages)), params, use_cache=use_cache)
+            prompt = engine.front_end.tokenize_chat(replies.fill(messages))
+            seq = engine.add_request(prompt, params, use_cache=use_cache)
             seqs.append(seq)
             in_flight[seq.request_id] = messages
         for seq in engine.step():
@@ -141,7 +142,8 @@ def run(configs: dict[str, Config], num_requests: int, max_tokens: int, concurre
                                                       warm)
                 else:
                     # HF sees the text our engine sees (normalize_input rewrites message contents).
-                    texts = [[{**m, "content": llm.engine.normalize(m["content"])} for m in c] for c in conversations]
+                    normalize = llm.engine.front_end.normalize
+                    texts = [[{**m, "content": normalize(m["content"])} for m in c] for c in conversations]
                     results[mode], outputs = hf.run(texts, max_tokens, prefix_reuse=mode == "hf-prefix", exact=exact)
             exact = exact or outputs  # no-cache runs first: the exact reference for the others
             progress(f"{scenario} / {mode}: mean TTFT {results[mode]['mean_ttft_ms']:.0f} ms, "

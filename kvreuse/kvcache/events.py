@@ -33,7 +33,6 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -148,16 +147,6 @@ class KVEventPublisher:
     def all_cleared(self) -> None:
         """Tell subscribers to forget every block of this replica (engine start)."""
         self._put(AllBlocksCleared())
-
-    def tier_stored(self, keys: Sequence[bytes], parent_key: bytes | None, token_ids_list: Sequence[Sequence[int]],
-                    medium: str) -> None:
-        """A chain run written to a lower tier ("DISK", "REDIS"): keys[i]'s parent is keys[i - 1], keys[0]'s is
-        `parent_key`; one event, its tokens concatenated, as vLLM sends a run."""
-        self._put(BlockStored([self._hash(k) for k in keys], None if parent_key is None else self._hash(parent_key),
-                              [t for tokens in token_ids_list for t in tokens], self.block_size, None, medium))
-
-    def tier_removed(self, keys: Sequence[bytes], medium: str) -> None:
-        self._put(BlockRemoved([self._hash(k) for k in keys], medium))
 
     def _put(self, event: KVCacheEvent) -> None:
         if len(self._pending) < self.max_queue_events and not self._closing:

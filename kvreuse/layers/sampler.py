@@ -25,15 +25,6 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()    # (token id, logprob) x the number asked for
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> list[int]:
-    """logits: [S, vocab] fp32. Greedy rows take the argmax; the others sample from their filtered
-    distribution with their own generator, so a seeded request is reproducible in any batch."""
-    if len(params) != len(generators) or len(params) != logits.shape[0]:
-        raise ValueError(f"{logits.shape[0]} logits rows, {len(params)} params, {len(generators)} generators")
-    return sample_rows(logits, [SamplingRow(p, g) for p, g in zip(params, generators, strict=True)])[0]
-
-
 def sample_rows(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> tuple[list[int], list[TokenLogprob | None]]:
     """logits: [S, vocab] fp32 (processed in place). The token of each row, and its TokenLogprob where the row's
     params ask for logprobs or best_of (which ranks choices by their cumulative logprob), else None."""

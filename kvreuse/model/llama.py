@@ -141,15 +141,10 @@ class Llama(nn.Module):
             x = layer.mlp(x, paged_attention(q, k_cache, v_cache, meta, layer.scale))
         return self.norm(x[rows])
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: torch.Tensor, logits_index: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions: [T]; kv_cache: [num_layers, 2, num_blocks, block_size, Hkv, D];
-        logits_index: [S] rows of the batch to produce logits for. Returns fp32 logits [S, vocab]."""
-        return self.compute_logits(self.hidden_states(input_ids, positions, meta, kv_cache, logits_index))
-
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                       kv_cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """`forward` up to the LM head: the final (normed) hidden states [S, hidden] of `rows` [S]."""
+        """input_ids, positions: [T]; kv_cache: [num_layers, 2, num_blocks, block_size, Hkv, D]. The final (normed)
+        hidden states [S, hidden] of `rows` [S], the rows of the batch to produce logits for (`compute_logits`)."""
         caches = layer_caches(kv_cache)
 
         def attend(layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
