@@ -85,7 +85,7 @@ class ServerConfig(_Section):
     max_stop_chars: int = Field(256, ge=1, description="Characters per stop string; longer ones get 400 naming `stop`.")
 
 
-class SuffixConfig(_Section):
+class SegmentConfig(_Section):
     """``suffix.*`` keys of ``[cache]``: the reuse settings for cached segments that are not a prefix. Off by
     default: unlike prefix reuse it is approximate (docs/features/segment-reuse.md). The keys keep the article's
     name, suffix reuse, although what is reused is any cached segment, not only a suffix.
@@ -147,7 +147,7 @@ class CacheConfig(_Section):
     policy: Literal["lru", "lfu"] = Field("lru", description=(
         "Which unreferenced cached block is evicted first: `lru` (least recently used) or `lfu` (fewest hits, then "
         "least recent)."))
-    suffix: SuffixConfig = Field(default_factory=SuffixConfig, description="Segment reuse (the `suffix.*` keys).")
+    suffix: SegmentConfig = Field(default_factory=SegmentConfig, description="Segment reuse (the `suffix.*` keys).")
     normalize_input: bool = Field(False, description=(
         "Canonicalise each message's text before tokenizing (NFKC, line endings, runs of spaces), so prompts that "
         "differ only there share blocks. It changes what the model reads (docs/features/prefix-caching.md)."))
@@ -288,7 +288,7 @@ def _leaves(model: type[BaseModel], prefix: str = "") -> Iterator[tuple[str, Fie
 # section -> INI key ("suffix.enabled") -> field; the keys the loader accepts and config_to_ini writes.
 _KEYS = {section: dict(_leaves(field.annotation)) for section, field in Config.model_fields.items()}
 # Where each model sits in the INI, to name the key of an error raised while building it.
-_PREFIX = {Config: "", ServerConfig: "server", CacheConfig: "cache", SuffixConfig: "cache.suffix",
+_PREFIX = {Config: "", ServerConfig: "server", CacheConfig: "cache", SegmentConfig: "cache.suffix",
            DiskTierConfig: "cache.disk", RedisTierConfig: "cache.redis",
            ModelConfig: "model", EngineConfig: "engine", EventsConfig: "events", ClusterConfig: "cluster"}
 # What a value must be, by pydantic error type.

@@ -15,8 +15,8 @@ from kvreuse.config import (
     EventsConfig,
     ModelConfig,
     RedisTierConfig,
+    SegmentConfig,
     ServerConfig,
-    SuffixConfig,
     config_to_ini,
     load_config,
     parse_value,
@@ -62,7 +62,7 @@ ALL_CHANGED = Config(
         block_size=32,
         max_blocks=0,
         policy="lfu",
-        suffix=SuffixConfig(
+        suffix=SegmentConfig(
             enabled=True, mode="shift", recompute_ratio=0.1, head_tokens=0, guard_margin=1.0
         ),
         normalize_input=True,
@@ -106,7 +106,7 @@ def test_article_ini_loads_exactly(tmp_path):
     assert config.cache.suffix.enabled is True
     assert config.cache.normalize_input is True  # default is False, so this proves the file was read
     assert config.cache.min_match_blocks == 1
-    expected = Config(cache=CacheConfig(normalize_input=True, suffix=SuffixConfig(enabled=True)))
+    expected = Config(cache=CacheConfig(normalize_input=True, suffix=SegmentConfig(enabled=True)))
     assert config == expected
     assert load_config(Path(__file__).resolve().parents[1] / "examples" / "article.ini") == expected  # as shipped
 
@@ -349,7 +349,7 @@ def test_code_built_configs_are_checked_when_built():
     with pytest.raises(ConfigError, match=r"^config key 'server.port' must be an integer, got True$"):
         Config(server=ServerConfig(port=True))
     with pytest.raises(ConfigError, match=r"must be between 0.0 and 1.0, got 2$"):
-        Config(cache=CacheConfig(suffix=SuffixConfig(recompute_ratio=2)))
+        Config(cache=CacheConfig(suffix=SegmentConfig(recompute_ratio=2)))
 
 
 def test_as_dict():

@@ -174,7 +174,7 @@ def scripted_llm(tiny_model_dir):
     llm = LLM(tiny_config(tiny_model_dir, engine__num_kv_blocks=64))
     script: dict[str, list[int]] = {}
 
-    def run(seqs, reuse):
+    def run(seqs, segments):
         return StepOutput([[(script[s.request_id][s.num_completion_tokens], None)]
                            if s.num_computed_tokens + s.num_scheduled_tokens == s.num_tokens else None for s in seqs])
 

@@ -31,11 +31,11 @@ def fail_next_forwards(engine: LLMEngine, count: int = 1) -> list[list[str]]:
     """The runner raises on its next `count` calls; returns the request ids of each failed forward."""
     run, failed = engine.runner.run, []
 
-    def faulty(seqs, reuse):
+    def faulty(seqs, segments):
         if len(failed) < count:
             failed.append([s.request_id for s in seqs])
             raise InjectedFault("injected fault in the forward")
-        return run(seqs, reuse)
+        return run(seqs, segments)
 
     engine.runner.run = faulty
     return failed

@@ -183,8 +183,8 @@ def spy_batches(llm: LLM) -> list[tuple[int, int]]:
     runner, seen = llm.engine.runner, []
     run = runner.run
 
-    def spy(seqs, reuse):
+    def spy(seqs, segments):
         seen.append((len(seqs), sum(s.kv.segment_plan is not None for s in seqs)))
-        return run(seqs, reuse)
+        return run(seqs, segments)
     runner.run = spy
     return seen

@@ -64,11 +64,11 @@ class Faults:
         self.forward, self.armed = engine.runner.run, False
         engine.runner.run = self.run
 
-    def run(self, seqs: list[Sequence], reuse) -> StepOutput:
+    def run(self, seqs: list[Sequence], segments) -> StepOutput:
         if self.armed:
             self.armed = False
             raise InjectedFault("injected by the soak")
-        return self.forward(seqs, reuse)
+        return self.forward(seqs, segments)
 
 
 def next_token(context: list[int]) -> int:
@@ -99,7 +99,7 @@ class RecordingForward:
     def slot(self, seq: Sequence, position: int) -> int:
         return seq.kv.block_table[position // self.bs] * self.bs + position % self.bs
 
-    def run(self, seqs: list[Sequence], reuse) -> StepOutput:
+    def run(self, seqs: list[Sequence], segments) -> StepOutput:
         tokens = [self.forward(seq) for seq in seqs]
         return StepOutput([None if t is None else [(t, None)] for t in tokens])
 
@@ -259,7 +259,7 @@ def run_program(run: Run, program: list[tuple], coverage: Counter, exact_only: b
         elif op[0] == "fault" and op[1] == FAULT:
             faults.armed = True
         elif op[0] == "segments" and not exact_only:
-            engine.set_reuse(engine.reuse.with_changes(enabled=op[1]))
+            engine.set_segment_settings(engine.segment_settings.with_changes(enabled=op[1]))
     faults.armed = False
     run.drain()
     run.check_the_end()

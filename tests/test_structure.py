@@ -81,6 +81,30 @@ def test_the_function_size_test_covers_every_module():
     assert {"engine", "server", "bench", "kvcache", "model"} <= set(PACKAGES)
 
 
+def manager_calls(path: Path, *receivers: str) -> set[str]:
+    """The methods called on `receivers` (names, or `self.<attribute>`) in the module at `path`."""
+    called = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            receiver = ast.unparse(node.func.value)
+            if receiver in receivers:
+                called.add(node.func.attr)
+    return called
+
+
+ADMISSION = {"match", "can_admit", "admit"}  # the manager's admission pair (vLLM: get_computed_blocks, allocate_slots)
+
+
+def test_the_simulator_admits_and_updates_through_the_schedulers_own_calls():
+    """Neither copies admission or the postprocess by hand: both call the manager's admission pair, and its `update`
+    after a forward (the scheduler's `update`), and the simulator calls nothing else of the manager's but making and
+    freeing a request."""
+    simulator = manager_calls(PACKAGE / "kvcache" / "simulate.py", "manager")
+    scheduler = manager_calls(PACKAGE / "engine" / "scheduler.py", "kv", "self.kv_manager")
+    assert ADMISSION | {"update"} <= scheduler
+    assert simulator == ADMISSION | {"new_request", "update", "free"}
+
+
 def test_records_add_up_field_by_field_and_keep_their_invariants():
     a = ReuseRecord.planned(100, num_cached_tokens=32, num_reused_tokens=48, num_shifted_tokens=16)
     b = ReuseRecord(prompt_tokens=10, computed_prompt_tokens=10, guarded_requests=1)

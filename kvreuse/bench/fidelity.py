@@ -32,20 +32,20 @@ MODES = {
 @contextmanager
 def reuse_settings(llm: LLM, **changes):
     """Run a block with the engine's segment reuse settings (`cache.suffix.*`) changed, then restore them."""
-    original = llm.engine.reuse
-    llm.engine.set_reuse(original.with_changes(**changes))
+    original = llm.engine.segment_settings
+    llm.engine.set_segment_settings(original.with_changes(**changes))
     try:
         yield
     finally:
-        llm.engine.set_reuse(original)
+        llm.engine.set_segment_settings(original)
 
 
-def run(llm: LLM, conversations: list[list[dict]], suffix_overrides: dict, continuation: int = CONTINUATION) -> dict:
+def run(llm: LLM, conversations: list[list[dict]], segment_overrides: dict, continuation: int = CONTINUATION) -> dict:
     """One mode over one workload, starting from an empty cache."""
     llm.engine.kv_manager.pool.reset_cache()
     params = SamplingParams(max_tokens=continuation, keep_first_logits=True, ignore_eos=True)
     pairs = []  # (exact, with reuse) outputs per request
-    with reuse_settings(llm, **suffix_overrides):
+    with reuse_settings(llm, **segment_overrides):
         for messages in conversations:
             pairs.append((llm.chat(messages, params, use_cache=False)[0], llm.chat(messages, params)[0]))
     reusing = [(e, a) for e, a in pairs if a.usage.reused_tokens]
@@ -75,7 +75,7 @@ def fidelity_report(num_requests: int = 24, seed: int = 0, modes: list[str] | No
     llm = llm or LLM(fidelity_config(overrides, config_file))
     conversations = workloads.WORKLOADS[workload](num_requests, seed=seed)
     report = {"workload": workload, "requests": num_requests, "seed": seed, "continuation_tokens": continuation,
-              "block_size": llm.engine.block_size, "suffix": llm.engine.reuse.model_dump(), "modes": {}}
+              "block_size": llm.engine.block_size, "suffix": llm.engine.segment_settings.model_dump(), "modes": {}}
     for name in modes or list(MODES):
         report["modes"][name] = run(llm, conversations, MODES[name], continuation)
         progress(f"{name}: {report['modes'][name]}")

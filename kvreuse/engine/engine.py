@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import torch
 
-from kvreuse.config import Config, SuffixConfig
+from kvreuse.config import Config, SegmentConfig
 from kvreuse.engine.block_io import PoolBlockIO
 from kvreuse.engine.detokenizer import detokenize, find_stop, stop_search_start
 from kvreuse.engine.front_end import (  # noqa: F401 (RequestError, DTYPES, dtype_name: importers' names from here)
@@ -59,7 +59,7 @@ class LLMEngine:
                                   front.tokenizer.eos_token_ids, decode_graph)
         self.tiers = TieredStore.from_config(config.cache, PoolBlockIO(self.runner.kv_cache, front.fingerprint))
         self.kv_manager = KVCacheManager.from_config(config.cache, num_blocks, front.fingerprint, tiers=self.tiers)
-        self.reuse = config.cache.suffix  # segment reuse settings: immutable, replaced only by set_reuse
+        self.segment_settings = config.cache.suffix  # immutable, replaced only by set_segment_settings
         self.stats = EngineStats()
         self.scheduler = Scheduler(self.kv_manager, config.engine.max_num_seqs, config.engine.max_num_batched_tokens)
         self.sequences: dict[str, Sequence] = {}
@@ -99,9 +99,9 @@ class LLMEngine:
         events.attach(self.kv_manager.pool)
         return events
 
-    def set_reuse(self, settings: SuffixConfig) -> None:
+    def set_segment_settings(self, settings: SegmentConfig) -> None:
         """Segment reuse settings (`cache.suffix.*`) for the requests scheduled from now on."""
-        self.reuse = settings
+        self.segment_settings = settings
         self.kv_manager.enable_segments = self.kv_manager.enable_caching and settings.enabled
 
     def add_sequence(self, seq: Sequence) -> Sequence:
@@ -164,7 +164,7 @@ class LLMEngine:
         """The forward and its postprocess; appends to `updated` as it goes, so that if it raises, the sequences
         that already finished are still reported."""
         self._copy(batch.copy_jobs)  # loaded and cached K/V into the admitted sequences' blocks
-        step = self.runner.run(batch.seqs, self.reuse)
+        step = self.runner.run(batch.seqs, self.segment_settings)
         now = time.perf_counter()
         self.stats.record_step(self.kv_manager, batch.num_prefill_tokens)
         for seq in batch.seqs:

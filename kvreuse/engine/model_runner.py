@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvreuse.config import SuffixConfig
+from kvreuse.config import SegmentConfig
 from kvreuse.engine.repair import RepairOutcome, forward_reusing
 from kvreuse.engine.sequence import Sequence
 from kvreuse.layers.attention import AttentionMetadata
@@ -54,9 +54,9 @@ class ModelRunner:
                                     dtype=dtype, device=device)
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], reuse: SuffixConfig) -> StepOutput:
+    def run(self, seqs: list[Sequence], segments: SegmentConfig) -> StepOutput:
         """Compute each sequence's `num_scheduled_tokens` tokens from `num_computed_tokens` on. A sequence with a
-        segment plan is scheduled whole and reuses the plan's K/V, repaired per `reuse` (see repair.py). A sequence
+        segment plan is scheduled whole and reuses the plan's K/V, repaired per `segments` (see repair.py). A sequence
         whose step reaches its last token draws the next one (and one per unforked choice)."""
         starts = [s.num_computed_tokens for s in seqs]
         lens = [s.num_scheduled_tokens for s in seqs]
@@ -75,7 +75,7 @@ class ModelRunner:
         out = StepOutput([None] * len(seqs))
         if any(s.kv.segment_plan is not None for s in seqs):
             hidden, out.outcomes = forward_reusing(self.model, self.kv_cache, seqs, input_ids, positions, meta,
-                                                   rows_t, reuse)
+                                                   rows_t, segments)
         elif meta.decode and not prompt_rows and self.decode_graph is not None and self.decode_graph.can_run(len(seqs)):
             hidden = self.decode_graph.run(input_ids, positions.to(self.device), meta, self.kv_cache,
                                            rows_t.to(self.device))             # [S, hidden]

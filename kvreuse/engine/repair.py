@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kvreuse.config import SuffixConfig
+from kvreuse.config import SegmentConfig
 from kvreuse.engine.sequence import Sequence
 from kvreuse.kvcache.accounting import ReuseRecord
 from kvreuse.kvcache.request import CacheRequest
@@ -126,7 +126,7 @@ class BatchRepair:
     `select` and `metadata_for` are what `Llama.forward_selective` calls back."""
 
     def __init__(self, seqs: list[Sequence], positions: torch.Tensor, kv_cache: torch.Tensor,
-                 settings: SuffixConfig):
+                 settings: SegmentConfig):
         self.seqs, self.positions, self.kv_cache, self.settings = seqs, positions, kv_cache, settings
         lens = torch.tensor([s.num_scheduled_tokens for s in seqs])
         self.bounds = [0, *lens.cumsum(0).tolist()]
@@ -163,7 +163,7 @@ class BatchRepair:
 
 def forward_reusing(model: Llama, kv_cache: torch.Tensor, seqs: list[Sequence], input_ids: torch.Tensor,
                     positions: torch.Tensor, meta: AttentionMetadata, rows: torch.Tensor,
-                    settings: SuffixConfig) -> tuple[torch.Tensor, dict[str, RepairOutcome]]:
+                    settings: SegmentConfig) -> tuple[torch.Tensor, dict[str, RepairOutcome]]:
     """The forward of a batch in which some sequences reuse cached segments (each scheduled whole, so each
     samples); the others (prefill chunks, decodes) are computed in full. input_ids, positions: [T] (positions on
     the CPU); rows: [S] rows of the batch that give logits (every sampling row among them). Returns their final
