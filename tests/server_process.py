@@ -69,7 +69,8 @@ class Server:
     base_url: str          # http://127.0.0.1:PORT/v1
     model: str
     process: subprocess.Popen
-    log_path: Path
+    log_path: Path         # its stderr
+    ready_line: str = ""
 
     @property
     def root(self) -> str:
@@ -143,7 +144,7 @@ def start_server(*args: str, log_path: Path, ready_timeout: float = 90.0,
                                    f"{log_path.read_text(errors='replace')[-3000:]}")
             match = READY.search(line)
             if match:
-                server = Server(match.group(1), match.group(2), process, log_path)
+                server = Server(match.group(1), match.group(2), process, log_path, line.strip())
         yield server
     finally:
         stop(process, stop_timeout)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -24,6 +26,8 @@ from kvreuse.sampling_params import SamplingParams
 
 from .helpers import server_args
 from .server_process import (
+    READY,
+    REPO_ROOT,
     Metrics,
     Server,
     http_client,
@@ -37,6 +41,21 @@ from .server_process import (
 BLOCK_SIZE = 16  # cache.block_size default: prefix-cache hits come in whole blocks
 SYSTEM = ("You are a concise assistant for the city library of Port Elling. You answer questions about opening "
           "hours, borrowing rules and events. Keep answers short, friendly and factual, and never invent details.")
+
+
+def readme_block(language: str, containing: str) -> str:
+    """The README's fenced ```language block (plain ``` for language "") that contains `containing`."""
+    blocks, fence, lines = [], None, []
+    for line in (REPO_ROOT / "README.md").read_text().splitlines():
+        if line.startswith("```"):
+            if fence is None:
+                fence, lines = line[3:].strip(), []
+            else:
+                blocks.append((fence, "\n".join(lines) + "\n"))
+                fence = None
+        elif fence is not None:
+            lines.append(line)
+    return next(text for fence, text in blocks if fence == language and containing in text)
 
 
 # --- servers and clients ---------------------------------------------------------------------------------
@@ -212,6 +231,32 @@ class TestRealModel:
         assert second.model_extra["computed_prompt_tokens"] == (second.prompt_tokens
                                                                 - second.prompt_tokens_details.cached_tokens)
         assert replies[1].choices[0].message.content == replies[0].choices[0].message.content
+
+    def test_the_readmes_curl_call_answers_as_written(self, real_server):
+        command = readme_block("bash", "curl ")
+        assert "localhost:8000" in command and real_server.model in command
+        command = command.replace("localhost:8000", real_server.root.removeprefix("http://"))
+        done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        body = json.loads(done.stdout)
+        assert body["object"] == "chat.completion" and body["choices"][0]["message"]["content"].strip()
+        assert body["usage"]["prompt_tokens"] > 0 and 0 < body["usage"]["completion_tokens"] <= 32
+
+    def test_the_readmes_python_snippet_runs_as_written(self, real_server):
+        code = readme_block("python", "OpenAI(")
+        assert "http://127.0.0.1:8000/v1" in code
+        code = code.replace("http://127.0.0.1:8000/v1", real_server.base_url)
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
+        assert done.returncode == 0, done.stderr
+        *reply, cached_tokens = done.stdout.strip().splitlines()
+        assert "".join(reply).strip() and cached_tokens.isdigit()
+
+    def test_the_readmes_ready_line_is_the_servers(self, real_server):
+        documented = readme_block("", "kvreuse ready:").strip()
+        served = real_server.ready_line
+        assert READY.search(documented) and READY.search(served)
+        assert [f.split("=")[0] for f in documented.split() if "=" in f] == \
+            [f.split("=")[0] for f in served.split() if "=" in f]
 
     def test_raw_stream_framing_with_usage_and_done(self, real_server, http):
         body = {"model": real_server.model, "messages": [{"role": "user", "content": "Say hello."}],
