@@ -30,9 +30,6 @@ class CopyJobs:
         self.stores += other.stores
         return self
 
-    def __bool__(self) -> bool:
-        return bool(self.writes or self.copies or self.stores)
-
     def store(self, blocks: Sequence[StoredBlock], block_ids: Sequence[int], tiers: Sequence[str]) -> None:
         if blocks and tiers:
             self.stores.append(StoreJob(tuple(blocks), tuple(block_ids), tuple(tiers)))

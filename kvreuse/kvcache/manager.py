@@ -263,8 +263,7 @@ only registered blocks are written to the lower tiers."""
         req.num_reused_tokens = plan.num_tokens if plan else 0
         req.num_shifted_tokens = plan.num_shifted_tokens if plan else 0
         if req.scope is ReuseScope.SCORED and match.hits:  # before allocating below can evict the block after them
-            self._key(req, len(match.hits))
-            self.prompt_logprobs.take(req, len(match.hits) + 1)
+            self.prompt_logprobs.take(req, [self._key(req, i) for i in range(len(match.hits) + 1)])
         if plan is not None:
             self.pool.hold(plan.source_block_ids)
             req.segment_plan = plan

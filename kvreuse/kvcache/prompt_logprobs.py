@@ -43,15 +43,15 @@ class PromptLogprobStore:
         assert self.can_put(key, num_top) and len(records) == self.block_size, "a stale or partial entry"
         self.entries[key] = LogprobEntry(num_top, tuple(records))
 
-    def take(self, req: CacheRequest, num_blocks: int) -> None:
-        """At admission: the stored records of `req`'s first `num_blocks` blocks (their keys computed), after those
-        it already knows."""
-        entries = [self.get(key, req.prompt_logprobs) for key in req.block_keys[:num_blocks]]
-        assert len(entries) == num_blocks and all(entries), "a matched block lost its prompt logprobs"
+    def take(self, req: CacheRequest, keys: Sequence[bytes]) -> None:
+        """At admission: the stored records of the blocks `keys` (`req`'s first blocks), after those it already
+        knows."""
+        entries = [self.get(key, req.prompt_logprobs) for key in keys]
+        assert all(entries), "a matched block lost its prompt logprobs"
         known = req.prompt_logprob_records
         known.extend([r for entry in entries for r in entry.records][len(known):])
-        req.num_logprob_blocks_stored = num_blocks
-        self.num_hits += num_blocks
+        req.num_logprob_blocks_stored = len(keys)
+        self.num_hits += len(keys)
 
     def add(self, req: CacheRequest, first: int, records: Sequence, publishes: bool) -> None:
         """After a step: merge the records it computed (from position `first` on) after those `req` knows, keeping the
