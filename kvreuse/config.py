@@ -13,7 +13,7 @@ from collections.abc import Iterator, Sequence
 from functools import reduce
 from typing import Annotated, Literal, get_args
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 from pydantic.fields import FieldInfo
 from pydantic_core import ErrorDetails, PydanticCustomError
 from typing_extensions import Self
@@ -62,14 +62,20 @@ class ServerConfig(_Section):
     host: str = Field("127.0.0.1", description="Address `kvreuse serve` listens on (`--host`).")
     port: int = Field(8000, ge=0, le=65535, description="Port `kvreuse serve` listens on (`--port`); 0 picks any free "
                                                           "port.")
-    max_queue: int = Field(256, ge=1, description=(
-        "Requests in flight, over all tenants, before the server answers 429 with `Retry-After: 1`."))
+    max_queue: int = Field(4096, ge=1, description=(
+        "Sequences in flight (prepared or in the engine), over all tenants, before the server answers 429 with "
+        "`Retry-After: 1`. A request counts one per prompt and choice (prompts x n, or x best_of); one larger than "
+        "this gets 400. The default holds four of the largest requests a body may make (64 prompts x n = 16)."))
     truncate: Literal["error", "oldest"] = Field("error", description=(
         "A chat over the context limit: `error` refuses it (400); `oldest` drops whole oldest turns after the system "
         "message until it fits, and the response says `truncated_turns`."))
     api_keys_file: str = Field("", description=(
         "File of API keys and their tenants (`--api-keys`): lines `KEY TENANT`, or a JSON object. Every route but "
         "`/health` then needs a key, and each tenant's KV is isolated; empty: no keys (docs/server.md)."))
+    admin_api_keys_file: str = Field("", description=(
+        "File of admin API keys (`--admin-api-keys`), in the format of `server.api_keys_file` (`KEY NAME`: NAME is "
+        "the tenant its own requests run as). With API keys, `/reset_prefix_cache`, `/cache/stats` and `/metrics` "
+        "need one of these (403 for a tenant's key); needs `server.api_keys_file`. Empty: no admin keys."))
     default_max_tokens: int = Field(256, ge=1, description=(
         "Completion tokens when a request gives none, capped to what fits in the context."))
     drain_timeout_s: int = Field(30, ge=0, description=(
@@ -77,9 +83,11 @@ class ServerConfig(_Section):
         "and `[DONE]`)."))
     max_body_mb: int = Field(4, ge=1, description=(
         "Request bodies larger than this many MB get 413 before they are read whole."))
-    max_queue_per_tenant: int = Field(64, ge=1, description=(
-        "With API keys: requests one tenant may have in flight before 429; without keys only `server.max_queue` "
-        "applies."))
+    max_queue_per_tenant: int = Field(1024, ge=1, description=(
+        "With API keys: sequences (prompts x n, or x best_of) one tenant may have in flight, prepared or in the "
+        "engine, before 429; a request larger than this gets 400. The default admits the largest request a body may "
+        "make (64 prompts x n = 16); tenants share the engine in turn whatever their share. Without keys only "
+        "`server.max_queue` applies."))
     max_stop_strings: int = Field(16, ge=1, description=(
         "Stop strings per request; more get 400 naming `stop` (offline too)."))
     max_stop_chars: int = Field(256, ge=1, description="Characters per stop string; longer ones get 400 naming `stop`.")
@@ -121,6 +129,13 @@ class DiskTierConfig(_Section):
     max_gb: float = Field(10.0, gt=0.0, description=(
         "Size limit of the disk tier (its entries' bytes), in GB; the least recently used entries go first."))
 
+    @field_validator("path")
+    @classmethod
+    def _a_directory(cls, path: str) -> str:
+        if path and os.path.exists(path) and not os.path.isdir(path):
+            raise ValueError("the disk tier needs a directory (created if missing), and this path is a file")
+        return path
+
 
 class RedisTierConfig(_Section):
     """``redis.*`` keys of ``[cache]``: the Redis tier, shared by processes; an empty url: none."""
@@ -132,6 +147,22 @@ class RedisTierConfig(_Section):
         "Expiry of Redis entries, in seconds; 0: none, entries live until Redis's `maxmemory` policy evicts them."))
     timeout_ms: int = Field(500, ge=1, le=60_000, description=(
         "Connect and socket timeout; past it the call is a miss and the tier backs off, then reconnects."))
+
+    @field_validator("url")
+    @classmethod
+    def _parses(cls, url: str) -> str:
+        if url:
+            from urllib.parse import urlparse
+
+            from redis.connection import parse_url
+            try:
+                parse_url(url)
+            except ValueError as exc:
+                raise ValueError(f"not a Redis URL ({exc}); expected redis://host:port/db") from None
+            db = urlparse(url).path.strip("/")
+            if not url.startswith("unix://") and db and not db.isdigit():
+                raise ValueError(f"the database {db!r} is not a number; expected redis://host:port/db")
+        return url
 
 
 class CacheConfig(_Section):
@@ -160,6 +191,15 @@ class CacheConfig(_Section):
     tier_queue_mb: int = Field(256, ge=1, description=(
         "MB of published blocks waiting to be written to the tiers; blocks beyond it are not written (counted in "
         "`kvreuse:tier_dropped_blocks`)."))
+    tier_secret_file: str = Field("", description=(
+        "File holding the key (at least 32 bytes, e.g. `openssl rand -hex 32`; not writable by others) that signs "
+        "every tier entry: an entry not signed with it is a miss, so whoever can write a tier but lacks the key "
+        "cannot feed it K/V. Servers sharing a Redis tier need the same key. Empty: a key made on first use at "
+        "`$KVREUSE_CACHE_DIR/tier.key` (~/.cache/kvreuse), 0600, shared by this user's servers on this machine "
+        "(docs/features/tiers.md)."))
+    tier_store_tokens: bool = Field(False, description=(
+        "Keep each block's token ids in its tier entry, readable by whoever can read the tier; false: only their "
+        "sha256, which the read checks."))
 
 
 # The article's scenario advice as presets (chat, eval and agent are its advice; rag is ours). A preset sets these
@@ -262,6 +302,24 @@ class ClusterConfig(_Section):
         "test holds)."))
 
 
+class StructuredConfig(_Section):
+    """``[structured]``: what a request's `response_format` / `guided_*` may cost to compile into a grammar, and the
+    memory the compiled grammars may keep (docs/features/structured-output.md)."""
+
+    max_schema_bytes: int = Field(32_768, ge=2, description=(
+        "Bytes of a format as compiled (a schema's compact JSON, a `guided_regex`, the `guided_choice` list as "
+        "JSON); a larger one gets 400 naming this key."))
+    max_schema_properties: int = Field(500, ge=1, description=(
+        "Object properties a schema may declare, summed over all its objects (`$defs` included); more get 400 naming "
+        "this key. Optional properties make compiling superlinear: 500 take ~1 s on 2 cores, 1,000 ~9 s."))
+    compile_timeout_s: float = Field(5.0, ge=0.0, description=(
+        "Seconds a new format may take to compile. It is compiled first in a separate check process, killed at "
+        "this deadline (400 naming this key); only then here. 0: no bound and no check process."))
+    grammar_cache_mb: int = Field(64, ge=0, description=(
+        "MB of compiled grammars kept (least recently used dropped first, by xgrammar's own size of each); a grammar "
+        "larger than this is used and not kept. 0: none kept."))
+
+
 class Config(_Section):
     """The whole configuration; one attribute per INI section."""
 
@@ -271,6 +329,7 @@ class Config(_Section):
     engine: EngineConfig = Field(default_factory=EngineConfig, description="The `[engine]` section.")
     events: EventsConfig = Field(default_factory=EventsConfig, description="The `[events]` section.")
     cluster: ClusterConfig = Field(default_factory=ClusterConfig, description="The `[cluster]` section.")
+    structured: StructuredConfig = Field(default_factory=StructuredConfig, description="The `[structured]` section.")
 
     def as_dict(self) -> dict:
         """Nested plain dicts of every value."""
@@ -290,7 +349,8 @@ _KEYS = {section: dict(_leaves(field.annotation)) for section, field in Config.m
 # Where each model sits in the INI, to name the key of an error raised while building it.
 _PREFIX = {Config: "", ServerConfig: "server", CacheConfig: "cache", SegmentConfig: "cache.suffix",
            DiskTierConfig: "cache.disk", RedisTierConfig: "cache.redis",
-           ModelConfig: "model", EngineConfig: "engine", EventsConfig: "events", ClusterConfig: "cluster"}
+           ModelConfig: "model", EngineConfig: "engine", EventsConfig: "events", ClusterConfig: "cluster",
+           StructuredConfig: "structured"}
 # What a value must be, by pydantic error type.
 _MUST_BE = {"bool_type": "a boolean (true/false)", "string_type": "a string",
             **dict.fromkeys(("int_type", "int_parsing", "int_from_float"), "an integer"),
@@ -334,6 +394,8 @@ def _message(key: str, error: ErrorDetails) -> str:
         return f"config key '{key}' must be > {error['ctx']['gt']}, got {got}"
     if kind == "extra_forbidden":
         return _unknown(section, rest, "in code")
+    if kind == "value_error":
+        return f"config key '{key}': {error['ctx']['error']}, got {got!r}"
     if kind == "frozen_instance":
         return f"config key '{key}' is read-only, got {got!r}; derive a changed copy with with_changes()"
     return f"config key '{key}': {error['msg']}, got {got!r}"

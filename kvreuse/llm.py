@@ -11,9 +11,21 @@ from kvreuse.sampling_params import SamplingParams
 
 
 class LLM:
+    """The offline engine. `close()` (or `with LLM(...) as llm:`) writes what is queued for the lower tiers and
+    cancels a decode-step compile still running; at interpreter exit the compile is cancelled in any case."""
+
     def __init__(self, config: Config | None = None):
         self.engine = LLMEngine(config or Config())
         self.tokenizer = self.engine.front_end.tokenizer
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.engine.close()
 
     def wait_compiled(self, timeout: float | None = None) -> str:
         """Block until the decode step finished compiling (`engine.compile = decode`; see decode_graph.py), at most

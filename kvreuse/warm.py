@@ -10,13 +10,15 @@ ignored: only the prompt's KV matters.
 
 The write queue drops what overflows it (a server must never wait on a slow disk); warming is offline work that
 nobody waits on, so between steps it lets the writer catch up whenever the queue is more than half full, instead
-of dropping blocks. What is dropped anyway is reported.
+of dropping blocks. What is dropped anyway, and what a tier did not store (a full or read-only disk, Redis down), is
+reported: `tiers_written` is true only when nothing was lost (`TierWrites`).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from kvreuse.engine.engine import LLMEngine
 from kvreuse.engine.front_end import FrontEnd, RequestError
@@ -30,6 +32,40 @@ from kvreuse.sampling_params import SamplingParams
 
 FLUSH_TIMEOUT_S = 300.0
 WARM_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)  # one greedy token: the prompt's KV is what it leaves
+
+
+@dataclass(frozen=True)
+class TierWrites:
+    """What the tiers did between two snapshots of the store (other requests' writes included, in a server)."""
+
+    written: dict[str, int]       # tier -> entries written
+    not_written: dict[str, int]   # tier -> entries a put did not store (a fault, no room, Redis down)
+    errors: dict[str, int]        # tier -> faults of its medium
+    dropped: int                  # blocks the full write queue dropped before any tier saw them
+    flushed: bool                 # the queue was empty at the end
+
+    @property
+    def complete(self) -> bool:
+        """Every block queued reached every tier: the queue drained, dropped nothing, and no tier failed a put."""
+        return self.flushed and self.dropped == 0 and not any(self.not_written.values())
+
+    def summary(self) -> dict:
+        return {"tiers_written": self.complete, "blocks_written": self.written,
+                "blocks_not_written": self.not_written, "write_errors": self.errors, "dropped_blocks": self.dropped,
+                "flushed": self.flushed}
+
+
+def tier_writes(tiers: TieredStore | None, before: dict | None, flushed: bool) -> TierWrites:
+    """The tiers' writes since `before` (`tiers.snapshot()`, None without tiers)."""
+    if tiers is None:
+        return TierWrites({}, {}, {}, 0, flushed)
+    after = tiers.snapshot()
+
+    def delta(counter: str) -> dict[str, int]:
+        return {name: after["tiers"][name][counter] - before["tiers"][name][counter] for name in tiers.tier_names}
+
+    return TierWrites(delta("entries_written"), delta("entries_dropped"), delta("errors"),
+                      after["dropped_blocks"] - before["dropped_blocks"], flushed)
 
 
 class WarmError(ValueError):
@@ -80,13 +116,11 @@ def warm(llm: LLM, records: list[PromptRecord], cache_salt: str | None = None) -
     failed = [{"line": r.line, "error": out.error} for out, r in zip(outputs, records, strict=True)
               if out.error is not None]
     total = prompt_usage(outputs)
-    written, errors, dropped = _tier_writes(tiers, before)
     return {"num_items": len(records), "prompt_tokens": total.prompt_tokens,
             "cached_tokens": total.cached_tokens, "cached_tokens_details": total.cached_by_tier(),
             "reused_tokens": total.reused_tokens, "computed_prompt_tokens": total.computed_prompt_tokens,
-            "tiers": tiers.tier_names if tiers is not None else [], "blocks_written": written,
-            "write_errors": errors, "dropped_blocks": dropped, "failed": failed,
-            "seconds": round(time.perf_counter() - began, 3), "flushed": flushed}
+            "tiers": tiers.tier_names if tiers is not None else [], **tier_writes(tiers, before, flushed).summary(),
+            "failed": failed, "seconds": round(time.perf_counter() - began, 3)}
 
 
 def warm_sequences(front: FrontEnd, records: list[PromptRecord], cache_salt: str | None) -> list[Sequence]:
@@ -107,16 +141,3 @@ def _let_writer_catch_up(tiers: TieredStore) -> None:
     """Backpressure: with the write queue more than half full, wait for the writer rather than drop blocks."""
     if tiers.snapshot()["queued_bytes"] > tiers.max_queue_bytes // 2:
         tiers.flush(FLUSH_TIMEOUT_S)
-
-
-def _tier_writes(tiers: TieredStore | None, before: dict | None) -> tuple[dict, dict, int]:
-    """Since the snapshot `before`: the entries written and the errors per tier, and the blocks dropped."""
-    written, errors, dropped = {}, {}, 0
-    if tiers is not None:
-        after = tiers.snapshot()
-        for name in tiers.tier_names:
-            was, now = before["tiers"][name], after["tiers"][name]
-            written[name] = now["entries_written"] - was["entries_written"]
-            errors[name] = now["errors"] - was["errors"]
-        dropped = after["dropped_blocks"] - before["dropped_blocks"]
-    return written, errors, dropped

@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 
@@ -107,3 +108,19 @@ def app_server(engine: LLMEngine, api_keys: dict[str, str] | None = None,
         server.should_exit = True
         thread.join(timeout)
         assert not thread.is_alive(), "the in-process server did not stop"
+
+
+def doc_block(doc: Path, language: str, containing: str) -> str:
+    """The fenced ```language block (plain ``` for language "") of the markdown file `doc` that contains
+    `containing`: what a reader copies, run by the tests as written."""
+    blocks, fence, lines = [], None, []
+    for line in doc.read_text().splitlines():
+        if line.startswith("```"):
+            if fence is None:
+                fence, lines = line[3:].strip(), []
+            else:
+                blocks.append((fence, "\n".join(lines) + "\n"))
+                fence = None
+        elif fence is not None:
+            lines.append(line)
+    return next(text for fence, text in blocks if fence == language and containing in text)

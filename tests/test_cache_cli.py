@@ -212,7 +212,8 @@ def test_stats_and_clear_see_redis_and_keep_unrelated_keys(tmp_path, disk, flags
         assert client.get("unrelated:key") == b"keep me"
 
         assert main(["cache", "clear", *tiers, "--json"]) == 0
-        assert json.loads(capsys.readouterr().out) == {"cleared": {"disk": 0, "redis": 0}}
+        assert json.loads(capsys.readouterr().out) == {"cleared": {"disk": 0, "redis": 0},
+                                                       "remaining": {"disk": 0, "redis": 0}}
     finally:
         client.close()
 

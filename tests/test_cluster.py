@@ -325,6 +325,8 @@ def test_a_killed_replica_fails_its_requests_cleanly_and_the_cluster_serves_on(t
         assert not any(thread.is_alive() for thread in threads), "a request hung"
         failed = [o for o in outcomes.values() if isinstance(o, Exception)]
         assert len(failed) == 1 and len(outcomes) == 2, outcomes  # the killed replica's request, and only it
+        message = str(failed[0])   # the exception's type, not Ray's actor id, pid or node address
+        assert "(ActorDiedError)" in message and str(pids[0]) not in message and "actor_id" not in message, message
         # The cluster goes on: new requests succeed, and Serve starts a replacement.
         for i in range(4):
             reply = client.completions.create(model=server.model, prompt=f"After {i}", max_tokens=4, temperature=0)
@@ -407,8 +409,12 @@ class FakeHandle:
 
     def remote(self, spec):
         self.calls += 1
-        fault = RuntimeError("The actor died unexpectedly") if self.calls <= self.faults else None
+        fault = RuntimeError(RAY_FAULT) if self.calls <= self.faults else None
         return FakeStream(self.deltas, fault)
+
+
+RAY_FAULT = ("The actor died unexpectedly before finishing this task. class_name: ServeReplica:kvreuse:Replica "
+             "actor_id: 9f1c2e7d0a pid: 48213 namespace: serve ip: 10.1.2.3")
 
 
 def relay(faults: int, tiny_llm) -> tuple[list, FakeHandle]:
@@ -438,7 +444,10 @@ def test_a_replica_failing_before_any_output_is_retried_once(tiny_llm):
 
 def test_a_second_failure_is_an_error_delta(tiny_llm):
     got, handle = relay(2, tiny_llm)
-    assert handle.calls == 2 and len(got) == 1 and "The actor died unexpectedly" in got[0].error
+    assert handle.calls == 2 and len(got) == 1
+    error = got[0].error   # what the client reads: no actor id, pid or internal address of the cluster
+    assert "the replica computing this request failed (RuntimeError)" in error
+    assert not any(secret in error for secret in ("9f1c2e7d0a", "48213", "10.1.2.3")), error
 
 
 def test_a_replica_engine_snapshot_pickles_whole_and_names_its_replica(tiny_llm):
@@ -462,3 +471,109 @@ def test_both_engine_clients_offer_what_the_server_needs(tiny_llm):
     for client in (AsyncEngine(tiny_llm.engine), RemoteEngine(FakeHandle([], 0), tiny_llm.engine.front_end)):
         assert not {name for name in members if not hasattr(client, name)}, type(client).__name__
         assert client.front_end is tiny_llm.engine.front_end
+
+
+# --- response formats: checked once by the ingress, compiled by the replica off its event loop -------------------
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}
+
+
+def test_the_ingress_checks_a_format_without_compiling_it_and_sends_it_checked(tiny_model_dir):
+    from kvreuse.engine.front_end import FrontEnd
+    from kvreuse.structured import CheckedFormat, UnsupportedFormat, parse_format
+
+    from .helpers import tiny_config
+
+    ingress = FrontEnd.from_config(tiny_config(tiny_model_dir))  # the ingress's own front end (launch.py)
+    try:
+        spec = parse_format(None, guided_json=CITY)
+        seq = ingress.make_sequence("Name a city.", SamplingParams(max_tokens=8), response_format=spec)
+        assert seq.grammar == CheckedFormat(spec) and seq.matcher is None
+        assert len(ingress.grammars.cache) == 0  # timed in the check process, compiled nowhere in this one
+        assert pickle.loads(pickle.dumps(RequestSpec.of(seq))).response_format == CheckedFormat(spec)
+        # What the single server refuses, the ingress refuses, before any replica sees it.
+        over = parse_format(None, guided_json={"type": "object", "properties": {f"p{i}": {} for i in range(501)}})
+        try:
+            ingress.make_sequence("Name a city.", SamplingParams(max_tokens=8), response_format=over)
+        except UnsupportedFormat as exc:
+            assert exc.field == "guided_json" and "(structured.max_schema_properties)" in str(exc)
+        else:
+            raise AssertionError("the ingress let a schema over the property limit through")
+    finally:
+        ingress.grammars.close()
+
+
+def test_a_replica_compiles_a_format_off_its_event_loop(tiny_model_dir):
+    """A format the ingress checked takes the replica 1-2 s to compile (800 optional properties); meanwhile its event
+    loop keeps running: its other calls (routing stats, health) answer, and no tick of the loop is held up."""
+    from kvreuse.cluster.replica import EngineReplica
+    from kvreuse.server.async_engine import AsyncEngine
+    from kvreuse.structured import CheckedFormat, parse_format
+
+    from .helpers import tiny_engine
+
+    engine = tiny_engine(tiny_model_dir, structured__max_schema_properties=1000)
+    replica = EngineReplica.__new__(EngineReplica)  # Serve's replica context is not needed past __init__
+    replica.engine, replica.runner, replica.name = engine, AsyncEngine(engine), "replica-a"
+    replica.runner.start()
+    slow = parse_format(None, guided_json={"type": "object",
+                                           "properties": {f"field_{i}": {"type": "string"} for i in range(800)}})
+    request = RequestSpec("r1", engine.front_end.tokenize_prompt("Numbers:"), SamplingParams(max_tokens=3),
+                          response_format=CheckedFormat(slow))
+
+    async def run() -> tuple[list, float, float, float]:
+        loop = asyncio.get_running_loop()
+        gaps: list[float] = []
+
+        async def tick() -> None:
+            last = loop.time()
+            while True:
+                await asyncio.sleep(0.01)
+                replica.check_health()
+                gaps.append(loop.time() - last)
+                last = loop.time()
+
+        ticker = asyncio.create_task(tick())
+        start = loop.time()
+        streamed = asyncio.create_task(collect(replica.generate(request)))
+        await asyncio.sleep(0.1)
+        asked = loop.time()
+        await replica.record_routing_stats()
+        answered = loop.time() - asked
+        deltas = await streamed
+        ticker.cancel()
+        return deltas, loop.time() - start, answered, max(gaps)
+
+    try:
+        deltas, took, answered, longest_gap = asyncio.run(run())
+    finally:
+        replica.runner.shutdown()
+    assert deltas[-1].finished and deltas[-1].error is None and deltas[-1].output.replica == "replica-a"
+    assert took > 0.5, took  # the compile is slow enough to show a blocked loop
+    assert answered < took / 4 and longest_gap < took / 4, (answered, longest_gap, took)
+    assert engine.front_end.grammars.check_process.starts == 0  # the ingress timed it; the replica does not again
+    assert len(engine.front_end.grammars.cache) == 1
+
+
+async def collect(stream) -> list:
+    return [delta async for delta in stream]
+
+
+def test_a_cluster_refuses_a_format_at_the_ingress_and_a_replica_answers_under_one(tmp_path, tiny_model_dir):
+    import json
+
+    import jsonschema
+
+    with cluster(tmp_path, tiny_model_dir, "round_robin") as server, http_client(120) as http:
+        url = f"{server.root}/v1/chat/completions"
+        ask = {"model": server.model, "messages": [{"role": "user", "content": "A city?"}], "max_tokens": 24,
+               "temperature": 0}
+        for _ in range(2):  # round robin: each replica compiles it once
+            reply = http.post(url, json={**ask, "guided_json": CITY})
+            assert reply.status_code == 200, reply.text
+            jsonschema.validate(json.loads(reply.json()["choices"][0]["message"]["content"]), CITY)
+        over = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(600)}}
+        refused = http.post(url, json={**ask, "guided_json": over})
+        assert refused.status_code == 400, refused.text
+        error = refused.json()["error"]
+        assert error["param"] == "guided_json" and "(structured.max_schema_properties)" in error["message"]
+        assert http.get(f"{server.root}/health").json() == {"status": "ok"}

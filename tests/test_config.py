@@ -1,4 +1,5 @@
 import configparser
+import re
 from pathlib import Path
 from typing import get_args
 
@@ -17,6 +18,7 @@ from kvreuse.config import (
     RedisTierConfig,
     SegmentConfig,
     ServerConfig,
+    StructuredConfig,
     config_to_ini,
     load_config,
     parse_value,
@@ -56,6 +58,7 @@ ALL_CHANGED = Config(
         max_queue_per_tenant=2,
         max_stop_strings=4,
         max_stop_chars=32,
+        admin_api_keys_file="/etc/kvreuse/admin keys.txt",
     ),
     cache=CacheConfig(
         enabled=False,
@@ -71,6 +74,8 @@ ALL_CHANGED = Config(
         disk=DiskTierConfig(path="/var/cache/kv reuse=1", max_gb=0.25),
         redis=RedisTierConfig(url="redis://:p%40ss@127.0.0.1:6380/2", ttl_s=3600, timeout_ms=50),
         tier_queue_mb=64,
+        tier_secret_file="/etc/kvreuse/tier.key",
+        tier_store_tokens=True,
     ),
     model=ModelConfig(path="C:\\models\\a=b.gguf", dtype="bf16", device="cpu", quantization="int8"),
     engine=EngineConfig(
@@ -81,6 +86,8 @@ ALL_CHANGED = Config(
     cluster=ClusterConfig(replicas=3, routing="round_robin", ray_address="ray://10.0.0.1:10001",
                           cpus_per_replica=0.5, cache_threshold=0.5, balance_abs_threshold=8,
                           balance_rel_threshold=2.0),
+    structured=StructuredConfig(max_schema_bytes=1000, max_schema_properties=20, compile_timeout_s=0.5,
+                                grammar_cache_mb=8),
 )
 
 
@@ -172,15 +179,15 @@ def test_all_changed_differs_from_defaults_everywhere():
 def test_config_to_ini_writes_every_key():
     parser = configparser.ConfigParser(interpolation=None)
     parser.read_string(config_to_ini(Config()))
-    assert parser.sections() == ["server", "cache", "model", "engine", "events", "cluster"]
+    assert parser.sections() == ["server", "cache", "model", "engine", "events", "cluster", "structured"]
     assert set(parser["cache"]) == {
         "enabled", "block_size", "max_blocks", "policy", "normalize_input", "min_match_blocks", "preset",
         "suffix.enabled", "suffix.mode", "suffix.recompute_ratio", "suffix.head_tokens",
         "suffix.guard_margin", "disk.path", "disk.max_gb", "redis.url", "redis.ttl_s", "redis.timeout_ms",
-        "tier_queue_mb",
+        "tier_queue_mb", "tier_secret_file", "tier_store_tokens",
     }
-    assert len(parser["server"]) == 12 and len(parser["model"]) == 4 and len(parser["engine"]) == 6
-    assert len(parser["events"]) == 4 and len(parser["cluster"]) == 7
+    assert len(parser["server"]) == 13 and len(parser["model"]) == 4 and len(parser["engine"]) == 6
+    assert len(parser["events"]) == 4 and len(parser["cluster"]) == 7 and len(parser["structured"]) == 4
 
 
 def test_article_round_trips_after_overrides(tmp_path):
@@ -268,7 +275,7 @@ def test_parse_value_conversions():
     ("model.zzz=1", "unknown config key 'model.zzz'; valid keys: device, dtype, path, quantization"),
     ("cachee.block_size=16",
      "unknown config section [cachee] in --set 'cachee.block_size=16'; did you mean [cache]? "
-     "valid sections: cache, cluster, engine, events, model, server"),
+     "valid sections: cache, cluster, engine, events, model, server, structured"),
 ])
 def test_bad_override_values(override, message):
     assert error_of(None, [override]) == message
@@ -296,7 +303,7 @@ def test_bad_override_syntax_message_text():
 
 def test_unknown_section_in_file(tmp_path):
     path = write(tmp_path, "[cachee]\nblock_size = 16\n")
-    valid = "valid sections: cache, cluster, engine, events, model, server"
+    valid = "valid sections: cache, cluster, engine, events, model, server, structured"
     assert error_of(path) == f"unknown config section [cachee] in {path}; did you mean [cache]? {valid}"
     path = write(tmp_path, "[zzz]\n")
     assert error_of(path) == f"unknown config section [zzz] in {path}; {valid}"
@@ -357,7 +364,7 @@ def test_as_dict():
     assert data["cache"]["suffix"] == {"enabled": False, "mode": "shift", "recompute_ratio": 0.15,
                                        "head_tokens": 8, "guard_margin": 0.03}
     assert data["server"]["max_tokens"] == 2048
-    assert set(data) == {"server", "cache", "model", "engine", "events", "cluster"}
+    assert set(data) == {"server", "cache", "model", "engine", "events", "cluster", "structured"}
 
 
 def test_presets_set_the_article_advice_and_explicit_keys_override_them(tmp_path):
@@ -421,3 +428,24 @@ def test_code_built_configs_are_checked_when_assigned_copied_or_built_from_dicts
         Config(cache={"suffix": {"guard_margin": float("inf")}})
     with pytest.raises(ConfigError, match=r"^unknown config key 'cache.blok_size'; did you mean 'cache.block_size'"):
         CacheConfig(blok_size=32)
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("cache.disk.path={file}", "config key 'cache.disk.path': the disk tier needs a directory"),
+    ("cache.redis.url=redis://localhost:notaport/0", "config key 'cache.redis.url': not a Redis URL"),
+    ("cache.redis.url=redis://localhost:6379/zero",
+     "config key 'cache.redis.url': the database 'zero' is not a number"),
+], ids=["disk-path-is-a-file", "redis-port-not-a-number", "redis-db-not-a-number"])
+def test_a_tier_that_cannot_work_is_a_config_error_with_exit_2_before_the_model_loads(tmp_path, setting, message):
+    import subprocess
+    import sys
+
+    file = tmp_path / "a-file"
+    file.write_text("")
+    setting = setting.format(file=file)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(None, [setting])
+    # A model that does not exist would be the error if the model were looked at first.
+    done = subprocess.run([sys.executable, "-m", "kvreuse", "serve", "--model", str(tmp_path / "no-model"),
+                           "--set", setting], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and message in done.stderr, (done.returncode, done.stderr)

@@ -5,6 +5,7 @@ eager decoding, says why, and serves."""
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 import torch
@@ -89,3 +90,19 @@ def test_without_a_compiler_the_engine_decodes_eagerly(compiling, tiny_model_dir
     out = llm.generate(list(range(100, 120)), greedy(5))[0]
     assert len(out.token_ids) == 5 and graph.num_steps == 0
     assert llm.engine.stats_snapshot().decode_graph.state == "failed"
+
+
+def test_closing_the_engine_cancels_a_compile_still_running(compiling, tiny_model_dir, monkeypatch):
+    # The compile thread is held in Python code until cancelled (a real compile may end before close() is called).
+    def never_ready(device):
+        while True:
+            time.sleep(0.01)
+    monkeypatch.setattr(decode_graph, "compiler_missing", never_ready)
+    llm = tiny_llm(tiny_model_dir)
+    graph = llm.engine.runner.decode_graph
+    assert graph.state == "compiling" and not graph.wait(0.1)
+    llm.close()
+    assert graph.wait(0) and graph.state == "cancelled", graph.state
+    assert not graph._thread.is_alive()
+    out = llm.generate(list(range(100, 120)), greedy(3))[0]   # a closed engine's graph is never used
+    assert len(out.token_ids) == 3 and graph.num_steps == 0

@@ -1,13 +1,18 @@
 """The scheduler without a model: one token budget per step, chunked prefill, decodes riding along with prefills,
-preemption of the youngest, max_num_seqs, and in-batch reuse (a prompt waits one step for blocks being computed)."""
+preemption of the youngest, max_num_seqs, in-batch reuse (a prompt waits one step for blocks being computed), and
+tenants taking turns; with the tiny model, forked choices (n > 1) kept within max_num_seqs."""
 
 from __future__ import annotations
+
+import pytest
 
 from kvreuse.engine.model_runner import StepOutput
 from kvreuse.engine.scheduler import Scheduler, SchedulerOutput
 from kvreuse.engine.sequence import Sequence, SequenceStatus
 from kvreuse.kvcache.manager import KVCacheManager
 from kvreuse.sampling_params import SamplingParams
+
+from .helpers import drain, greedy, tiny_engine
 
 BS = 4
 
@@ -85,7 +90,7 @@ def test_when_the_pool_runs_out_the_youngest_running_sequence_is_preempted_and_r
     # old's decode takes the last free block; young's finds none, and young is the youngest: it gives way.
     assert step(scheduler) == [("old", 1)]
     assert old.num_preemptions == 0 and old.status == SequenceStatus.RUNNING
-    assert young.num_preemptions == 1 and young.status == SequenceStatus.WAITING and scheduler.waiting[0] is young
+    assert young.num_preemptions == 1 and young.status == SequenceStatus.WAITING and scheduler.waiting.head is young
     assert young.num_computed_tokens == 0 and not young.kv.block_table
     assert scheduler.kv_manager.num_free_blocks == 5 - 3
     assert scheduler.num_preemptions == 1
@@ -150,3 +155,105 @@ def test_reuse_that_fits_once_the_pool_drains_is_kept_rather_than_dropped():
     seq = add(scheduler, "intro+doc", list(range(500, 536)) + document, max_tokens=3)   # 19 + 9 <= 32 blocks
     scheduler.schedule()
     assert len(seq.kv.segment_plan.source_block_ids) == 9 and seq.kv.segment_plan.runs[0].start == 36
+
+
+# --- tenants take turns, forks keep to max_num_seqs (issue 26, finding 11) ------------------------------------------
+def add_for(scheduler: Scheduler, tenant: str | None, name: str, tokens: list[int], max_tokens: int = 1) -> Sequence:
+    """A request of `tenant`'s (its salt too, as the server gives it)."""
+    seq = Sequence(name, scheduler.kv_manager.new_request(list(tokens), cache_salt=tenant),
+                   SamplingParams(max_tokens=max_tokens))
+    seq.tenant = tenant
+    scheduler.add(seq)
+    return seq
+
+
+def admission_order(scheduler: Scheduler, max_steps: int = 100) -> list[str]:
+    """Step until nothing is left; the request ids in the order they were first scheduled."""
+    order: list[str] = []
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished():
+            return order
+        order += [name for name, _ in step(scheduler) if name not in order]
+    raise AssertionError(f"unfinished after {max_steps} steps")
+
+
+def test_tenants_take_turns_at_admission_and_each_keeps_its_arrival_order():
+    scheduler = make(max_num_seqs=1, budget=64)
+    for i in range(5):
+        add_for(scheduler, "a", f"a{i}", [10 + i] * 5)
+    for i in range(2):
+        add_for(scheduler, "b", f"b{i}", [50 + i] * 5)
+    # Before: strict arrival order, b's requests after all of a's backlog.
+    assert admission_order(scheduler) == ["a0", "b0", "a1", "b1", "a2", "a3", "a4"]
+
+
+def test_a_tenant_just_served_waits_behind_one_that_was_not():
+    scheduler = make(max_num_seqs=1, budget=64)
+    add_for(scheduler, "a", "a0", [10] * 5)
+    assert step(scheduler) == [("a0", 5)]
+    add_for(scheduler, "a", "a1", [11] * 5)   # a's queue emptied, then a queued again before b arrived
+    add_for(scheduler, "b", "b0", [50] * 5)
+    assert admission_order(scheduler) == ["b0", "a1"]
+
+
+def test_without_tenants_the_queue_is_one_fifo():
+    scheduler = make(max_num_seqs=1, budget=64)
+    for name in ("x", "y", "z"):
+        add_for(scheduler, None, name, [ord(name)] * 5)
+    assert admission_order(scheduler) == ["x", "y", "z"]
+
+
+def test_a_preempted_sequence_goes_back_to_the_front_of_its_tenants_queue():
+    scheduler = make(num_blocks=5, budget=64)
+    add_for(scheduler, "a", "old", list(range(1, 9)), max_tokens=20)
+    young = add_for(scheduler, "b", "young", list(range(50, 58)), max_tokens=20)
+    later = add_for(scheduler, "b", "later", list(range(60, 64)), max_tokens=2)
+    scheduler.max_num_seqs = 2
+    assert step(scheduler) == [("old", 8), ("young", 8)]
+    step(scheduler)  # old's decode takes the last free block: young is preempted
+    assert young.status == SequenceStatus.WAITING and list(scheduler.waiting) == [young, later]
+
+
+def run_engine(engine, max_steps: int = 500) -> int:
+    """Step `engine` until done, checking integrity; the most sequences that ran in one step."""
+    peak = 0
+    for _ in range(max_steps):
+        if not engine.has_unfinished():
+            return peak
+        engine.step()
+        engine.check_integrity()
+        peak = max(peak, len(engine.scheduler.running))
+    raise AssertionError(f"unfinished after {max_steps} steps")
+
+
+def test_forked_choices_never_run_beyond_max_num_seqs(tiny_model_dir):
+    engine = tiny_engine(tiny_model_dir, engine__max_num_seqs=4)
+    a = engine.add_request([5] * 6, greedy(6), "a")
+    b = engine.add_request([6] * 6, greedy(6), "b")
+    c = engine.add_request([7] * 6, greedy(4, n=3), "c")      # three seats: itself and two forks
+    d = engine.add_request([8] * 6, greedy(6), "d")
+    # Before: a, b, c and d were admitted (4 < max_num_seqs until then), and c's two forks made 6 run.
+    assert run_engine(engine) == 4
+    assert [s.num_completion_tokens for s in (a, b, d)] == [6, 6, 6]
+    assert [choice.num_completion_tokens for choice in c.choices] == [4, 4, 4]
+
+
+def test_a_request_of_more_choices_than_max_num_seqs_runs_them_within_the_batch(tiny_model_dir):
+    engine = tiny_engine(tiny_model_dir, engine__max_num_seqs=4)
+    wide = engine.add_request([9] * 6, greedy(5, n=6), "wide")
+    assert run_engine(engine) == 4                              # the two choices beyond wait for seats
+    single = tiny_engine(tiny_model_dir)
+    alone = single.add_request([9] * 6, greedy(5), "alone")
+    drain(single)
+    # Greedy: every choice, forked or recomputed from the queue, is the request's completion alone.
+    assert [choice.completion_token_ids for choice in wide.choices] == [alone.completion_token_ids] * 6
+
+
+@pytest.mark.parametrize("prompt_len", [6, 16], ids=["partial-last-block", "full-blocks"])
+def test_choices_fork_even_when_the_first_choice_ends_at_its_first_token(tiny_model_dir, prompt_len):
+    # Found measuring issue 26's bound: with max_tokens 1 (or a first token that stops it), choice 0 finished and
+    # freed its blocks before the others forked from them (IndexError, the whole step failed).
+    engine = tiny_engine(tiny_model_dir, engine__max_num_seqs=8)
+    seq = engine.add_request(list(range(5, 5 + prompt_len)), greedy(1, n=4), "short")
+    run_engine(engine)
+    assert [(c.finish_reason, c.num_completion_tokens) for c in seq.choices] == [("length", 1)] * 4

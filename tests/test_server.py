@@ -24,7 +24,7 @@ import pytest
 
 from kvreuse.sampling_params import SamplingParams
 
-from .helpers import server_args
+from .helpers import doc_block, server_args
 from .server_process import (
     READY,
     REPO_ROOT,
@@ -45,17 +45,7 @@ SYSTEM = ("You are a concise assistant for the city library of Port Elling. You 
 
 def readme_block(language: str, containing: str) -> str:
     """The README's fenced ```language block (plain ``` for language "") that contains `containing`."""
-    blocks, fence, lines = [], None, []
-    for line in (REPO_ROOT / "README.md").read_text().splitlines():
-        if line.startswith("```"):
-            if fence is None:
-                fence, lines = line[3:].strip(), []
-            else:
-                blocks.append((fence, "\n".join(lines) + "\n"))
-                fence = None
-        elif fence is not None:
-            lines.append(line)
-    return next(text for fence, text in blocks if fence == language and containing in text)
+    return doc_block(REPO_ROOT / "README.md", language, containing)
 
 
 # --- servers and clients ---------------------------------------------------------------------------------
@@ -375,7 +365,7 @@ BAD_INPUTS = [
      ["'no-such-model' does not exist"], "model"),
     ("unknown-model-chat", "/chat/completions",
      {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}, 404, ["'gpt-4o' does not exist"], "model"),
-    ("missing-model", "/completions", {"prompt": "hi"}, 400, ["model", "Field required"], "model"),
+    ("model-not-a-string", "/completions", {"model": 7, "prompt": "hi"}, 400, ["model"], "model"),
     ("salt-empty", "/completions", {"model": M, "prompt": "hi", "cache_salt": ""}, 400,
      ["cache_salt", "at least 1 character"], "cache_salt"),
     ("salt-too-long", "/completions", {"model": M, "prompt": "hi", "cache_salt": "s" * 300}, 400,
@@ -398,6 +388,10 @@ BAD_INPUTS = [
      ["tools", "not supported"], "tools"),
     ("logit_bias-not-an-id", "/completions", {"model": M, "prompt": "hi", "logit_bias": {"the": 1}}, 400,
      ["logit_bias keys must be token ids"], "logit_bias"),
+    ("logit_bias-5000-digits", "/completions", {"model": M, "prompt": "hi", "logit_bias": {"9" * 5000: 1}}, 400,
+     ["logit_bias keys must be token ids", "at most 10 digits"], "logit_bias"),
+    ("logit_bias-unicode-digit", "/completions", {"model": M, "prompt": "hi", "logit_bias": {"\u00b2": 1}}, 400,
+     ["logit_bias keys must be token ids"], "logit_bias"),
     ("bad-response-format", "/chat/completions",
      {"model": M, "messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}}, 400,
      ["response_format.type must be one of"], "response_format"),
@@ -418,6 +412,29 @@ class TestBadInputs:
             r = http.post(url, json=body)
         assert_error(r, status, *needles, param=param)
         assert_serving(http, tiny_server)
+
+    @pytest.mark.parametrize("item, needles, param", [
+        ({"prompt": "hi", "cache_salt": ""}, ["cache_salt", "at least 1 character"], "items.0.cache_salt"),
+        ({"prompt": "hi", "cache_salt": "s" * 10_000}, ["cache_salt", "at most 256"], "items.0.cache_salt"),
+        ({"prompt": "hi", "cache_salt": "\ud800"}, ["cache_salt", "surrogate"], "items.0.cache_salt"),
+        ({"prompt": ""}, ["prompt must not be empty"], "items.0.prompt"),
+        ({"prompt": []}, ["prompt must not be empty"], "items.0.prompt"),
+        ({"messages": []}, ["messages", "at least 1 item"], "items.0.messages"),
+    ], ids=["salt-empty", "salt-10000-chars", "salt-lone-surrogate", "prompt-empty", "prompt-no-ids", "messages-none"])
+    def test_a_bad_warm_item_gets_400_naming_its_field_and_the_server_keeps_serving(
+            self, tiny_server, http, item, needles, param):
+        body = json.dumps({"items": [item]})   # ASCII JSON: "\ud800" stays an escape, as a client may send it
+        r = http.post(f"{tiny_server.root}/cache/warm", content=body, headers={"content-type": "application/json"})
+        assert_error(r, 400, *needles, param=param)
+        assert_serving(http, tiny_server)
+
+    @pytest.mark.parametrize("path, body", [
+        ("/completions", {"prompt": "hi", "max_tokens": 2}),
+        ("/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})])
+    def test_a_request_without_model_is_served_by_the_served_model(self, tiny_server, http, path, body):
+        r = http.post(f"{tiny_server.base_url}{path}", json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["model"] == tiny_server.model and r.json()["usage"]["completion_tokens"] == 2
 
     @pytest.mark.parametrize("path", ["/completions", "/chat/completions"])
     def test_prompt_over_the_context_limit_names_prompt_tokens_max_tokens_and_limit(self, tiny_server, http, path):
@@ -740,8 +757,9 @@ class TestTenants:
     def test_health_needs_no_key_and_metrics_does(self, keyed_server, http):  # issue 12, finding 5
         assert http.get(f"{keyed_server.root}/health").status_code == 200
         assert_error(http.get(f"{keyed_server.root}/metrics"), 401, "API key")
+        # A tenant's key may not read every tenant's counters (issue 26, finding 12): /metrics needs an admin key.
         keyed = http.get(f"{keyed_server.root}/metrics", headers={"Authorization": "Bearer key-beta-456"})
-        assert keyed.status_code == 200
+        assert_error(keyed, 403, "admin API key")
 
 
 # --- 6. backpressure -------------------------------------------------------------------------------------

@@ -1,13 +1,14 @@
-"""Server policy (issue 12, findings 2, 5, 6 and 9): what the server refuses before it reads a body, who may read
-what, one tenant's share of the queue, and how requests end when the drain timeout passes.
+"""Server policy (issue 12, findings 2, 5, 6 and 9; issue 26, finding 12): what the server refuses before it reads
+a body, who may read what (admin routes need an admin key), one tenant's share of the queue, and how requests end
+when the drain timeout passes.
 
 The server tests drive a real `kvreuse serve` subprocess (the tiny random-weight model) on 127.0.0.1:
-`open_server` runs without API keys, `keyed_server` with two tenants; both accept bodies up to 1 MB
-(`server.max_body_mb = 1`) and 3 requests in flight (`server.max_queue = 3`), 2 per tenant on the keyed one
-(`server.max_queue_per_tenant = 2`). The drain test starts its own (it exits). Two tests run the app in-process,
-for faults no real server can be asked for: an engine step that raises (uvicorn on a thread), and an ASGI 2.4
-server whose `send` raises because the client left before the response started (the app called directly).
-Every wait is bounded in time.
+`open_server` runs without API keys, `keyed_server` with two tenants and an admin key (`--admin-api-keys`, tenant
+"ops"); both accept bodies up to 1 MB (`server.max_body_mb = 1`) and 3 sequences in flight (`server.max_queue =
+3`), 2 per tenant on the keyed one (`server.max_queue_per_tenant = 2`). The drain test starts its own (it exits).
+Two tests run the app in-process, for faults no real server can be asked for: an engine step that raises (uvicorn
+on a thread), and an ASGI 2.4 server whose `send` raises because the client left before the response started (the
+app called directly). Every wait is bounded in time.
 """
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ from .test_server import assert_error, assert_serving, serve, wait_idle, wait_ru
 
 MB = 1024 * 1024
 LIMIT_MB = 1
-KEYS = {"alpha": "key-alpha-123", "beta": "key-beta-456"}  # tenant -> key
+KEYS = {"alpha": "key-alpha-123", "beta": "key-beta-456", "ops": "key-ops-789"}  # tenant -> key
+ADMIN = "ops"  # the tenant of the admin key
 PER_TENANT = 2
 MAX_QUEUE = 3
 IDLE_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
@@ -56,10 +58,12 @@ def open_server(tmp_path_factory, tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def keyed_server(tmp_path_factory, tiny_model_dir):
-    keys = tmp_path_factory.mktemp("policy-keys") / "api_keys.txt"
-    keys.write_text("".join(f"{key} {tenant}\n" for tenant, key in KEYS.items()))
+    folder = tmp_path_factory.mktemp("policy-keys")
+    keys, admin_keys = folder / "api_keys.txt", folder / "admin_keys.txt"
+    keys.write_text("".join(f"{key} {tenant}\n" for tenant, key in KEYS.items() if tenant != ADMIN))
+    admin_keys.write_text(f"{KEYS[ADMIN]} {ADMIN}\n")
     with serve(tmp_path_factory, "policy-keyed", *server_args(tiny_model_dir, *policy_sets()),
-               "--api-keys", str(keys)) as server:
+               "--api-keys", str(keys), "--admin-api-keys", str(admin_keys)) as server:
         yield server
 
 
@@ -74,10 +78,10 @@ def completion(server: Server, max_tokens: int = 2, **fields) -> dict:
             "ignore_eos": True, **fields}
 
 
-def settle(server: Server, tenant: str = "alpha") -> None:
-    """Wait (bounded) until the engine is idle, scraping /metrics with `tenant`'s key, and a moment more: the
+def settle(server: Server) -> None:
+    """Wait (bounded) until the engine is idle, scraping /metrics with the admin key, and a moment more: the
     event loop gives a request's place back right after the engine's last delta."""
-    with http_client(10.0, headers=auth(tenant)) as client:
+    with http_client(10.0, headers=auth(ADMIN)) as client:
         def idle(scrape: Metrics) -> bool:
             return all(scrape.get(name, model_name=server.model) == 0 for name in IDLE_GAUGES)
 
@@ -166,6 +170,9 @@ class TestBodyLimit:
 
 # --- finding 5: with API keys, everything but /health needs a key, and the key is checked before the body ----
 PROTECTED_GETS = ["/metrics", "/docs", "/redoc", "/openapi.json"]
+# --- issue 26, finding 12: what acts on or shows every tenant's state needs an admin key ----------------------
+ADMIN_ROUTES = [("GET", "/metrics"), ("GET", "/cache/stats"), ("POST", "/reset_prefix_cache"),
+                ("POST", "/reset_prefix_cache?tiers=true")]
 
 
 class TestWhoMayReadWhat:
@@ -175,7 +182,35 @@ class TestWhoMayReadWhat:
         for headers in ({}, {"Authorization": "Bearer wrong-key"}):
             error = assert_error(http.get(url, headers=headers), 401, "API key")
             assert error["type"] == "authentication_error" and error["code"] == "invalid_api_key"
-        assert http.get(url, headers=auth("alpha")).status_code == 200
+        assert http.get(url, headers=auth(ADMIN)).status_code == 200
+        if path != "/metrics":
+            assert http.get(url, headers=auth("alpha")).status_code == 200
+
+    @pytest.mark.parametrize("method, path", ADMIN_ROUTES, ids=[f"{m} {p}" for m, p in ADMIN_ROUTES])
+    def test_a_tenant_key_gets_403_on_the_admin_routes_and_an_admin_key_200(self, keyed_server, http, method, path):
+        url = f"{keyed_server.root}{path}"
+        route = f"{method} {path.split('?')[0]}"
+        for tenant in ("alpha", "beta"):
+            error = assert_error(http.request(method, url, headers=auth(tenant)), 403, route, "admin API key",
+                                 "--admin-api-keys", "server.admin_api_keys_file")
+            assert error["type"] == "permission_error" and error["code"] == "admin_key_required"
+        assert_error(http.request(method, url), 401, "API key")
+        r = http.request(method, url, headers=auth(ADMIN))
+        assert r.status_code == 200, r.text
+
+    def test_a_tenant_cannot_watch_another_tenants_prompt_tokens_in_metrics(self, keyed_server, http):
+        # The audit's leak: beta scraped /metrics and read exactly alpha's 124 prompt tokens.
+        server = keyed_server
+        settle(server)
+        with http_client(10.0, headers=auth(ADMIN)) as admin:
+            before = server.metrics(admin).get_or_zero("vllm:prompt_tokens_total")
+            r = http.post(f"{server.base_url}/completions", json=completion(server, prompt="tok " * 120),
+                          headers=auth("alpha"))
+            assert r.status_code == 200, r.text
+            assert_error(http.get(f"{server.root}/metrics", headers=auth("beta")), 403, "GET /metrics")
+            settle(server)
+            after = server.metrics(admin).get("vllm:prompt_tokens_total")
+        assert after - before == r.json()["usage"]["prompt_tokens"]  # the admin sees it; the tenant did not
 
     def test_with_keys_health_stays_open(self, keyed_server, http):
         r = http.get(f"{keyed_server.root}/health")
@@ -258,6 +293,7 @@ class TestTenantQueue:
                 impatient.post(url, json=completion(server, LONG), headers=auth("alpha"))
         for stream in (False, True, False, True):  # clients gone before the answer started
             disconnect_before_the_answer(server, "alpha", stream)
+        settle(server)  # the share is checked before the body is prepared: a 400 needs a free place, then none
         assert_error(http.post(url, json=completion(server, max_tokens=0), headers=auth("alpha")), 400)
         settle(server)
         with held_streams(server, "alpha", PER_TENANT):  # refusals take no slot either
@@ -356,13 +392,19 @@ def test_a_stream_whose_client_left_before_its_first_byte_gives_its_place_back_a
 
     async def scenario():
         messages = iter([{"type": "http.request", "body": payload, "more_body": False}])
+        left = asyncio.Event()  # the client leaves as the response starts: after its request was admitted
 
         async def receive():
-            return next(messages, {"type": "http.disconnect"})
+            message = next(messages, None)
+            if message is None:
+                await left.wait()
+                message = {"type": "http.disconnect"}
+            return message
 
         async def send(message):
             if message["type"] == "http.response.start":
                 statuses.append(message["status"])
+                left.set()
                 if message["status"] == 200:
                     raise OSError("the client is gone")
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import pickle
 import re
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
@@ -25,8 +26,10 @@ VOCAB = 49152  # SmolLM2's logits width, equal to its tokenizer's vocabulary
 
 
 @pytest.fixture(scope="module")
-def compiler(real_tokenizer) -> GrammarCompiler:
-    return GrammarCompiler(real_tokenizer, VOCAB)
+def compiler(real_tokenizer) -> Iterator[GrammarCompiler]:
+    compiler = GrammarCompiler(real_tokenizer, VOCAB)
+    yield compiler
+    compiler.close()
 
 
 def schema_format(schema: dict) -> dict:
@@ -109,8 +112,6 @@ def test_malformed_fields_are_refused_naming_the_field(kwargs, field, words):
     ({"$ref": "https://example.com/schema.json"}, "only local references"),
     ({"type": "string", "pattern": "^(?=a)a+$"}, "Lookahead"),
     ({"type": "strin"}, "unknown type 'strin'"),
-    ({"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}, "json_schema: "),
-    ({"type": "string", "minLength": 5, "maxLength": 3}, "json_schema: "),
 ])
 def test_an_unsupported_schema_feature_is_named(schema, words):
     with pytest.raises(UnsupportedFormat, match=re.escape(words)) as caught:
@@ -119,6 +120,20 @@ def test_an_unsupported_schema_feature_is_named(schema, words):
     with pytest.raises(UnsupportedFormat) as caught:
         parse_format(None, guided_json=schema)
     assert caught.value.field == "guided_json"
+
+
+@pytest.mark.parametrize(("schema", "words"), [
+    ({"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}, "json_schema: Cannot find field '$defs'"),
+    ({"type": "string", "minLength": 5, "maxLength": 3}, "json_schema: "),
+])
+def test_a_schema_the_engine_cannot_read_is_refused_by_the_compilers_check(compiler, schema, words):
+    # The engine reads a schema only once it is within the limits (its reading alone can take gigabytes).
+    for spec, field in ((parse_format(schema_format(schema)), "response_format"),
+                        (parse_format(None, guided_json=schema), "guided_json")):
+        for step in (compiler.check, compiler.compile):
+            with pytest.raises(UnsupportedFormat, match=re.escape(words)) as caught:
+                step(spec)
+            assert caught.value.field == field
 
 
 def test_annotations_and_unknown_keywords_pass():

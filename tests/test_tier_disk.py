@@ -19,6 +19,7 @@ from kvreuse.kvcache.tiers.disk_tier import DiskTier
 from kvreuse.kvcache.tiers.entry import BlockSpec, decode, encode
 
 SPEC = BlockSpec(fingerprint="test-model", dtype="bfloat16", block_size=2, shape=(1, 2, 2, 1, 4), itemsize=2)
+SECRET = b"a tier key of the disk tier tests, 32+ bytes"
 
 
 def key(i: int) -> bytes:
@@ -26,8 +27,8 @@ def key(i: int) -> bytes:
 
 
 def entry(i: int) -> bytes:
-    """A realistic entry for block i (all the same length: the token ids are two digits)."""
-    return encode(SPEC, key(i), key(i - 1), [10 + i % 90, 11 + i % 89], bytes([i % 256]) * 32)
+    """A realistic entry for block i (all the same length: the header holds the tokens' hash)."""
+    return encode(SPEC, key(i), key(i - 1), [10 + i % 90, 11 + i % 89], bytes([i % 256]) * 32, secret=SECRET)
 
 
 def blob(i: int, size: int = 100) -> bytes:
@@ -54,7 +55,7 @@ def test_put_contains_get_delete_clear(tmp_path):
     assert tier.contains([]) == []
     got = tier.get([key(1), key(99), key(0)])
     assert got == [entry(1), None, entry(0)]
-    assert bytes(decode(got[0], SPEC, key(1), key(0), [11, 12])) == bytes([1]) * 32
+    assert bytes(decode(got[0], SPEC, key(1), key(0), [11, 12], secret=SECRET)) == bytes([1]) * 32
     assert tier.usage() == TierUsage("disk", 3, 3 * size, 10_000, available=True, detail=str(tmp_path / "kv"))
 
     assert tier.put([(key(0), entry(0)), (key(3), entry(3))]) == 1  # key 0 is there already: not written again

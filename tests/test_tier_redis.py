@@ -71,8 +71,8 @@ def test_round_trip(redis_url, raw):
         assert (usage.name, usage.num_entries, usage.num_bytes, usage.capacity_bytes, usage.available,
                 usage.detail) == ("redis", 2, None, None, True, redis_url)
         assert tier.counters.as_dict() == {"entries_written": 3, "bytes_written": 100 + 101 + 102,
-                                           "entries_read": 2, "bytes_read": 102 + 100, "entries_deleted": 1,
-                                           "evictions": 0, "errors": 0}
+                                           "entries_dropped": 0, "entries_read": 2, "bytes_read": 102 + 100,
+                                           "entries_deleted": 1, "evictions": 0, "errors": 0}
         tier.check_integrity()
     finally:
         tier.close()

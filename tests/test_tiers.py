@@ -15,6 +15,7 @@ import pytest
 from kvreuse.bench.redis_process import RedisProcess
 from kvreuse.engine.engine import LLMEngine
 from kvreuse.kvcache.tiers import entry
+from kvreuse.kvcache.tiers.tier_secret import load_tier_secret
 from kvreuse.llm import LLM
 from kvreuse.sampling_params import SamplingParams
 
@@ -117,14 +118,21 @@ def rewrite_header(path: Path, **changes) -> None:
     path.write_bytes(struct.pack("<4sHI", magic, version, len(head)) + head + data[10 + head_len:])
 
 
-def flip_last_byte(path: Path) -> None:
+def flip_a_payload_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-entry.SIGNATURE_BYTES - 1] ^= 0x01  # the payload's last byte
+    path.write_bytes(bytes(data))
+
+
+def flip_a_signature_byte(path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[-1] ^= 0x01
     path.write_bytes(bytes(data))
 
 
 FAULTS = {
-    "checksum": flip_last_byte,
+    "checksum": flip_a_payload_byte,
+    "signature": flip_a_signature_byte,
     "truncated": lambda p: p.write_bytes(p.read_bytes()[: p.stat().st_size // 2]),
     "fingerprint": lambda p: rewrite_header(p, fingerprint="another-model:float32"),
     "dtype": lambda p: rewrite_header(p, dtype="bfloat16"),
@@ -151,7 +159,8 @@ def test_a_bad_entry_is_a_miss_counted_deleted_and_recomputed(tiny_model_dir, tm
     # The bad entry was deleted; the block, computed again, was written again, valid.
     payload = entry.decode(bad.read_bytes(), llm.engine.tiers.spec, chain_keys(llm, PROMPT)[bad_index],
                            chain_keys(llm, PROMPT)[bad_index - 1], llm.tokenizer.encode(PROMPT)[bad_index * BS:
-                                                                                                 (bad_index + 1) * BS])
+                                                                                                 (bad_index + 1) * BS],
+                           secret=load_tier_secret(""))
     assert payload.nbytes == llm.engine.tiers.spec.payload_bytes
     llm.engine.tiers.check_integrity()
     llm.engine.close()

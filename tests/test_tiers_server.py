@@ -103,6 +103,7 @@ def test_warm_reset_and_stats_routes(tmp_path, tiny_model_dir):
         cold = complete(server, document + " Which is the tallest?")
         assert cold.usage.prompt_tokens_details.cached_tokens == 0
 
-        bad = client.post(f"{server.root}/cache/warm", json={"items": [{"prompt": "a", "messages": []}]})
+        both = {"prompt": "a", "messages": [{"role": "user", "content": "a"}]}
+        bad = client.post(f"{server.root}/cache/warm", json={"items": [both]})
         assert bad.status_code == 400 and "exactly one" in bad.json()["error"]["message"]
         assert client.post(f"{server.root}/cache/warm", json={"items": []}).status_code == 400

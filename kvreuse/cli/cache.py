@@ -44,16 +44,19 @@ def _mib(num_bytes: int) -> str:
 def _warm_summary(summary: dict) -> str:
     by_tier = summary["cached_tokens_details"]
     written = ", ".join(f"{name} {n}" for name, n in summary["blocks_written"].items())
+    lost = ", ".join(f"{name} {n}" for name, n in summary["blocks_not_written"].items() if n)
     reused = f", {summary['reused_tokens']} reused" if summary["reused_tokens"] else ""
     return (f"warmed {summary['num_items']} prompts ({summary['prompt_tokens']} prompt tokens) in "
             f"{summary['seconds']:.2f}s: {summary['cached_tokens']} tokens were already cached (memory "
             f"{by_tier['memory']}, disk {by_tier['disk']}, redis {by_tier['redis']}){reused}, "
             f"{summary['computed_prompt_tokens']} computed; blocks written: {written}; "
-            f"{summary['dropped_blocks']} dropped by a full write queue.")
+            + (f"NOT written (see the warnings): {lost}; " if lost else "")
+            + f"{summary['dropped_blocks']} dropped by a full write queue.")
 
 
 def cmd_cache_warm(args: argparse.Namespace) -> int:
-    """Compute the KV of every prompt in the file and write it to the lower tiers; 1 if any failed or was lost."""
+    """Compute the KV of every prompt in the file and write it to the lower tiers; 1 if any failed or was lost
+    (not written in time, dropped by the queue, refused by a tier)."""
     from kvreuse.engine.engine import RequestError
     from kvreuse.llm import LLM
     from kvreuse.warm import WarmError, warm
@@ -84,7 +87,10 @@ def cmd_cache_warm(args: argparse.Namespace) -> int:
     if not summary["flushed"]:
         print("kvreuse: the lower tiers did not finish writing in time; some blocks may be missing",
               file=sys.stderr)
-    return 0 if summary["flushed"] and not summary["failed"] else 1
+    elif not summary["tiers_written"]:
+        print("kvreuse: some blocks were not written to the lower tiers (a full write queue, a full or read-only "
+              "disk, Redis down); the tiers lack them", file=sys.stderr)
+    return 0 if summary["tiers_written"] and not summary["failed"] else 1
 
 
 def cmd_cache_stats(args: argparse.Namespace) -> int:
@@ -112,20 +118,26 @@ def cmd_cache_stats(args: argparse.Namespace) -> int:
 
 
 def cmd_cache_clear(args: argparse.Namespace) -> int:
-    """Remove every entry of every configured lower tier and print how many each held."""
+    """Remove every entry of every configured lower tier and print how many each held, and how many it still holds
+    (entries it could not remove, or written since); 1 if any remain."""
     from kvreuse.kvcache.tiers.store import build_tiers
 
     tiers = build_tiers(build_config(args).cache)
     try:
-        cleared = [(t.name, t.usage().detail, t.clear()) for t in tiers]
+        cleared = [(t.name, t.clear(), t.usage()) for t in tiers]
     finally:
         for tier in tiers:
             tier.close()
+    remaining = {name: u.num_entries for name, _, u in cleared}
+    status = 1 if any(n != 0 for n in remaining.values()) else 0  # None: unreachable, so unknown
     if args.json:
-        print(json.dumps({"cleared": {name: n for name, _, n in cleared}}))
-        return 0
+        print(json.dumps({"cleared": {name: n for name, n, _ in cleared}, "remaining": remaining}))
+        return status
     if not cleared:
         print(NO_TIER)
-    for name, detail, n in cleared:
-        print(f"{name}  {detail}  {n} entries removed")
-    return 0
+    for name, n, u in cleared:
+        left = "" if u.num_entries == 0 else (
+            f", {u.num_entries} remain (could not be removed, or written since)" if u.num_entries else
+            ", UNAVAILABLE: what remains is unknown")
+        print(f"{name}  {u.detail}  {n} entries removed{left}")
+    return status

@@ -30,6 +30,7 @@ SHORTHANDS = {
     "host": "server.host",
     "port": "server.port",
     "api_keys": "server.api_keys_file",
+    "admin_api_keys": "server.admin_api_keys_file",
     "replicas": "cluster.replicas",
     "ray_address": "cluster.ray_address",
 }

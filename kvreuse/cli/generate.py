@@ -83,17 +83,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not records:
         raise InputError("nothing to generate: give prompts as arguments or --input FILE.jsonl")
 
-    llm = LLM(config)
-    prompts, params = _requests(args, records, llm, args.max_tokens or config.server.default_max_tokens)
-    try:
-        if args.batch:
-            for out in llm.generate(prompts, params):
-                _emit(out, args.json)
-        else:
-            # In input order, each after the previous one, so later requests can reuse earlier KV.
-            for prompt, p in zip(prompts, params, strict=True):
-                _emit(llm.generate(prompt, p)[0], args.json)
-    except RequestError as exc:
-        raise InputError(str(exc)) from exc
+    with LLM(config) as llm:
+        prompts, params = _requests(args, records, llm, args.max_tokens or config.server.default_max_tokens)
+        try:
+            if args.batch:
+                for out in llm.generate(prompts, params):
+                    _emit(out, args.json)
+            else:
+                # In input order, each after the previous one, so later requests can reuse earlier KV.
+                for prompt, p in zip(prompts, params, strict=True):
+                    _emit(llm.generate(prompt, p)[0], args.json)
+        except RequestError as exc:
+            raise InputError(str(exc)) from exc
     _print_summary(llm.engine.stats_snapshot())
     return 0

@@ -15,6 +15,8 @@ def add_serve(sub) -> None:
     serve.add_argument("--host", help=f"{shorthand('host')} (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help=f"{shorthand('port')} (default 8000; 0 = any free port)")
     serve.add_argument("--api-keys", help=f"file of API keys -> tenants ({shorthand('api_keys')})")
+    serve.add_argument("--admin-api-keys", help=f"file of the API keys that may call /reset_prefix_cache, "
+                                                f"/cache/stats and /metrics ({shorthand('admin_api_keys')})")
     serve.add_argument("--served-model-name", help="model id clients use (default: the weights file name)")
     serve.add_argument("--replicas", type=positive_int,
                        help=f"engine replicas on Ray Serve behind one endpoint ({shorthand('replicas')}; default 1: "

@@ -90,7 +90,9 @@ class RemoteEngine:
                                    seq.request_id, type(exc).__name__, exc)
                     continue
                 logger.warning("request %s failed on its replica: %s: %s", seq.request_id, type(exc).__name__, exc)
-                seq.finish_reason, seq.error = "error", f"the replica computing this request failed: {exc}"
+                # Ray's message names the actor, its pid and its node's address: the log has it, the client does not.
+                seq.finish_reason, seq.error = "error", (f"the replica computing this request failed "
+                                                         f"({type(exc).__name__}); the server log has the details")
                 deltas.put_nowait(Delta("", RequestOutput.from_sequence(seq)))
                 return
 

@@ -6,6 +6,7 @@ streaming DeploymentHandle; Serve's controller calls `record_routing_stats` and 
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -42,10 +43,12 @@ class EngineReplica:
 
     async def generate(self, spec: RequestSpec) -> AsyncIterator[Delta]:
         """The request's deltas as the engine thread produces them; the last one carries the output, named with
-        this replica. Cancelled (the client went away), it aborts the request and frees its blocks."""
-        seq = self.engine.front_end.make_sequence(spec.prompt_token_ids, spec.params, spec.request_id,
-                                                  cache_salt=spec.cache_salt, use_cache=spec.use_cache,
-                                                  response_format=spec.response_format)
+        this replica. Cancelled (the client went away), it aborts the request and frees its blocks. The sequence
+        is made on a worker thread: compiling a response format's grammar can take seconds, and this replica's other
+        streams and Serve's health checks run on this event loop meanwhile."""
+        seq = await asyncio.to_thread(self.engine.front_end.make_sequence, spec.prompt_token_ids, spec.params,
+                                      spec.request_id, cache_salt=spec.cache_salt, use_cache=spec.use_cache,
+                                      response_format=spec.response_format)
         deltas = self.runner.submit(seq)
         finished = False
         try:

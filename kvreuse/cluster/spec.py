@@ -18,12 +18,17 @@ class RequestSpec:
     use_cache: bool = True
     # The prompt as text, only for `cluster.routing = ray_prefix`: Ray's character-prefix router reads `.prompt`.
     prompt: str | None = None
-    response_format: object | None = None  # a kvreuse.structured.FormatSpec: the replica compiles its grammar
+    # A kvreuse.structured.CheckedFormat: the ingress checked it (limits, compile time), the replica compiles it.
+    response_format: object | None = None
 
     @classmethod
     def of(cls, seq: Sequence, prompt: str | None = None) -> RequestSpec:
         """The spec of a sequence the ingress's front end made (`FrontEnd.make_sequence`)."""
-        response_format = seq.grammar.spec if seq.grammar is not None else None
+        response_format = None
+        if seq.grammar is not None:  # checked, or compiled (which checks first): checked either way
+            from kvreuse.structured import CheckedFormat  # xgrammar, only for a request with a format
+
+            response_format = CheckedFormat(seq.grammar.spec)
         return cls(seq.request_id, list(seq.prompt_token_ids), seq.params, seq.cache_salt, seq.kv.use_cache, prompt,
                    response_format)
 

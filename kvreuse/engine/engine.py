@@ -181,11 +181,12 @@ class LLMEngine:
                 updated.append(seq)
                 continue
             forked = seq.unforked_choices
+            for choice in forked:  # before `seq` takes its token: a first token that ends it frees its blocks
+                choice.reuse = ReuseRecord()  # the prompt is its request's, accounted once, on `seq`
+                self._copy(self.scheduler.fork(seq, choice))
             self._append(seq, *draws[0], now)
             updated.append(seq)
             for choice, draw in zip(forked, draws[1:], strict=True):
-                choice.reuse = ReuseRecord()  # the prompt is its request's, accounted once, on `seq`
-                self._copy(self.scheduler.fork(seq, choice))
                 self._append(choice, *draw, now)
                 updated.append(choice)
 
@@ -297,7 +298,11 @@ class LLMEngine:
         return dropped
 
     def close(self) -> None:
-        """Write what is queued for the lower tiers and the KV events, and stop their threads."""
+        """Cancel a decode-step compile still running, stop the grammar check process, write what is queued for the
+        lower tiers and the KV events, and stop their threads."""
+        if self.runner.decode_graph is not None:
+            self.runner.decode_graph.close()
+        self.front_end.close()
         if self.tiers is not None:
             self.tiers.close()
         if self.events is not None:

@@ -26,7 +26,7 @@ from kvreuse.model.tokenizer import ChatText, Tokenizer, check_unicode
 from kvreuse.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from kvreuse.structured import FormatSpec, GrammarCompiler
+    from kvreuse.structured import CheckedFormat, FormatSpec, GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -69,8 +69,11 @@ def dtype_name(dtype: torch.dtype) -> str:
 class FrontEnd:
     """Prepares requests for one model in one dtype; touches no engine state, so any thread may use it."""
 
-    def __init__(self, config: Config, info: ModelInfo, dtype: torch.dtype, why: str = ""):
+    def __init__(self, config: Config, info: ModelInfo, dtype: torch.dtype, why: str = "", *,
+                 compiles_grammars: bool = True):
         self.config = config
+        # False where no model runs (a cluster's ingress): response formats are checked here, compiled by replicas.
+        self.compiles_grammars = compiles_grammars
         self.model_path, self.model_args = info.path, info.args
         self.dtype = dtype
         self.dtype_description = f"{dtype_name(dtype)} ({why})" if why else dtype_name(dtype)
@@ -92,11 +95,12 @@ class FrontEnd:
         """The front end of `config`'s model, from its metadata alone; `model.dtype = auto` is resolved here
         (the probe), for the device `model.device` names. Its `config` names the model path and dtype resolved, so
         that engines built from it (a cluster's replicas) load the same weights in the same dtype, and key their
-        blocks alike. ModelLoadError for a bad model path."""
+        blocks alike. It runs no model, so it only checks response formats (`compiles_grammars` False): the replica
+        that runs a sequence compiles its grammar. ModelLoadError for a bad model path."""
         info = load_model_info(config.model.path or None)
         dtype, why = resolve_dtype(config.model.dtype, resolve_device(config.model.device), info.args)
         model = config.model.model_copy(update={"path": str(info.path), "dtype": dtype_name(dtype)})
-        return cls(config.model_copy(update={"model": model}), info, dtype, why)
+        return cls(config.model_copy(update={"model": model}), info, dtype, why, compiles_grammars=False)
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -153,11 +157,12 @@ class FrontEnd:
 
     def make_sequence(self, prompt: str | list[int], params: SamplingParams | None = None,
                       request_id: str | None = None, *, cache_salt: str | None = None,
-                      use_cache: bool = True, response_format: FormatSpec | None = None) -> Sequence:
+                      use_cache: bool = True, response_format: FormatSpec | CheckedFormat | None = None) -> Sequence:
         """Tokenize and validate a request without touching engine state (safe from any thread); raises
         RequestError naming the problem. Requests with different `cache_salt` never share KV;
         `use_cache=False` opts out of reuse. `response_format` (kvreuse.structured.parse_format) constrains what
-        every choice generates; its grammar is compiled here (UnsupportedFormat if the engine refuses it)."""
+        every choice generates; its grammar is compiled here, or only checked where `compiles_grammars` is False
+        (UnsupportedFormat, naming the field and any limit's key, if it is refused)."""
         if cache_salt is not None:
             if not isinstance(cache_salt, str):
                 raise RequestError(f"cache_salt must be a string, got {type(cache_salt).__name__}", "cache_salt")
@@ -179,7 +184,9 @@ class FrontEnd:
         request_id = request_id or f"req-{next(self._request_counter)}"
         kv = new_cache_request(list(token_ids), self.fingerprint, self.block_size, cache_salt=cache_salt,
                                use_cache=use_cache, prompt_logprobs=params.prompt_logprobs)
-        grammar = self.grammars.compile(response_format) if response_format is not None else None
+        grammar = None
+        if response_format is not None:
+            grammar = (self.grammars.compile if self.compiles_grammars else self.grammars.check)(response_format)
         seq = Sequence(request_id, kv, params, grammar=grammar)
         seq.generator = seq.generator or self.generator
         seq.cache_salt = cache_salt
@@ -190,7 +197,12 @@ class FrontEnd:
         """The compiler of response formats for this tokenizer (built at the first request that asks for one)."""
         from kvreuse.structured import GrammarCompiler  # xgrammar, only when a request asks for a format
 
-        return GrammarCompiler(self.tokenizer, self.model_args.vocab_size)
+        return GrammarCompiler(self.tokenizer, self.model_args.vocab_size, self.config.structured)
+
+    def close(self) -> None:
+        """Stop the grammar check process, if a request started one."""
+        if "grammars" in self.__dict__:  # built (cached_property): nothing to stop otherwise
+            self.grammars.close()
 
     def _check_stops(self, stops: list[str]) -> None:
         # Every step searches the new text for every stop string: their number and length bound that work.

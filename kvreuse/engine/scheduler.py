@@ -1,8 +1,11 @@
 """Continuous batching: which sequences compute how many tokens in the next forward.
 
 Each step spends a budget of `max_num_batched_tokens` (as vLLM's scheduler does): running sequences first, in
-admission order, each with its next token (decode) or its next prompt chunk, then waiting sequences in arrival
-order. So decodes ride along with prefills instead of stalling behind them. A prompt that reuses cached
+admission order, each with its next token (decode) or its next prompt chunk, then waiting sequences: in arrival
+order within a tenant, the tenants in turn (waiting_queue.py). So decodes ride along with prefills instead of
+stalling behind them, and one tenant's thousand queued sequences delay another's request by one admission. The
+running batch holds at most `max_num_seqs` sequences, the choices of n > 1 included: a request is admitted with a
+seat for each choice still to be forked from it. A prompt that reuses cached
 segments is taken whole (its repair is one forward). A waiting prompt that shares blocks with a prompt of this
 step waits one step and reuses them instead of computing them alongside. A prompt whose prefix is being read from
 a lower tier (disk, Redis) waits for the read, while the running sequences go on. When the KV pool runs out, the
@@ -15,11 +18,11 @@ fork, and after each forward (`update`, which also has the cache publish what wa
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvreuse.engine.sequence import Sequence, SequenceStatus
+from kvreuse.engine.waiting_queue import WaitingQueue
 from kvreuse.kvcache.copy_jobs import CopyJobs
 from kvreuse.kvcache.manager import KVCacheManager
 
@@ -43,7 +46,7 @@ class Scheduler:
         self.kv_manager = kv_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = WaitingQueue()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
 
@@ -56,7 +59,7 @@ class Scheduler:
     def wait_for_head(self, timeout: float) -> None:
         """With nothing to run, wait (up to `timeout`) for the prefix read of the queue's head, instead of spinning."""
         if self.waiting and not self.running:
-            self.kv_manager.wait_for_load(self.waiting[0].kv, timeout)
+            self.kv_manager.wait_for_load(self.waiting.head.kv, timeout)
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
@@ -69,8 +72,11 @@ class Scheduler:
                 budget -= seq.num_scheduled_tokens
         num_prefilling = sum(s.is_prefilling for s in out.seqs)
         kv = self.kv_manager
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        seats = self.num_seats_taken
+        while self.waiting and budget > 0:
+            seq = self.waiting.head
+            if seats + self.seats_of(seq) > self.max_num_seqs:
+                break  # the batch is full, counting the choices its requests will fork
             if kv.is_loading(seq.kv):
                 break  # strict arrival order: the queue waits for its head's prefix to arrive
             match = kv.match(seq.kv)
@@ -93,7 +99,18 @@ class Scheduler:
             out.seqs.append(seq)
             num_prefilling += 1
             budget -= num_tokens
+            seats += self.seats_of(seq)
         return out
+
+    @property
+    def num_seats_taken(self) -> int:
+        """Places of the running batch in use: the running sequences and the choices they will fork."""
+        return sum(s.num_seats for s in self.running)
+
+    def seats_of(self, seq: Sequence) -> int:
+        """The places `seq` takes when admitted; a request of more choices than the batch holds takes all of them,
+        and its choices beyond go to the queue when forked."""
+        return min(seq.num_seats, self.max_num_seqs)
 
     def update(self, out: SchedulerOutput, step: StepOutput) -> CopyJobs:
         """After the forward of `out`: each sequence's computed tokens advance by what it computed, and the cache
@@ -109,9 +126,10 @@ class Scheduler:
 
     def fork(self, seq: Sequence, choice: Sequence) -> CopyJobs:
         """Start `choice` (n > 1) from `seq`'s computed prompt: running beside it, sharing its full blocks with a copy
-        of its partial last block (it may exceed max_num_seqs for as long as it runs); without a block free for that
-        copy, first in the queue, to compute its prompt again (from the prefix cache, mostly)."""
-        if not self.kv_manager.can_fork(seq.kv, seq.num_computed_tokens):
+        of its partial last block, in the seat `seq`'s admission kept for it; without a seat (a request of more
+        choices than max_num_seqs) or a block free for that copy, first in its tenant's queue, to compute its prompt
+        again (from the prefix cache, mostly)."""
+        if len(self.running) >= self.max_num_seqs or not self.kv_manager.can_fork(seq.kv, seq.num_computed_tokens):
             self.waiting.appendleft(choice)
             return CopyJobs()
         jobs = self.kv_manager.fork(seq.kv, choice.kv, seq.num_computed_tokens)
@@ -156,6 +174,7 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         self.kv_manager.check_integrity([s.kv for s in self.running])
+        assert len(self.running) <= self.max_num_seqs, f"{len(self.running)} running > max_num_seqs {self.max_num_seqs}"
         bs = self.kv_manager.block_size
         for seq in self.running:
             assert len(seq.kv.block_table) * bs >= seq.num_computed_tokens, f"{seq.request_id} has a short table"

@@ -43,6 +43,7 @@ class Sequence:
     generator: torch.Generator | None = None
     first_logits: torch.Tensor | None = None  # [vocab] fp32, kept when params.keep_first_logits
     cache_salt: str | None = None     # the salt in kv's extra key, for handing the request to another process
+    tenant: str | None = None         # whose request (the server's API-key tenant); None offline and without keys
     # n / best_of > 1: the request's sequence is choice 0 and holds every choice (itself first) in `choices`; the
     # others are forked from it once its prompt is computed, sharing its blocks (see LLMEngine._fork).
     index: int = 0
@@ -108,6 +109,16 @@ class Sequence:
     def group_id(self) -> str:
         """The request id of its request (choice 0's), under which the engine and the server know it."""
         return (self.parent or self).request_id
+
+    @property
+    def owner(self) -> str | None:
+        """The tenant of its request (choice 0's `tenant`): the scheduler takes tenants in turn."""
+        return (self.parent or self).tenant
+
+    @property
+    def num_seats(self) -> int:
+        """Places in the running batch it takes once admitted: itself and the choices still to be forked from it."""
+        return 1 + len(self.unforked_choices)
 
     @property
     def unforked_choices(self) -> list[Sequence]:

@@ -53,7 +53,7 @@ class EngineStats:
 @dataclass(frozen=True)
 class DecodeGraphStatus:
     """The compiled decode step (`engine.compile = decode`, decode_graph.py): its state and use so far."""
-    state: str                # compiling, ready or failed
+    state: str                # compiling, ready, failed or cancelled (the engine closed first)
     num_steps: int            # steps run through the graph
     compile_s: float | None   # how long compiling took, once done
 

@@ -20,6 +20,9 @@ from its last seq + 1; if the first batch replayed is later than that, the gap i
 empties its view of that replica. A request goes to the replica holding the longest leading run of its chain keys
 (computed as ``hashing.sha256_block_key`` does, or matched by token_ids along the parent chain).
 
+Events are not authenticated and carry every tenant's token ids: whoever can connect reads every prompt. Nothing
+is bound unless configured; an endpoint beyond the loopback interface is logged as a warning at start.
+
 The engine thread never waits: pool listeners put events into a bounded queue, and one publisher thread, the only
 one that touches the sockets, sends what accumulated every ``flush_interval_s`` (or at once on ``flush``) as one
 batch. Events that do not fit
@@ -29,6 +32,7 @@ truth: it may forget blocks, it never keeps one that is gone.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import threading
 import time
@@ -45,6 +49,18 @@ from kvreuse.kvcache.block_pool import BlockPool
 logger = logging.getLogger(__name__)
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+def is_local(endpoint: str) -> bool:
+    """Whether a bound ZMQ endpoint is reachable only from this machine: ipc, inproc, or tcp on a loopback address."""
+    scheme, _, rest = endpoint.partition("://")
+    if scheme != "tcp":
+        return True
+    host = rest.rsplit(":", 1)[0].strip("[]")
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -114,6 +130,11 @@ class KVEventPublisher:
                 self._replay.setsockopt(zmq.LINGER, 0)
                 self._replay.bind(config.replay_endpoint)
                 self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
+            for endpoint in filter(None, (self.endpoint, self.replay_endpoint)):
+                if not is_local(endpoint):
+                    logger.warning("KV events bound at %s, beyond this machine's loopback: they carry every "
+                                   "tenant's token ids, unauthenticated (bind tcp://127.0.0.1:PORT unless "
+                                   "subscribers elsewhere need them)", endpoint)
         except zmq.ZMQError:
             self._close_sockets()
             raise

@@ -9,19 +9,24 @@ are compiled, in a background thread while the engine decodes eagerly: one seque
 dynamic dimension). Once they are ready, the engine runs them without compiling anything more (`torch._dynamo.run`:
 a batch that fits neither runs eagerly, never a compile in the serving thread).
 
-Compiling takes ~25-30 s on a 2-core CPU (each graph), ~8 s when inductor's on-disk cache holds it (a restart with
-the same model and torch). Without a C++ compiler (or on any error) the graph is abandoned with a warning and every
-step runs eagerly. inductor's config is per thread, so settings for the compile go in TORCHINDUCTOR_* environment
-variables (the defaults every thread starts from), not in `torch._inductor.config` of the serving thread. The
-compiled step computes the same numbers as the eager one up to float reassociation
-(|diff| ~1e-5 in fp32 hidden states); greedy outputs are tested equal (tests/test_decode_graph.py).
+Compiling takes ~25-30 s on a 2-core CPU (each graph), ~8 s when inductor's on-disk cache holds it (a restart with the
+same model and torch). A compile still running when the engine closes or the interpreter exits is cancelled (`close`): a
+daemon thread left inside torch at exit is killed in a C++ frame that must not unwind, and the process aborts
+("terminate called without an active exception", exit 134). Without a C++ compiler (or on any error) the graph is
+abandoned with a warning and every step runs eagerly. inductor's config is per thread, so settings for the compile go in
+TORCHINDUCTOR_* environment variables (the defaults every thread starts from), not in `torch._inductor.config` of the
+serving thread. The compiled step computes the same numbers as the eager one up to float reassociation (|diff| ~1e-5 in
+fp32 hidden states); greedy outputs are tested equal (tests/test_decode_graph.py).
 """
 
 from __future__ import annotations
 
+import atexit
+import ctypes
 import logging
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +44,19 @@ class _Step:
 
 
 _step = threading.local()  # .value: the _Step of the forward this thread runs
+_compiling: weakref.WeakSet[DecodeGraph] = weakref.WeakSet()  # graphs whose compile thread may still run
+
+
+class CompileCancelled(BaseException):
+    """Raised inside the compile thread by `DecodeGraph.close`. A BaseException, so that no `except Exception` of
+    torch's catches it on the way out."""
+
+
+@atexit.register
+def _cancel_at_exit() -> None:
+    # atexit runs while daemon threads still run normally, before the interpreter starts killing them.
+    for graph in list(_compiling):
+        graph.close()
 
 
 @torch.library.custom_op("kvreuse::decode_attention", mutates_args=())
@@ -86,21 +104,42 @@ class DecodeGraph:
 
     def __init__(self, model: Llama, max_num_seqs: int):
         self.model, self.max_num_seqs = model, max_num_seqs
-        self.state = "off"               # off -> compiling -> ready | failed
+        self.state = "off"               # off -> compiling -> ready | failed | cancelled
         self.compile_s: float | None = None
         self.error: str | None = None
         self.num_steps = 0               # steps run through the graph
         self._run_only = None            # the compiled step, compiling switched off: set once ready
-        self._done = threading.Event()
+        self._done = threading.Event()   # the compile thread is over, or about to end without another bytecode
+        self._lock = threading.Lock()    # orders a cancel against `_done`
+        self._thread: threading.Thread | None = None
 
     def start(self) -> None:
         """Compile in a daemon thread (logs the outcome); the engine decodes eagerly until `state == "ready"`."""
         self.state = "compiling"
-        threading.Thread(target=self._compile, name="kvreuse-decode-compile", daemon=True).start()
+        self._thread = threading.Thread(target=self._compile_thread, name="kvreuse-decode-compile", daemon=True)
+        _compiling.add(self)
+        self._thread.start()
+
+    def close(self, timeout: float = 60.0) -> bool:
+        """Cancel a compile still running (state "cancelled") and wait for its thread; whether it ended within
+        `timeout`. The cancel lands at the thread's next Python bytecode, after the C++ call it may be in (one
+        kernel's g++ run: seconds)."""
+        thread = self._thread
+        if thread is None:
+            return True
+        with self._lock:  # once `_done` is set the thread is past its last handler: nothing may land after it
+            if not self._done.is_set():
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident),
+                                                           ctypes.py_object(CompileCancelled))
+        thread.join(timeout)
+        if thread.is_alive():
+            logger.warning("the decode step's compile thread did not stop within %.0f s", timeout)
+        return not thread.is_alive()
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Block until compiling ended (ready or failed); whether it did within `timeout`."""
-        return self.state != "compiling" or self._done.wait(timeout)
+        """Block until the compile thread ended (ready, failed or cancelled, its outcome logged); whether it did
+        within `timeout`."""
+        return self._thread is None or self._done.wait(timeout)
 
     def can_run(self, num_seqs: int) -> bool:
         return self.state == "ready" and 1 <= num_seqs <= self.max_num_seqs
@@ -119,6 +158,19 @@ class DecodeGraph:
             return fn(self.model, input_ids, positions, rows)
         finally:
             _step.value = None
+
+    def _compile_thread(self) -> None:
+        try:
+            try:
+                self._compile()
+            except CompileCancelled:
+                self.state, self.error = "cancelled", "the engine closed before the compile ended"
+                logger.info("decode step compile cancelled: the engine closed")
+            finally:
+                with self._lock:
+                    self._done.set()
+        except CompileCancelled:  # the cancel landed after the compile ended, before `_done` was set
+            self._done.set()
 
     @torch.inference_mode()
     def _compile(self) -> None:
@@ -150,10 +202,7 @@ class DecodeGraph:
             self.state = "ready"
             logger.info("decode step compiled in %.1f s (batches of 1 and 2-%d sequences)", self.compile_s,
                         self.max_num_seqs)
-        finally:
-            self._done.set()
 
     def _fail(self, why: str) -> None:
         self.state, self.error = "failed", why
         logger.warning("decode step not compiled, decoding eagerly: %s", why.splitlines()[0][:500])
-        self._done.set()

@@ -126,7 +126,7 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         """The tokens of a caller's whole text; special-token text in it is the special token."""
-        return self._backend.encode(text, add_special_tokens=True).ids
+        return _encode(self._backend, text, add_special_tokens=True).ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
@@ -178,7 +178,7 @@ class Tokenizer:
             return self.encode(chat.text)
         # Tokenized piece by piece, cut where the tokenizer itself cuts (at special tokens), then the tokenizer's
         # own post-processing (e.g. a BOS) once, as `encode` adds it.
-        parts = [(self._backend if marker else self._text_backend).encode(text, add_special_tokens=False)
+        parts = [_encode(self._backend if marker else self._text_backend, text, add_special_tokens=False)
                  for text, marker in chat.pieces if text]
         return self._backend.post_process(Encoding.merge(parts, growing_offsets=True), add_special_tokens=True).ids
 
@@ -244,3 +244,9 @@ class Tokenizer:
         for name, text in files.items():
             (directory / name).write_text(text + "\n", encoding="utf-8")
         return [directory / name for name in files]
+
+
+def _encode(backend: RustTokenizer, text: str, add_special_tokens: bool) -> Encoding:
+    """`backend.encode(text)`, with the GIL released while it runs (tokenizers releases it in `encode_batch` only):
+    a long prompt tokenized on a preparation thread then stalls neither the event loop nor the engine thread."""
+    return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]

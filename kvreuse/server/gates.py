@@ -1,8 +1,9 @@
 """The gates every HTTP request passes before FastAPI reads its body or routes it, outermost first:
 
 1. `DrainingGate`: 503 once SIGTERM arrived (but /metrics, which Prometheus keeps scraping);
-2. `AuthGate`: with API keys, 401 without a valid `Authorization: Bearer KEY` on every route but /health: a
-   header check, so a caller without a key never gets its body read (nor parsed, nor answered with a 400);
+2. `AuthGate`: with API keys, 401 without a valid `Authorization: Bearer KEY` (a tenant's or an admin's) on every
+   route but /health: a header check, so a caller without a key never gets its body read (nor parsed, nor answered
+   with a 400); which key may call the admin routes is the routes' own check (`auth.admin_only`, 403);
 3. `BodyLimitGate`: 413 for a body over `server.max_body_mb`, refused by its Content-Length before a byte of
    it is read, or, sent chunked, counted as it streams in and stopped at the limit.
 

@@ -1,19 +1,19 @@
 """From a validated request body to what the engine runs: model check, chat prompt, Sequence.
 
-Rendering the chat template, tokenizing and `FrontEnd.make_sequence` run on a small pool of preparation threads
-(`off_loop`), never on the event loop: a prompt of megabytes delays no other route, /health included. None of them
-touches engine state. Problems become 400/404 APIErrors naming the field.
+Rendering the chat template, tokenizing and `FrontEnd.make_sequence` (which compiles a response format's grammar)
+run on the preparation threads, shared fairly between tenants (preparation.py), never on the event loop: a prompt of
+megabytes delays no other route, /health included. None of them touches engine state. Problems become 400/404
+APIErrors naming the field.
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
 from kvreuse.engine.front_end import FrontEnd, RequestError
 from kvreuse.engine.sequence import Sequence
+from kvreuse.kvcache.hashing import scoped_salt
 from kvreuse.sampling_params import InvalidSamplingParam, SamplingParams
 from kvreuse.server.errors import APIError
 from kvreuse.server.protocol import (
@@ -30,22 +30,6 @@ from kvreuse.structured.errors import UnsupportedFormat
 
 if TYPE_CHECKING:
     from kvreuse.structured import FormatSpec
-
-# Two threads. Each job is bounded: the engine refuses, before tokenizing, any text longer than the context could
-# hold (server.max_tokens x the longest token: ~166K characters, ~0.15 s, by default), and the tokenizer runs in Rust
-# without the GIL. More threads would only compete with the engine thread for the cores and multiply the memory of
-# jobs in progress; one would let a slow job (a conversation of thousands of messages) hold up every other request.
-# Jobs beyond two wait in the pool's queue, holding only their parsed body.
-PREPARE_THREADS = 2
-_prepare_pool = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="kvreuse-prepare")
-
-T = TypeVar("T")
-
-
-async def off_loop(fn: Callable[..., T], *args) -> T:
-    """`fn(*args)` on a preparation thread; its exceptions (APIError included) are raised here."""
-    return await asyncio.get_running_loop().run_in_executor(_prepare_pool, fn, *args)
-
 
 def check_model(served: str, requested: str | None) -> None:
     """404 unless the request names the served model (or, where optional, none)."""
@@ -126,8 +110,8 @@ def _sequence(front: FrontEnd, tokenize: Callable[[], list[int]], body: Sampling
               chat: bool) -> Sequence:
     """The Sequence for the tokens `tokenize` gives under the body's sampling fields, salted by the tenant; 400
     if it cannot run (over the context limit, bad token ids or text, bad sampling values, too many stops)."""
-    # A tenant's salt can only be narrowed by the request's own field, never replaced.
-    salt = body.cache_salt if tenant is None else f"{tenant}\x00{body.cache_salt or ''}"
+    # A tenant's salt can only be narrowed by the request's own field, never replaced, nor sent by a keyless caller.
+    salt = scoped_salt(tenant, body.cache_salt)
     try:
         token_ids = tokenize()
         max_tokens = body.max_tokens

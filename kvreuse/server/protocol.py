@@ -73,6 +73,10 @@ def _check_texts(value: Any) -> Any:
     return value
 
 
+MAX_TOKEN_ID_DIGITS = 10  # token ids are below 2**31; int() of thousands of digits is slow, then refused
+CacheSalt = Annotated[str, Field(min_length=1, max_length=256)]  # checked for valid Unicode where it is a field
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -81,7 +85,7 @@ class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="forbid")
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {}
 
-    model: str
+    model: str | None = None  # the served model when absent, as vLLM and llama.cpp do; another name is a 404
     max_tokens: Annotated[int, Field(ge=0)] | None = None  # 0 only to score a prompt (echo + logprobs)
     max_completion_tokens: Annotated[int, Field(ge=0)] | None = None  # OpenAI's newer name; wins over max_tokens
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
@@ -104,7 +108,7 @@ class SamplingFields(BaseModel):
     guided_choice: list[str] | None = None
     ignore_eos: bool = False
     # kvreuse extensions: narrow cache sharing within the caller's tenant, or opt out of reuse.
-    cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    cache_salt: CacheSalt | None = None
     use_cache: bool = True
 
     @model_validator(mode="before")
@@ -131,8 +135,9 @@ class SamplingFields(BaseModel):
     @field_validator("logit_bias")
     @classmethod
     def _token_id_keys(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
-        if bias and not all(key.isdigit() for key in bias):
-            raise ValueError("logit_bias keys must be token ids (decimal strings, as JSON object keys are)")
+        if bias and not all(key.isascii() and key.isdigit() and len(key) <= MAX_TOKEN_ID_DIGITS for key in bias):
+            raise ValueError(f"logit_bias keys must be token ids (decimal strings of at most {MAX_TOKEN_ID_DIGITS} "
+                             f"digits, as JSON object keys are)")
         return bias
 
     @model_validator(mode="after")
@@ -302,7 +307,20 @@ class WarmItem(_PromptOrMessages):
     model_config = ConfigDict(extra="forbid")
 
     prompt: str | list[Annotated[int, Field(ge=0)]] | None = None
-    cache_salt: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    cache_salt: CacheSalt | None = None
+
+    @field_validator("cache_salt", mode="before")
+    @classmethod
+    def _valid_salt(cls, value: Any) -> Any:
+        return _check_texts(value)
+
+    @field_validator("prompt")
+    @classmethod
+    def _not_empty(cls, prompt: str | list[int] | None) -> str | list[int] | None:
+        if prompt is not None and len(prompt) == 0:
+            raise ValueError("prompt must not be empty")
+        return prompt
 
 
 class WarmRequest(BaseModel):

@@ -15,12 +15,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from kvreuse.engine.output import RequestOutput
 from kvreuse.engine.sequence import Sequence
 from kvreuse.model.tokenizer import Tokenizer
-from kvreuse.server.admission import Admission, admit_all, shutting_down
+from kvreuse.server.admission import Admission, Reservation, admit_all, shutting_down
 from kvreuse.server.choices import (
     TextOffsets,
     chat_choice,
@@ -48,12 +48,12 @@ class Prompt:
 
 
 async def respond(state: ServerState, prompts: list[Prompt], body: SamplingFields, request: Request,
-                  tenant: str | None, chat: bool, truncated_turns: int = 0):
+                  tenant: str | None, chat: bool, truncated_turns: int = 0, reservation: Reservation | None = None):
     """Admit every prompt's sequence and answer with their completions: a StreamingResponse if `body.stream`, else the
     JSON dict. `chat` picks the chat.completion shape over text_completion. Prompt j's choice i is choice j * n + i.
-    Each sequence holds a place in the queue (its `tenant`'s and the server's) until its answer is over, however
-    that ends."""
-    admissions = admit_all(state, [p.seq for p in prompts], tenant)
+    Each sequence holds its places in the queue (its `tenant`'s and the server's: those of the request's
+    `reservation`, if it was reserved before it was prepared) until its answer is over, however that ends."""
+    admissions = admit_all(state, [p.seq for p in prompts], tenant, reservation)
     response_id = make_id("chatcmpl" if chat else "cmpl")
     extra = {"truncated_turns": truncated_turns} if truncated_turns else {}
     render = Render(state.engine.front_end.tokenizer, body, chat)
@@ -66,12 +66,29 @@ async def respond(state: ServerState, prompts: list[Prompt], body: SamplingField
     except BaseException:
         state.admissions.release_all(admissions, state.engine.abort)  # one failed: the others stop too
         raise
-    choices = [render.whole_choice(j * body.n + out.index, prompt, out)
-               for j, (prompt, (_, output)) in enumerate(zip(prompts, outputs, strict=True))
+    # Off the loop: with echo and logprobs an answer can be megabytes of JSON, seconds to build and encode.
+    head = {"id": response_id, "object": "chat.completion" if chat else "text_completion", "created": now(),
+            "model": state.model_name}
+    return await asyncio.to_thread(whole_response, render, prompts, [output for _, output in outputs], body.n, head,
+                                   extra)
+
+
+def whole_response(render: Render, prompts: list[Prompt], outputs: list[RequestOutput], n: int, head: dict,
+                   extra: dict) -> Response:
+    """The non-streamed answer, encoded: `head` (id, object, created, model), its choices, usage, then `extra`.
+    Each choice is encoded on its own: json.dumps holds the GIL for as long as one call runs, so one call for an
+    answer of megabytes would stall the event loop as surely as running on it."""
+    choices = [encode_json(render.whole_choice(j * n + out.index, prompt, out))
+               for j, (prompt, output) in enumerate(zip(prompts, outputs, strict=True))
                for out in output.all_choices]
-    return {"id": response_id, "object": "chat.completion" if chat else "text_completion", "created": now(),
-            "model": state.model_name, "choices": choices,
-            "usage": usage(RequestOutput.of_requests([output for _, output in outputs])), **extra}
+    tail = {"usage": usage(RequestOutput.of_requests(outputs)), **extra}
+    body = b"".join((encode_json(head)[:-1], b',"choices":[', b",".join(choices), b"],", encode_json(tail)[1:]))
+    return Response(body, media_type="application/json")
+
+
+def encode_json(value: dict) -> bytes:
+    """`value` as FastAPI's JSONResponse renders it: compact UTF-8 JSON, NaN refused."""
+    return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
 
 
 class Render:

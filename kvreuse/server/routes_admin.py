@@ -1,7 +1,8 @@
 """`/health` and `/metrics`, for load balancers and Prometheus.
 
-/health never needs an API key. /metrics does when the server has keys (`gates.AuthGate`, and the dependency
-here too): its counters move by every tenant's prompt lengths, which one tenant must not watch.
+/health never needs an API key. /metrics needs an admin key when the server has keys (`auth.admin_only`; without
+one, 401 from `gates.AuthGate`, 403 for a tenant's key): its counters move by every tenant's prompt lengths, which
+one tenant must not watch.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from kvreuse.server.auth import authenticate
+from kvreuse.server.auth import admin_only
 from kvreuse.server.state import StateDep
 
 router = APIRouter()
@@ -24,6 +25,6 @@ async def health(state: StateDep):
     return {"status": "ok"}
 
 
-@router.get("/metrics", dependencies=[Depends(authenticate)])
+@router.get("/metrics", dependencies=[Depends(admin_only("shows every tenant's requests and tokens"))])
 async def prometheus_metrics(state: StateDep):
     return Response(state.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)

@@ -1,9 +1,13 @@
 """Cache administration: `POST /cache/warm`, `POST /reset_prefix_cache` (vLLM's name), `GET /cache/stats`.
 
+With API keys, resetting and the stats need an admin key (`auth.admin_only`): they act on or show every tenant's
+cache (the stats: the disk path and the Redis URL too).
+
 API key required when configured. Warming (kvreuse/warm.py) runs each item as a one-token greedy completion under the
 caller's tenant salt (so it warms exactly what that tenant's requests will find), through the server's queue like any
-request, then waits until the lower tiers have written it.
-Resetting drops what no request holds: blocks in use stay until their requests finish.
+request, then waits until the lower tiers have written it; `tiers_written` says whether they stored all of it.
+Resetting drops what no request holds: blocks in use stay until their requests finish; with `tiers=true` the answer
+says what each tier still holds (entries it could not remove, or written since).
 """
 
 from __future__ import annotations
@@ -15,12 +19,12 @@ from fastapi import APIRouter, Depends, Request
 from kvreuse.engine.output import RequestOutput
 from kvreuse.engine.stats import EngineSnapshot
 from kvreuse.server.admission import admit
-from kvreuse.server.auth import TenantDep, authenticate
-from kvreuse.server.prompts import chat_prompt, check_model, completion_prompts, off_loop
+from kvreuse.server.auth import TenantDep, admin_only, authenticate
+from kvreuse.server.prompts import chat_prompt, check_model, completion_prompts
 from kvreuse.server.protocol import ChatCompletionRequest, CompletionRequest, WarmItem, WarmRequest
 from kvreuse.server.responses import collect_admitted
 from kvreuse.server.state import ServerState, StateDep
-from kvreuse.warm import WARM_PARAMS, prompt_usage
+from kvreuse.warm import WARM_PARAMS, prompt_usage, tier_writes
 
 router = APIRouter(dependencies=[Depends(authenticate)])
 
@@ -31,38 +35,48 @@ FLUSH_TIMEOUT_S = 120.0
 async def warm(body: WarmRequest, request: Request, state: StateDep, tenant: TenantDep):
     check_model(state.model_name, body.model)
     outputs = []
+    tiers = state.engine.tiers
+    before = tiers.snapshot() if tiers is not None else None
     batch = state.config.engine.max_num_seqs  # in batches, so a long list cannot fill the queue
     for start in range(0, len(body.items), batch):
         items = body.items[start:start + batch]
         outputs += await asyncio.gather(*(_warm_one(state, item, request, tenant) for item in items))
     total = prompt_usage(outputs)
-    tiers = state.engine.tiers
-    written = True if tiers is None else await asyncio.to_thread(tiers.flush, FLUSH_TIMEOUT_S)
+    flushed = True if tiers is None else await asyncio.to_thread(tiers.flush, FLUSH_TIMEOUT_S)
+    writes = tier_writes(tiers, before, flushed).summary()
     return {"object": "cache.warm", "num_items": len(body.items), "prompt_tokens": total.prompt_tokens,
             "cached_tokens": total.cached_tokens, "cached_tokens_details": total.cached_by_tier(),
-            "computed_prompt_tokens": total.computed_prompt_tokens,
-            "tiers": tiers.tier_names if tiers else [], "tiers_written": written}
+            "computed_prompt_tokens": total.computed_prompt_tokens, "tiers": tiers.tier_names if tiers else [],
+            **{k: v for k, v in writes.items() if k != "flushed"}}
 
 
 async def _warm_one(state: ServerState, item: WarmItem, request: Request, tenant: str | None) -> RequestOutput:
     """One item as a warming completion, prepared and admitted as the caller's request would be; its output."""
     fields = {"model": state.model_name, "max_tokens": WARM_PARAMS.max_tokens,
               "temperature": WARM_PARAMS.temperature, "cache_salt": item.cache_salt}
-    front = state.engine.front_end
+    front, prepare = state.engine.front_end, state.preparation.run
     if item.messages is not None:
-        prompt, _ = await off_loop(chat_prompt, front, ChatCompletionRequest(messages=item.messages, **fields), tenant)
+        body = ChatCompletionRequest(messages=item.messages, **fields)
+        prompt, _ = await prepare(tenant, request, chat_prompt, front, body, tenant)
     else:
-        [prompt] = await off_loop(completion_prompts, front, CompletionRequest(prompt=item.prompt, **fields), tenant)
+        [prompt] = await prepare(tenant, request, completion_prompts, front, CompletionRequest(prompt=item.prompt,
+                                                                                             **fields), tenant)
     _, output = await collect_admitted(state, admit(state, prompt.seq, tenant), request)
     return output
 
 
-@router.post("/reset_prefix_cache")
+@router.post("/reset_prefix_cache", dependencies=[Depends(admin_only(
+    "drops every tenant's cached KV (?tiers=true: in the shared tiers too)"))])
 async def reset_prefix_cache(state: StateDep, tiers: bool = False):
-    return {"status": "ok", "dropped": await state.engine.reset_prefix_cache(tiers)}
+    answer = {"status": "ok", "dropped": await state.engine.reset_prefix_cache(tiers)}
+    store = state.engine.tiers
+    if tiers and store is not None:
+        answer["remaining"] = {u.name: u.num_entries for u in await asyncio.to_thread(store.usage)}
+    return answer
 
 
-@router.get("/cache/stats")
+@router.get("/cache/stats", dependencies=[Depends(admin_only(
+    "shows every tenant's cache, the disk path and the Redis URL"))])
 async def cache_stats(state: StateDep):
     snapshots = await state.engine.snapshots()
     memory = _memory(snapshots)

@@ -3,12 +3,12 @@ lm-evaluation-harness (its `tokenizer_backend=remote`) use instead of downloadin
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Request
 
 from kvreuse.engine.front_end import FrontEnd
-from kvreuse.server.auth import authenticate
+from kvreuse.server.auth import TenantDep, authenticate
 from kvreuse.server.errors import APIError
-from kvreuse.server.prompts import check_model, off_loop, tokenize_body
+from kvreuse.server.prompts import check_model, tokenize_body
 from kvreuse.server.protocol import DetokenizeRequest, TokenizeRequest
 from kvreuse.server.state import StateDep
 
@@ -33,19 +33,19 @@ def _tokenize(front: FrontEnd, body: TokenizeBody) -> dict:
 
 
 @router.post("/tokenize")
-async def tokenize(body: TokenizeBody, state: StateDep):
+async def tokenize(body: TokenizeBody, request: Request, state: StateDep, tenant: TenantDep):
     check_model(state.model_name, body.model)
-    return await off_loop(_tokenize, state.engine.front_end, body)
+    return await state.preparation.run(tenant, request, _tokenize, state.engine.front_end, body)
 
 
 @router.post("/detokenize")
-async def detokenize(body: DetokenizeRequest, state: StateDep):
+async def detokenize(body: DetokenizeRequest, request: Request, state: StateDep, tenant: TenantDep):
     check_model(state.model_name, body.model)
     front = state.engine.front_end
     vocab = front.model_args.vocab_size
     if any(t >= vocab for t in body.tokens):
         raise APIError(400, f"tokens must be integers in [0, {vocab})", param="tokens")
-    return {"prompt": await off_loop(front.tokenizer.decode, body.tokens, False)}
+    return {"prompt": await state.preparation.run(tenant, request, front.tokenizer.decode, body.tokens, False)}
 
 
 @router.get("/tokenizer_info")

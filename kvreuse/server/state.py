@@ -1,4 +1,5 @@
-"""What every route shares: the engine (an EngineClient), the metrics, the requests in flight and the settings.
+"""What every route shares: the engine (an EngineClient), the metrics, the requests in flight, the preparation threads
+and the settings.
 
 One `ServerState` lives on `app.state.kvreuse`; routes reach it through the `get_state` dependency (tests can
 swap it with `app.dependency_overrides[get_state]`).
@@ -15,6 +16,7 @@ from kvreuse.config import Config
 from kvreuse.server.admission import Admissions
 from kvreuse.server.engine_client import EngineClient
 from kvreuse.server.metrics import Metrics
+from kvreuse.server.preparation import Preparation
 from kvreuse.server.protocol import now
 
 
@@ -23,10 +25,12 @@ class ServerState:
     engine: EngineClient
     metrics: Metrics
     model_name: str
-    api_keys: dict[str, str] | None  # key -> tenant; None: no authentication
+    api_keys: dict[str, str] | None  # key -> tenant, admin keys included; None: no authentication
+    admin_keys: dict[str, str] | None = None  # key -> name: the keys that may call the admin routes (auth.admin_only)
     draining: bool = False  # set on SIGTERM: new requests get 503 while in-flight ones finish
     ready: bool = False     # the engine thread runs
-    admissions: Admissions = field(default_factory=Admissions)  # requests in flight, per tenant
+    admissions: Admissions = field(default_factory=Admissions)  # sequences in flight, per tenant
+    preparation: Preparation = field(default_factory=Preparation)  # the preparation threads, per tenant
     created: int = field(default_factory=now)
 
     @property

@@ -1,28 +1,56 @@
 """Request fields -> one FormatSpec: OpenAI's `response_format`, vLLM's `guided_json` / `guided_regex` /
-`guided_choice`. Everything a request can get wrong is found here, before the request reaches the engine."""
+`guided_choice`. Everything a request can get wrong in its shape is found here, in Python and in time linear in its
+size; what it costs to compile (`[structured]`'s limits) and how the engine reads it are checked by the
+GrammarCompiler, before the request reaches the engine."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import xgrammar as xgr
-
-from kvreuse.structured.errors import UnsupportedFormat, engine_message
+from kvreuse.structured.errors import UnsupportedFormat
 from kvreuse.structured.regex import regex_problem
 from kvreuse.structured.schema_check import check_schema
 
 Kind = Literal["json_object", "json_schema", "regex", "choice"]
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
+_FIELD_OF_KIND = {"json_object": "response_format", "json_schema": "response_format", "regex": "guided_regex",
+                  "choice": "guided_choice"}
+_NOUN = {"json_object": "schema", "json_schema": "schema", "regex": "regex", "choice": "list of choices"}
 
 
 @dataclass(frozen=True)
 class FormatSpec:
     """What the output must be. `value`: the schema as canonical JSON text (json_schema), the regex (regex), the
-    choices as a JSON list (choice), None (json_object). Hashable and picklable: the compiled-grammar cache key."""
+    choices as a JSON list (choice), None (json_object). Hashable and picklable: the compiled-grammar cache key.
+    `source` is the request field it came from (errors name it); it is not part of the key."""
     kind: Kind
     value: str | None = None
+    source: str | None = dataclasses.field(default=None, compare=False)
+
+    @property
+    def field(self) -> str:
+        """The request field an error about this format names."""
+        return self.source or _FIELD_OF_KIND[self.kind]
+
+    @property
+    def noun(self) -> str:
+        """What it is, in an error message: schema, regex or list of choices."""
+        return _NOUN[self.kind]
+
+
+@dataclass(frozen=True)
+class CheckedFormat:
+    """A format the GrammarCompiler has checked (limits, the engine's reading, compile time) without compiling it:
+    what a cluster's ingress, which decodes nothing, puts on a sequence and sends to the replica that compiles it.
+    Picklable."""
+    spec: FormatSpec
+
+    def matcher(self) -> None:
+        """None: a format only checked has no grammar here to follow tokens through."""
+        return None
 
 
 def parse_format(response_format: dict | None, guided_regex: str | None = None,
@@ -43,7 +71,7 @@ def parse_format(response_format: dict | None, guided_regex: str | None = None,
         problem = regex_problem(guided_regex)
         if problem:
             raise UnsupportedFormat("guided_regex", f"guided_regex: {problem}")
-        return FormatSpec("regex", guided_regex)
+        return FormatSpec("regex", guided_regex, "guided_regex")
     if guided_choice is not None:
         return _choice_spec(guided_choice)
     return None
@@ -65,7 +93,7 @@ def _response_format(response_format: Any) -> FormatSpec:
         raise UnsupportedFormat(field, f"response_format.type must be one of {', '.join(RESPONSE_FORMAT_TYPES)}, "
                                        f"not {kind!r}")
     if kind == "json_object":
-        return FormatSpec("json_object")
+        return FormatSpec("json_object", source=field)
     spec = response_format.get("json_schema")
     if not isinstance(spec, dict):
         raise UnsupportedFormat(field, "response_format.json_schema must be an object with a 'schema'")
@@ -89,14 +117,12 @@ def _schema_from_json_field(guided_json: Any) -> Any:
     return guided_json
 
 
-def _schema_spec(schema: Any, field: str) -> FormatSpec:
-    check_schema(schema, field)
-    text = json.dumps(schema, sort_keys=False, separators=(",", ":"), ensure_ascii=False)
-    try:  # the engine's own reading (references, bounds that contradict), without a tokenizer: ~0.1 ms
-        xgr.Grammar.from_json_schema(text, any_whitespace=False)
-    except Exception as exc:  # xgrammar raises RuntimeError (and may raise others) for a schema it refuses
-        raise UnsupportedFormat(field, f"json_schema: {engine_message(exc)}") from None
-    return FormatSpec("json_schema", text)
+def _schema_spec(schema: Any, source: str) -> FormatSpec:
+    check_schema(schema, source)
+    # The engine's own reading (references, bounds that contradict) waits for the compiler's limits: for some schemas
+    # of a few KB (minProperties over many properties) it alone builds a grammar of gigabytes.
+    return FormatSpec("json_schema", json.dumps(schema, sort_keys=False, separators=(",", ":"), ensure_ascii=False),
+                      source)
 
 
 def _choice_spec(choices: Any) -> FormatSpec:
@@ -104,4 +130,4 @@ def _choice_spec(choices: Any) -> FormatSpec:
         raise UnsupportedFormat("guided_choice", "guided_choice must be a non-empty list of strings")
     if not all(isinstance(choice, str) and choice for choice in choices):
         raise UnsupportedFormat("guided_choice", "guided_choice must hold non-empty strings only")
-    return FormatSpec("choice", json.dumps(choices, ensure_ascii=False))
+    return FormatSpec("choice", json.dumps(choices, ensure_ascii=False), "guided_choice")

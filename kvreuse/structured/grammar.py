@@ -1,28 +1,12 @@
-"""Compiled grammars and per-sequence matchers over xgrammar, for one tokenizer.
-
-Output is compact: one line, separators ", " and ": ", no free whitespace. Free whitespace lets a small model
-spend its whole budget on newlines before the first key; a fixed layout also makes outputs shorter and repeatable.
-"""
+"""Compiled grammars and per-sequence matchers over xgrammar, for one tokenizer (compiler.py makes them)."""
 
 from __future__ import annotations
-
-import json
-import os
-import threading
-from collections import OrderedDict
 
 import numpy as np
 import torch
 import xgrammar as xgr
 
-from kvreuse.model.tokenizer import Tokenizer
-from kvreuse.structured.errors import UnsupportedFormat, engine_message
 from kvreuse.structured.formats import FormatSpec
-
-CACHE_SIZE = 128            # compiled grammars kept per tokenizer (a mid-size schema's is ~20 KB)
-COMPILE_THREADS = min(4, os.cpu_count() or 1)
-_FIELD = {"json_object": "response_format", "json_schema": "response_format", "regex": "guided_regex",
-          "choice": "guided_choice"}
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -88,57 +72,14 @@ class CompiledGrammar:
         self._eos = eos_token_ids
         self.vocab_size = vocab_size
 
+    @property
+    def memory_bytes(self) -> int:
+        """What it holds in memory, by xgrammar's own account (the grammar cache's unit)."""
+        return self._compiled.memory_size_bytes
+
     def matcher(self) -> GrammarMatcher:
         """A fresh matcher at the start of the grammar, for one sequence."""
         return GrammarMatcher(self._compiled, self._eos, self.vocab_size)
-
-
-class GrammarCompiler:
-    """Compiles FormatSpecs for one tokenizer, keeping the last CACHE_SIZE results. Thread-safe: requests are
-    parsed on several threads. Two threads compiling one spec at once both compile it (the second result wins);
-    no lock is held while compiling, so one large schema never stalls the others."""
-
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int):
-        self.vocab_size = vocab_size
-        self._eos = sorted(tokenizer.eos_token_ids)
-        # vocab_size is the logits width: ids from the tokenizer's size up to it are padding, never allowed.
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer.hf, vocab_size=vocab_size, stop_token_ids=self._eos)
-        self._compiler = xgr.GrammarCompiler(info, max_threads=COMPILE_THREADS, cache_enabled=False)
-        self._cache: OrderedDict[FormatSpec, CompiledGrammar] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def compile(self, spec: FormatSpec) -> CompiledGrammar:
-        """UnsupportedFormat (naming the request field) if the engine refuses the spec."""
-        with self._lock:
-            found = self._cache.get(spec)
-            if found is not None:
-                self._cache.move_to_end(spec)
-                return found
-        try:
-            compiled = self._compile(spec)
-        except Exception as exc:  # xgrammar raises RuntimeError (and may raise others) for what it refuses
-            raise UnsupportedFormat(_FIELD[spec.kind], f"{spec.kind}: {engine_message(exc)}") from None
-        grammar = CompiledGrammar(spec, compiled, self._eos, self.vocab_size)
-        with self._lock:
-            self._cache[spec] = grammar
-            while len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
-        return grammar
-
-    def _compile(self, spec: FormatSpec) -> xgr.CompiledGrammar:
-        if spec.kind == "json_object":
-            # Any object, any properties: strict mode would allow declared properties only, i.e. none.
-            return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
-        if spec.kind == "json_schema":
-            # Strict mode: no properties beyond the declared ones (a valid subset of what the schema allows).
-            return self._compiler.compile_json_schema(spec.value, any_whitespace=False, strict_mode=True)
-        if spec.kind == "regex":
-            return self._compiler.compile_regex(spec.value)
-        if spec.kind == "choice":
-            # JSON string literals are EBNF string literals (ensure_ascii=False: xgrammar reads raw UTF-8).
-            alternatives = " | ".join(json.dumps(choice, ensure_ascii=False) for choice in json.loads(spec.value))
-            return self._compiler.compile_grammar(f"root ::= {alternatives}")
-        raise ValueError(f"unknown format kind {spec.kind!r}")
 
 
 def unpack_bits(words: np.ndarray, vocab_size: int) -> np.ndarray:

@@ -30,9 +30,9 @@ TYPES = frozenset({"string", "integer", "number", "boolean", "null", "object", "
 MAX_DEPTH = 64
 
 # Keywords whose value is a subschema, a list of them, or a name -> subschema map.
-_ONE = ("additionalProperties", "items")
-_LIST = ("anyOf", "allOf", "prefixItems")
-_MAP = ("properties", "$defs", "definitions")
+SUBSCHEMA_ONE = ("additionalProperties", "items")
+SUBSCHEMA_LIST = ("anyOf", "allOf", "prefixItems")
+SUBSCHEMA_MAP = ("properties", "$defs", "definitions")
 
 
 def check_schema(schema: Any, field: str) -> None:
@@ -58,12 +58,12 @@ def _check(schema: Any, field: str, path: str, depth: int) -> None:
             raise _fail(field, f"'{keyword}' is not supported{hint}", path)
     _check_values(schema, field, path)
     here = f"{path}." if path else ""
-    for keyword in _ONE:
+    for keyword in SUBSCHEMA_ONE:
         if keyword in schema:
             if isinstance(schema[keyword], list):  # draft-4 tuple form
                 raise _fail(field, f"'{keyword}' as a list is not supported (use 'prefixItems')", path)
             _check(schema[keyword], field, f"{here}{keyword}", depth + 1)
-    for keyword in _LIST:
+    for keyword in SUBSCHEMA_LIST:
         if keyword in schema:
             subschemas = schema[keyword]
             if not isinstance(subschemas, list) or not subschemas:
@@ -72,7 +72,7 @@ def _check(schema: Any, field: str, path: str, depth: int) -> None:
                 raise _fail(field, "'allOf' with more than one schema is not supported", path)
             for i, subschema in enumerate(subschemas):
                 _check(subschema, field, f"{here}{keyword}[{i}]", depth + 1)
-    for keyword in _MAP:
+    for keyword in SUBSCHEMA_MAP:
         if keyword in schema:
             if not isinstance(schema[keyword], dict):
                 raise _fail(field, f"'{keyword}' must be an object", path)

@@ -23,6 +23,7 @@ class TierCounters:
 
     entries_written: int = 0
     bytes_written: int = 0
+    entries_dropped: int = 0  # entries a put did not store: a fault, no room, Redis down (not: already stored)
     entries_read: int = 0
     bytes_read: int = 0
     entries_deleted: int = 0
@@ -65,7 +66,7 @@ class KVTier(Protocol):
 
     def clear(self) -> int:
         """Remove every entry of this tier (and only those: a shared Redis keeps other keys); returns how many
-        were removed where known, else 0."""
+        were removed where known, else 0. An entry that cannot be removed stays, and `usage` still counts it."""
 
     def usage(self) -> TierUsage:
         """What the tier holds now."""

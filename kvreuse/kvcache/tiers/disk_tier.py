@@ -2,6 +2,8 @@
 
 Layout: `<path>/<first 2 hex chars of the key>/<key hex>.kvb` (the fan-out keeps each directory small). Entries
 are opaque bytes; `max_bytes` bounds the sum of their lengths (not the blocks the filesystem rounds them up to).
+Private to the user running the server, whatever the umask: the directories are 0700 (`path` itself made so at
+start), the files 0600. K/V gives away the prompt to anyone with the model's weights.
 
 Atomicity: an entry is written to `.<key hex>.<pid>.<thread id>.tmp` in its final directory, fsynced, then renamed
 over its final name (`os.replace`, atomic on POSIX) and the directory fsynced. A crash mid-write leaves at worst a
@@ -17,7 +19,9 @@ Faults (a full disk, EIO, EROFS) never raise: the entry is dropped or missed, `c
 warning is logged per incident (until a write succeeds again).
 
 Every unlink happens under the lock, and an entry enters the index only after its file is in place, so the index
-and the files agree whenever the lock is free and no write is in flight (`check_integrity`).
+and the files agree whenever the lock is free and no write is in flight (`check_integrity`). An entry whose file
+cannot be removed (a read-only filesystem) stays indexed, as it stays on disk: eviction skips it from then on, and
+`clear` says how many it left.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 _DIR = re.compile(r"[0-9a-f]{2}")
 _ENTRY = re.compile(r"((?:[0-9a-f]{2})+)\.kvb")
+DIR_MODE, FILE_MODE = 0o700, 0o600
 
 
 class DiskTier:
@@ -51,10 +56,13 @@ class DiskTier:
         self._index: OrderedDict[bytes, int] = OrderedDict()
         self._pending: dict[bytes, int] = {}     # keys being written -> the bytes they reserve
         self._num_reserved = 0                   # sum of those
+        self._stuck: set[bytes] = set()          # indexed keys whose file could not be removed
         self._lock = threading.Lock()
         self._failing = False                    # inside a fault incident: logged once, until a write succeeds
         self._last_stamp = 0
-        self.path.mkdir(parents=True, exist_ok=True)
+        self.path.mkdir(DIR_MODE, parents=True, exist_ok=True)
+        for directory in [self.path, *(d for d in self.path.iterdir() if _DIR.fullmatch(d.name) and d.is_dir())]:
+            _make_private(directory)             # also those an older version made 0755
         found, temps = self._scan()
         for temp in temps:                       # left by a writer that crashed mid-write
             try:
@@ -114,17 +122,19 @@ class DiskTier:
     def delete(self, keys: Sequence[bytes]) -> None:
         with self._lock:
             for key in keys:
-                if key in self._index:
-                    self._drop(key)
+                if key in self._index and self._drop(key):
                     self.counters.entries_deleted += 1
 
     def clear(self) -> int:
+        """Remove every entry it can; those whose file cannot be removed stay indexed (and are logged)."""
         with self._lock:
-            num_entries = len(self._index)
-            for key in list(self._index):
-                self._drop(key)
-            self.counters.entries_deleted += num_entries
-            return num_entries
+            removed = sum(self._drop(key) for key in list(self._index))
+            self.counters.entries_deleted += removed
+            left = len(self._index)
+        if left:
+            logger.warning("disk tier %s: cleared %d entries, %d could not be removed and are still held",
+                           self.path, removed, left)
+        return removed
 
     def usage(self) -> TierUsage:
         with self._lock:
@@ -140,7 +150,9 @@ class DiskTier:
             for key, size in self._index.items():
                 assert on_disk[key] == size, f"{key.hex()}: indexed as {size} bytes, the file has {on_disk[key]}"
             assert self.num_bytes == sum(self._index.values()), "num_bytes != the sum of the indexed sizes"
-            assert self.num_bytes <= self.max_bytes, f"{self.num_bytes} bytes over max_bytes {self.max_bytes}"
+            assert self._stuck <= self._index.keys(), "a stuck key that is not indexed"
+            assert self.num_bytes <= self.max_bytes or self._stuck, \
+                f"{self.num_bytes} bytes over max_bytes {self.max_bytes}"
 
     def close(self) -> None:
         self.closed = True
@@ -157,6 +169,7 @@ class DiskTier:
                 # Bigger than the whole tier, or no room beside the writes in flight: dropped to stay within
                 # the limit, which is what `evictions` counts.
                 self.counters.evictions += 1
+                self.counters.entries_dropped += 1
                 return False
             self._pending[key] = size
             self._num_reserved += size
@@ -164,8 +177,9 @@ class DiskTier:
         file = self._file(key)
         temp = file.with_name(f".{key.hex()}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
-            file.parent.mkdir(exist_ok=True)
-            with open(temp, "wb") as f:
+            _make_dir(file.parent)
+            with open(os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE), "wb") as f:
+                os.fchmod(f.fileno(), FILE_MODE)  # whatever the umask
                 f.write(entry)
                 f.flush()
                 os.fsync(f.fileno())
@@ -178,6 +192,7 @@ class DiskTier:
                 pass                             # the next start removes it
             with self._lock:
                 self._num_reserved -= self._pending.pop(key)
+                self.counters.entries_dropped += 1
                 self._fault("write", file, exc)
             return False
         self._fsync_dir(file.parent)
@@ -195,17 +210,25 @@ class DiskTier:
     def _evict_for(self, size: int) -> None:
         """Under the lock: drop least recently used entries until `size` more bytes (and those being written)
         fit."""
-        while self._index and self.num_bytes + self._num_reserved + size > self.max_bytes:
-            self._drop(next(iter(self._index)))
-            self.counters.evictions += 1
+        while self.num_bytes + self._num_reserved + size > self.max_bytes:
+            victim = next((key for key in self._index if key not in self._stuck), None)
+            if victim is None:
+                return                           # only entries it cannot remove are left
+            if self._drop(victim):
+                self.counters.evictions += 1
 
-    def _drop(self, key: bytes) -> None:
-        """Under the lock (so a concurrent put of the same key cannot have its new file unlinked)."""
-        self.num_bytes -= self._index.pop(key)
+    def _drop(self, key: bytes) -> bool:
+        """Under the lock (so a concurrent put of the same key cannot have its new file unlinked): remove the entry's
+        file, then unindex it; a file that cannot be removed stays indexed and stuck. Whether it went."""
         try:
             self._file(key).unlink(missing_ok=True)
         except OSError as exc:
+            self._stuck.add(key)
             self._fault("unlink", self._file(key), exc)
+            return False
+        self.num_bytes -= self._index.pop(key)
+        self._stuck.discard(key)
+        return True
 
     def _fault(self, op: str, file: Path, exc: OSError) -> None:
         """Under the lock."""
@@ -253,6 +276,25 @@ class DiskTier:
                 os.close(fd)
         except OSError:
             pass
+
+
+def _make_dir(directory: Path) -> None:
+    """`directory`, created 0700 if absent (whatever the umask)."""
+    try:
+        os.mkdir(directory, DIR_MODE)
+    except FileExistsError:
+        return
+    os.chmod(directory, DIR_MODE)
+
+
+def _make_private(directory: Path) -> None:
+    """Make an existing directory of the tier 0700; a warning if it cannot be (owned by someone else)."""
+    try:
+        if directory.stat().st_mode & 0o777 != DIR_MODE:
+            os.chmod(directory, DIR_MODE)
+    except OSError as exc:
+        logger.warning("disk tier: cannot make %s private (mode 0700): %s; other users may read its entries",
+                       directory, exc)
 
 
 def _writer_alive(temp: Path) -> bool:

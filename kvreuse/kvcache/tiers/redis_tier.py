@@ -150,13 +150,16 @@ class RedisTier:
             return pipe.execute(raise_on_error=False)
 
         results = self._call(run, None)
-        if results is None:
+        if results is None:  # down, or in backoff
+            with self._lock:
+                self.counters.entries_dropped += len(entries)
             return 0
         refused = [r for r in results if isinstance(r, Exception)]
         written = [len(value) for (_, value), r in zip(entries, results, strict=True) if r is True]
         with self._lock:
             self.counters.entries_written += len(written)
             self.counters.bytes_written += sum(written)
+            self.counters.entries_dropped += len(entries) - len(written)
             self.counters.errors += bool(refused)
             started, self._refusing_writes = refused and not self._refusing_writes, bool(refused)
         if started:

@@ -3,14 +3,14 @@ chain read back from them while the request waits.
 
 Write path: when the pool publishes exactly computed blocks, `store` copies their K/V out of the pool (on the
 engine thread: a later step may overwrite the pool block) and queues them; a writer thread encodes each as a
-checked entry (entry.py) and puts it into every tier. The queue is bounded in bytes; what overflows is dropped and
-counted, so a slow disk or a dead Redis never makes a step wait.
+checked entry signed with the tier secret (entry.py, tier_secret.py) and puts it into every tier. The queue is
+bounded in bytes; what overflows is dropped and counted, so a slow disk or a dead Redis never makes a step wait.
 
 Read path: `prefetch` hands a request's chain keys to a loader thread, which continues the chain tier by tier
 (disk, then Redis): one batched existence check per tier, then one batched read of the leading run, each entry
-decoded and checked against the request (its key, its parent's key, its tokens, the model). The first entry that
-fails ends the run in that tier: it is counted by reason and deleted, and the request computes from there, as it
-would without the store.
+decoded and checked against the request (its key, its parent's key, its tokens, the model) and its signature. The
+first entry that fails ends the run in that tier: it is counted by reason and deleted, and the request computes
+from there, as it would without the store.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from typing import Protocol
 from kvreuse.config import CacheConfig
 from kvreuse.kvcache.tiers import entry
 from kvreuse.kvcache.tiers.base import KVTier, TierUsage
+from kvreuse.kvcache.tiers.tier_secret import load_tier_secret
 
 logger = logging.getLogger(__name__)
 
@@ -98,9 +99,11 @@ def build_tiers(cache: CacheConfig) -> list[KVTier]:
 
 
 class TieredStore:
-    def __init__(self, tiers: Sequence[KVTier], spec: entry.BlockSpec, io: BlockIO, max_queue_bytes: int):
+    def __init__(self, tiers: Sequence[KVTier], spec: entry.BlockSpec, io: BlockIO, max_queue_bytes: int, *,
+                 secret: bytes, store_tokens: bool = False):
         self.tiers = list(tiers)  # read in this order: the nearest first
         self.spec, self.io = spec, io
+        self._secret, self._store_tokens = secret, store_tokens  # entries signed with it; token ids kept or hashed
         self.max_queue_bytes = max_queue_bytes
         self.counters = StoreCounters()
         self._lock = threading.Lock()  # guards counters and the queued byte count
@@ -115,9 +118,13 @@ class TieredStore:
 
     @classmethod
     def from_config(cls, cache: CacheConfig, io: BlockIO) -> TieredStore | None:
-        """The tiers `[cache]` configures over the pool `io` reads and writes; None without any, or with caching off."""
-        tiers = build_tiers(cache) if cache.enabled else []
-        return cls(tiers, io.spec, io, cache.tier_queue_mb * 2**20) if tiers else None
+        """The tiers `[cache]` configures over the pool `io` reads and writes; None without any, or with caching off.
+        ConfigError if the tier secret cannot be had (tier_secret.py)."""
+        if not (cache.enabled and (cache.disk.path or cache.redis.url)):
+            return None
+        secret = load_tier_secret(cache.tier_secret_file)
+        return cls(build_tiers(cache), io.spec, io, cache.tier_queue_mb * 2**20, secret=secret,
+                   store_tokens=cache.tier_store_tokens)
 
     @property
     def tier_names(self) -> list[str]:
@@ -152,7 +159,8 @@ class TieredStore:
                 return
             blocks, payloads, targets = job
             try:
-                entries = [(b.key, entry.encode(self.spec, b.key, b.parent_key, b.token_ids, p))
+                entries = [(b.key, entry.encode(self.spec, b.key, b.parent_key, b.token_ids, p, secret=self._secret,
+                                                store_tokens=self._store_tokens))
                            for b, p in zip(blocks, payloads, strict=True)]
                 for tier in targets:
                     tier.put(entries[::-1])  # tail first: see _load_run; never raises for its medium's faults
@@ -234,7 +242,8 @@ class TieredStore:
                 blocks.append(None)
                 continue
             try:
-                payload = entry.decode(raw, self.spec, keys[i], keys[i - 1] if i else parent_key, token_blocks[i])
+                payload = entry.decode(raw, self.spec, keys[i], keys[i - 1] if i else parent_key, token_blocks[i],
+                                       secret=self._secret)
                 blocks.append(LoadedBlock(keys[i], tier.name, payload))
             except entry.InvalidEntry as exc:
                 blocks.append(exc)
