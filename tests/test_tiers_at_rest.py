@@ -80,13 +80,19 @@ def forge(llm: LLM, raw: redis.Redis, secret: bytes, copy_signature: bool = Fals
     return min(len(keys), len(others))
 
 
-@pytest.mark.parametrize("copy_signature", [False, True], ids=["signed-with-another-key", "genuine-signature-copied"])
-def test_a_forged_redis_entry_is_a_miss_and_the_output_equals_use_cache_false(tiny_model_dir, redis_url, tmp_path,
-                                                                               copy_signature):
+def victim_and_other_written(tiny_model_dir: str, redis_url: str):
+    """An engine on the Redis tier that wrote OTHER's blocks there, and PROMPT's greedy tokens computed cold."""
     writer = tiny_llm(tiny_model_dir, cache__redis__url=redis_url)
     expected = writer.generate(PROMPT, GREEDY, use_cache=False)[0].token_ids
     writer.generate(OTHER, GREEDY)
     assert writer.engine.tiers.flush(30)
+    return writer, expected
+
+
+@pytest.mark.parametrize("copy_signature", [False, True], ids=["signed-with-another-key", "genuine-signature-copied"])
+def test_a_forged_redis_entry_is_a_miss_and_the_output_equals_use_cache_false(tiny_model_dir, redis_url, tmp_path,
+                                                                               copy_signature):
+    writer, expected = victim_and_other_written(tiny_model_dir, redis_url)
     raw = redis.Redis.from_url(redis_url)
     try:
         forge(writer, raw, b"the attacker's own key, not the server's", copy_signature)
@@ -110,10 +116,7 @@ def test_a_forged_redis_entry_is_a_miss_and_the_output_equals_use_cache_false(ti
 
 def test_the_same_forgery_signed_with_the_servers_key_is_served(tiny_model_dir, redis_url):
     """The control: only the key stands between a writer of the Redis and the victim's answers."""
-    writer = tiny_llm(tiny_model_dir, cache__redis__url=redis_url)
-    expected = writer.generate(PROMPT, GREEDY, use_cache=False)[0].token_ids
-    writer.generate(OTHER, GREEDY)
-    assert writer.engine.tiers.flush(30)
+    writer, expected = victim_and_other_written(tiny_model_dir, redis_url)
     raw = redis.Redis.from_url(redis_url)
     try:
         forged = forge(writer, raw, load_tier_secret(""))
