@@ -13,7 +13,16 @@ from collections.abc import Iterator, Sequence
 from functools import reduce
 from typing import Annotated, Literal, get_args
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic.fields import FieldInfo
 from pydantic_core import ErrorDetails, PydanticCustomError
 from typing_extensions import Self
@@ -242,6 +251,21 @@ class ModelConfig(_Section):
     quantization: Literal["none", "int8", "int4"] = Field("none", description=(
         "Weight-only quantization of the decoder linears (`--quantization`): `int8` per output channel, `int4` in "
         "groups of 32. Approximate, so part of every cache key (docs/features/quantization.md)."))
+    weights: Literal["auto", "gguf", "dense"] = Field("auto", description=(
+        "What decode steps multiply by (`--weights`). `gguf`: a GGUF file's own quantized blocks (Q4_0, Q4_1, "
+        "Q5_0, Q8_0, Q4_K), dequantized in registers to the dense weights' exact values by a CPU kernel: the fp32 "
+        "product up to summation order, at a fifth of the memory traffic; prefill stays dense. `dense`: the "
+        "weights dequantized once at load. `auto`: `gguf` for a GGUF on a CPU without `model.quantization`, else "
+        "`dense` (docs/features/gguf-weights.md)."))
+
+    @model_validator(mode="after")
+    def _weights_fit(self) -> ModelConfig:
+        if self.weights == "gguf" and self.quantization != "none":
+            raise ValueError(f"model.weights = gguf reads the file's own blocks and model.quantization = "
+                             f"{self.quantization} re-quantizes the weights: set one of them (weights = dense)")
+        if self.weights == "gguf" and self.path and not self.path.endswith(".gguf"):
+            raise ValueError(f"model.weights = gguf needs a .gguf model; model.path is {self.path!r}")
+        return self
 
 
 class EngineConfig(_Section):

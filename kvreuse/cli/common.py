@@ -23,6 +23,7 @@ SHORTHANDS = {
     "device": "model.device",
     "dtype": "model.dtype",
     "quantization": "model.quantization",
+    "weights": "model.weights",
     "block_size": "cache.block_size",
     "max_model_len": "server.max_tokens",
     "enable_prefix_caching": "cache.enabled",
@@ -77,6 +78,8 @@ def common_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=choices_of(ModelConfig, "dtype"), help=shorthand("dtype"))
     parser.add_argument("--quantization", choices=choices_of(ModelConfig, "quantization"),
                         help=f"weight-only, approximate ({shorthand('quantization')})")
+    parser.add_argument("--weights", choices=choices_of(ModelConfig, "weights"),
+                        help=f"decode from the GGUF's own blocks or dense weights ({shorthand('weights')})")
     parser.add_argument("--block-size", type=int, help=shorthand("block_size"))
     parser.add_argument("--preset", choices=choices_of(CacheConfig, "preset"),
                         help=f"scenario preset ({shorthand('preset')}); explicit keys override it")

@@ -32,8 +32,9 @@ from kvreuse.kvcache.request import CacheRequest, ReuseScope
 from kvreuse.kvcache.tiers.store import TieredStore
 from kvreuse.layers.sampler import TokenLogprob
 from kvreuse.model.decode_graph import DecodeGraph
+from kvreuse.model.gguf_weights import KERNEL_MAX_ROWS, resolve_weights, use_gguf_blocks
 from kvreuse.model.llama import Llama
-from kvreuse.model.loader import ModelInfo, load_weights
+from kvreuse.model.loader import ModelInfo, load_weights, resolve_model_path
 from kvreuse.model.quantize import quantize_model
 from kvreuse.sampling_params import SamplingParams
 
@@ -45,16 +46,22 @@ class LLMEngine:
 
     def __init__(self, config: Config):
         self.device = resolve_device(config.model.device)
-        weights = load_weights(config.model.path or None)
+        path = resolve_model_path(config.model.path or None)
+        mode = resolve_weights(config.model.weights, config.model.quantization, path, self.device)
+        weights = load_weights(path, keep_blocks=mode == "gguf")
         dtype, why = resolve_dtype(config.model.dtype, self.device, weights.args)
         self.front_end = FrontEnd(config, ModelInfo(weights.args, weights.path, weights.fingerprint), dtype, why)
         front = self.front_end
         model = Llama.from_weights(weights, dtype, self.device)
         quantize_model(model, config.model.quantization)  # weight-only; "none" leaves it as loaded
+        self.weights_description = use_gguf_blocks(model, weights) if mode == "gguf" else "dense"
+        logger.info("model.weights = %s: %s", config.model.weights, self.weights_description)
         del weights
 
         num_blocks = front.num_kv_blocks
-        decode_graph = DecodeGraph(model, config.engine.max_num_seqs) if config.engine.compile == "decode" else None
+        # A step the GGUF kernel takes compiles into one graph only up to its row limit (larger batches: eager).
+        graph_seqs = min(config.engine.max_num_seqs, KERNEL_MAX_ROWS if mode == "gguf" else config.engine.max_num_seqs)
+        decode_graph = DecodeGraph(model, graph_seqs) if config.engine.compile == "decode" else None
         self.runner = ModelRunner(model, num_blocks, front.block_size, dtype, self.device,
                                   front.tokenizer.eos_token_ids, decode_graph)
         self.tiers = TieredStore.from_config(config.cache, PoolBlockIO(self.runner.kv_cache, front.fingerprint))

@@ -20,6 +20,7 @@ from kvreuse.engine.sequence import Sequence
 from kvreuse.kvcache.normalize import normalize_text
 from kvreuse.kvcache.request import new_cache_request
 from kvreuse.model import dtype_probe
+from kvreuse.model.gguf_weights import resolve_weights, weights_tag
 from kvreuse.model.loader import ModelArgs, ModelInfo, load_model_info
 from kvreuse.model.quantize import quantization_tag
 from kvreuse.model.tokenizer import ChatText, Tokenizer, check_unicode
@@ -78,8 +79,10 @@ class FrontEnd:
         self.dtype = dtype
         self.dtype_description = f"{dtype_name(dtype)} ({why})" if why else dtype_name(dtype)
         # Cache keys must change whenever the numbers in the KV would: weights, dtype and quantization.
-        tag = quantization_tag(config.model.quantization)
-        self.fingerprint = f"{info.fingerprint}:{str(dtype).removeprefix('torch.')}" + (f":{tag}" if tag else "")
+        self.weights = resolve_weights(config.model.weights, config.model.quantization, info.path,
+                                       resolve_device(config.model.device))
+        tags = [quantization_tag(config.model.quantization), weights_tag(self.weights)]
+        self.fingerprint = ":".join([info.fingerprint, str(dtype).removeprefix("torch."), *filter(None, tags)])
         self.tokenizer = Tokenizer.load(info.path, info.fingerprint)
         self.block_size = config.cache.block_size
         self.bytes_per_block = kv_bytes_per_block(info.args, self.block_size, dtype)
@@ -99,7 +102,10 @@ class FrontEnd:
         that runs a sequence compiles its grammar. ModelLoadError for a bad model path."""
         info = load_model_info(config.model.path or None)
         dtype, why = resolve_dtype(config.model.dtype, resolve_device(config.model.device), info.args)
-        model = config.model.model_copy(update={"path": str(info.path), "dtype": dtype_name(dtype)})
+        weights = resolve_weights(config.model.weights, config.model.quantization, info.path,
+                                  resolve_device(config.model.device))
+        model = config.model.model_copy(update={"path": str(info.path), "dtype": dtype_name(dtype),
+                                                "weights": weights})
         return cls(config.model_copy(update={"model": model}), info, dtype, why, compiles_grammars=False)
 
     @property

@@ -13,6 +13,14 @@ from kvreuse.layers.attention import AttentionMetadata, paged_attention, store_a
 from kvreuse.layers.rotary import RotaryEmbedding, apply_rotary
 from kvreuse.model.loader import LoadedWeights, ModelArgs
 
+# Each layer's fused linears and the loaded weights stacked (along the output rows) into each.
+FUSED_LINEARS = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "o_proj": ("o_proj",),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+    "down_proj": ("down_proj",),
+}
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -100,11 +108,9 @@ class Llama(nn.Module):
         for i in range(weights.args.num_layers):
             p = f"layers.{i}."
             state[p + "input_norm.weight"] = t[p + "input_norm"]
-            state[p + "qkv_proj.weight"] = torch.cat([t[p + "q_proj"], t[p + "k_proj"], t[p + "v_proj"]])
-            state[p + "o_proj.weight"] = t[p + "o_proj"]
             state[p + "post_attention_norm.weight"] = t[p + "post_attention_norm"]
-            state[p + "gate_up_proj.weight"] = torch.cat([t[p + "gate_proj"], t[p + "up_proj"]])
-            state[p + "down_proj.weight"] = t[p + "down_proj"]
+            for fused, parts in FUSED_LINEARS.items():
+                state[p + fused + ".weight"] = torch.cat([t[p + part] for part in parts])
         model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
         if weights.args.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight

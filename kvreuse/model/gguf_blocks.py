@@ -1,0 +1,129 @@
+"""A GGUF tensor's quantized blocks as the decode kernel reads them (kvreuse/kernels/gguf_linear.cpp).
+
+Every supported format is mapped, block of 32 inputs by block, onto one form: W[n, k] = scale * code + min, with
+integer codes of 4 bits (Q4_0, Q4_1, Q4_K) or 8 bits (Q5_0, Q8_0) and an fp32 scale and min per block. The mapping
+is exact: `dequantize()` gives bit for bit what gguf-py's dequantization gives (tests/test_gguf_kernel.py), because
+each format's scale * code is exact in fp32 and the min absorbs its offset (Q4_0's d * (q - 8) = d * q + (-8 d)).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as QType
+
+BLOCK = 32
+SUPPORTED = (QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q8_0, QType.Q4_K)
+
+
+@dataclass(frozen=True)
+class QuantizedBlocks:
+    """One weight [N, K] in blocks of 32 inputs: codes [N, K * bits / 8] uint8 (4-bit: per block, 16 bytes whose
+    low nibbles are inputs 0..15 and high nibbles 16..31), scales and mins [N, K / 32] fp32."""
+    codes: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor
+    bits: int
+    source: str  # the GGUF type(s) it came from, e.g. "Q4_1"
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.scales.shape[0], self.scales.shape[1] * BLOCK
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight [N, K] fp32: scale * code + min, as the kernel computes it."""
+        n, k = self.shape
+        codes = self.codes.view(n, k // BLOCK, -1)                       # [N, B, 16 | 32]
+        if self.bits == 4:
+            codes = torch.cat([codes & 15, codes >> 4], dim=-1)          # [N, B, 32]
+        return (codes.float() * self.scales[..., None] + self.mins[..., None]).reshape(n, k)
+
+    def rows(self, index: torch.Tensor) -> QuantizedBlocks:
+        """These blocks with their output rows reordered (or selected) by `index` [N']."""
+        return QuantizedBlocks(self.codes[index].contiguous(), self.scales[index].contiguous(),
+                               self.mins[index].contiguous(), self.bits, self.source)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.mins))
+
+
+def concat(parts: list[QuantizedBlocks]) -> QuantizedBlocks | None:
+    """Blocks stacked along the output rows (a fused qkv or gate_up), or None where their code widths differ."""
+    if len({p.bits for p in parts}) != 1 or len({p.shape[1] for p in parts}) != 1:
+        return None
+    return QuantizedBlocks(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
+                           torch.cat([p.mins for p in parts]), parts[0].bits,
+                           "+".join(dict.fromkeys(p.source for p in parts)))
+
+
+def from_gguf(data: np.ndarray, qtype: QType) -> QuantizedBlocks | None:
+    """The blocks of a GGUF tensor (`data`: the reader's [N, bytes per row] uint8), or None for a type the kernel
+    does not read."""
+    if qtype not in SUPPORTED:
+        return None
+    n = data.shape[0]
+    if qtype == QType.Q4_K:
+        codes, scales, mins = _q4_k(data.reshape(-1, 144))
+    else:
+        codes, scales, mins = _BLOCK_32[qtype](data.reshape(n * data.shape[1] // _BLOCK_BYTES[qtype], -1))
+    codes, scales, mins = codes.reshape(n, -1), scales.reshape(n, -1), mins.reshape(n, -1)
+    bits = 4 if qtype in (QType.Q4_0, QType.Q4_1, QType.Q4_K) else 8
+    packed = _pack4(codes) if bits == 4 else codes
+    return QuantizedBlocks(torch.from_numpy(np.ascontiguousarray(packed)), torch.from_numpy(scales),
+                           torch.from_numpy(mins), bits, qtype.name)
+
+
+def _pack4(codes: np.ndarray) -> np.ndarray:
+    """codes [N, K] in 0..15 -> [N, K / 2]: per block of 32, byte j holds input j (low nibble) and j + 16 (high)."""
+    blocks = codes.reshape(codes.shape[0], -1, 2, 16)
+    return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(codes.shape[0], -1)
+
+
+def _half(column: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(column).view(np.float16).astype(np.float32)[:, 0]
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """[B, 16] bytes -> [B, 32] codes: low nibbles first, then high (ggml's 32-input blocks)."""
+    return np.concatenate([qs & 15, qs >> 4], axis=1)
+
+
+def _q4_0(b: np.ndarray):
+    d = _half(b[:, :2])
+    return _nibbles(b[:, 2:]), d, -8 * d
+
+
+def _q4_1(b: np.ndarray):
+    return _nibbles(b[:, 4:]), _half(b[:, :2]), _half(b[:, 2:4])
+
+
+def _q5_0(b: np.ndarray):
+    d = _half(b[:, :2])
+    high = np.ascontiguousarray(b[:, 2:6]).view(np.uint32) >> np.arange(32, dtype=np.uint32)  # [B, 32]
+    codes = _nibbles(b[:, 6:]) | ((high & 1).astype(np.uint8) << 4)
+    return codes, d, -16 * d
+
+
+def _q8_0(b: np.ndarray):
+    d = _half(b[:, :2])
+    return (b[:, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8), d, -128 * d
+
+
+def _q4_k(b: np.ndarray):
+    """Super-blocks of 256: fp16 d and dmin, 8 six-bit scales and mins, then 4 chunks of 32 bytes whose low nibbles
+    are one 32-input block and high nibbles the next."""
+    from gguf.quants import Q4_K
+
+    d, dmin = _half(b[:, :2]), _half(b[:, 2:4])
+    sc, m = Q4_K.get_scale_min(b[:, 4:16])                               # [S, 8] each
+    qs = b[:, 16:].reshape(-1, 4, 32)                                    # [S, chunk, 32]
+    codes = np.stack([qs & 15, qs >> 4], axis=2).reshape(-1, 32)         # [S * 8, 32]
+    scales = (d[:, None] * sc.astype(np.float32)).reshape(-1)
+    mins = -(dmin[:, None] * m.astype(np.float32)).reshape(-1)
+    return codes, scales, mins
+
+
+_BLOCK_32 = {QType.Q4_0: _q4_0, QType.Q4_1: _q4_1, QType.Q5_0: _q5_0, QType.Q8_0: _q8_0}
+_BLOCK_BYTES = {QType.Q4_0: 18, QType.Q4_1: 20, QType.Q5_0: 22, QType.Q8_0: 34}

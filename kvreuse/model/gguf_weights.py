@@ -1,0 +1,116 @@
+"""`model.weights = gguf`: decode-shaped products read the GGUF file's own quantized blocks.
+
+Each decoder linear and the LM head of a model loaded from a GGUF keep, beside the dense fp32 weight that prefill
+multiplies by, the file's blocks (gguf_blocks.py). Up to KERNEL_MAX_ROWS rows (decode steps, a few sampled rows of
+the head), the kernel (kvreuse/kernels) dequantizes them in registers to exactly the dense weight's values and
+multiplies in fp32: the dense product up to summation order, at a fifth to a sixth of the bytes streamed. Where the
+kernel is not built or the CPU lacks AVX2 the dense weight is used: the same numbers as `dense`, so no tag.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvreuse.kernels import gguf_kernel
+from kvreuse.model.gguf_blocks import QuantizedBlocks, concat
+from kvreuse.model.llama import FUSED_LINEARS
+
+if TYPE_CHECKING:
+    from kvreuse.model.llama import Llama
+    from kvreuse.model.loader import LoadedWeights
+
+logger = logging.getLogger(__name__)
+
+MODES = ("auto", "gguf", "dense")
+# Rows up to which the kernel beats the dense fp32 GEMM on SmolLM2-135M's shapes (docs/benchmarks.md); more rows
+# (prefill) are compute-bound, where the dense GEMM's blocking wins.
+KERNEL_MAX_ROWS = 16
+
+
+def resolve_weights(mode: str, quantization: str, path: Path, device: torch.device) -> str:
+    """`model.weights` as it applies to the model at `path` (resolved) on `device`: "gguf" or "dense"."""
+    if mode == "auto":
+        return "gguf" if path.suffix == ".gguf" and quantization == "none" and device.type == "cpu" else "dense"
+    if mode == "gguf" and device.type != "cpu":
+        raise ValueError(f"model.weights = gguf runs on the CPU; model.device resolved to {device.type}")
+    return mode
+
+
+def weights_tag(mode: str) -> str:
+    """The fingerprint tag of `mode` as resolved ("gguf" or "dense") on this machine: "" where its numbers are the
+    dense path's, else the kernel's variant ("gguf.avx512", "gguf.avx2"), whose summation orders differ. Decided by
+    torch's CPU capability, so that a front end that loads no kernel (a cluster's ingress) keys blocks alike."""
+    if mode != "gguf":
+        return ""
+    isa = {"AVX512": "avx512", "AVX2": "avx2"}.get(torch.backends.cpu.get_cpu_capability())
+    return f"gguf.{isa}" if isa else ""
+
+
+class GGUFLinear(nn.Module):
+    """A bias-free linear with a dense weight (prefill) and the GGUF blocks of the same values (decode)."""
+
+    def __init__(self, weight: torch.Tensor, blocks: QuantizedBlocks, isa: int):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.weight = weight                                             # [out, in], the model dtype
+        self.bits, self.isa, self.source = blocks.bits, isa, blocks.source
+        self.register_buffer("codes", blocks.codes, persistent=False)   # [out, in * bits / 8] uint8
+        self.register_buffer("scales", blocks.scales, persistent=False)  # [out, in / 32] fp32
+        self.register_buffer("mins", blocks.mins, persistent=False)     # [out, in / 32] fp32
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, blocks={self.source} "
+                f"({self.bits}-bit codes), kernel={gguf_kernel.ISAS.get(self.isa, 'none')}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., in] -> [..., out], in x's dtype."""
+        rows = x.reshape(-1, self.in_features)                           # [T, in]
+        if self.isa and rows.shape[0] <= KERNEL_MAX_ROWS:
+            y = torch.ops.kvreuse_gguf.linear(rows.float().contiguous(), self.codes, self.scales, self.mins,
+                                              self.bits, self.isa).to(x.dtype)  # [T, out]
+        else:
+            y = F.linear(rows, self.weight)                              # [T, out]
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def fused_blocks(weights: LoadedWeights) -> dict[str, QuantizedBlocks]:
+    """The loaded blocks stacked as the model fuses its linears ("layers.0.qkv_proj", ..., "lm_head"), where every
+    part has blocks of one code width."""
+    blocks, fused = weights.blocks, {}
+    for i in range(weights.args.num_layers):
+        for name, parts in FUSED_LINEARS.items():
+            keys = [f"layers.{i}.{part}" for part in parts]
+            if all(key in blocks for key in keys) and (stacked := concat([blocks[key] for key in keys])):
+                fused[f"layers.{i}.{name}"] = stacked
+    head = blocks.get("embed_tokens" if weights.args.tie_word_embeddings else "lm_head")
+    if head is not None:
+        fused["lm_head"] = head
+    return fused
+
+
+def use_gguf_blocks(model: Llama, weights: LoadedWeights) -> str:
+    """Give `model`'s linears the GGUF blocks of `weights` (loaded with `keep_blocks`); a linear without blocks
+    stays dense. On a device other than a CPU nothing changes. Returns a one-line summary."""
+    blocks = fused_blocks(weights)
+    device = next(model.parameters()).device
+    if device.type != "cpu":
+        return f"dense (no GGUF kernel on {device.type})"
+    status = gguf_kernel.load()
+    if not status.isa:
+        return f"dense ({status.reason})"
+    targets = [(layer, name, f"layers.{i}.{name}") for i, layer in enumerate(model.layers) for name in FUSED_LINEARS]
+    targets.append((model, "lm_head", "lm_head"))
+    used = []
+    for owner, attr, key in targets:
+        linear = getattr(owner, attr)
+        if key in blocks and blocks[key].shape == tuple(linear.weight.shape):
+            setattr(owner, attr, GGUFLinear(linear.weight, blocks[key], status.isa))
+            used.append(blocks[key].source)
+    kinds = ", ".join(sorted(set(used)))
+    return f"gguf: {len(used)} of {len(targets)} linears read {kinds} blocks ({status.reason})"
