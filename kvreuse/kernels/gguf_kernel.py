@@ -75,8 +75,8 @@ def _build() -> None:
                    extra_ldflags=["-fopenmp"], build_directory=str(directory), is_python_module=False, verbose=False)
 
     @torch.library.register_fake("kvreuse_gguf::linear")
-    def _(x, codes, scales, mins, bits, isa):
-        return x.new_empty(x.shape[0], scales.shape[0])
+    def _(x, packed, out_features, bits, half_scales, isa):
+        return x.new_empty(x.shape[0], out_features)
 
 
 if __name__ == "__main__":  # `python -m kvreuse.kernels.gguf_kernel`: build now (make install does)

@@ -23,18 +23,38 @@
 namespace {
 
 constexpr int64_t kBlock = 32;
+constexpr int64_t kTileRows = 4;  // output rows whose blocks are stored together (the packing, gguf_blocks.py)
 constexpr int kIsaNone = 0, kIsaAvx2 = 1, kIsaAvx512 = 2;
 
+// The packed weight: for each tile of 4 output rows, for each block of 32 inputs, one record of
+//   4 scales, 4 mins (fp16 or fp32), then 4 x (16 or 32) code bytes,
+// so that one thread streams its rows' weights from one place in memory.
 struct Problem {
-  const float* x;        // [T, K]
-  const uint8_t* codes;  // [N, K / 32, 16 or 32]
-  const float* scales;   // [N, K / 32]
-  const float* mins;     // [N, K / 32]
-  float* y;              // [T, N]
+  const float* x;         // [T, K]
+  const uint8_t* packed;  // [ceil(N / 4), K / 32, record bytes]
+  float* y;               // [T, N]
   int64_t T, N, K;
 };
 
+template <int Bits, bool Half>
+constexpr int64_t record_bytes() {
+  return kTileRows * (2 * (Half ? 2 : 4) + Bits * kBlock / 8);
+}
+
 #if defined(__x86_64__)
+
+template <bool Half>
+__attribute__((target("avx2,fma,f16c"))) inline float scale_at(const uint8_t* p, int i) {
+  if constexpr (Half) {
+    uint16_t h;
+    std::memcpy(&h, p + 2 * i, 2);
+    return _cvtsh_ss(h);
+  } else {
+    float f;
+    std::memcpy(&f, p + 4 * i, 4);
+    return f;
+  }
+}
 
 // ---- AVX-512: one block is two 16-lane vectors ----
 
@@ -53,31 +73,33 @@ __attribute__((target("avx512f,fma"))) inline void dequant512(const uint8_t* c, 
   }
 }
 
-// NR output rows from n0, TR input rows from t0.
-template <int Bits, int NR, int TR>
-__attribute__((target("avx512f,fma"))) void tile512(const Problem& p, int64_t n0, int64_t t0) {
-  constexpr int64_t kBlockBytes = Bits * kBlock / 8;
+// One tile of 4 output rows against TR input rows from t0.
+template <int Bits, bool Half, int TR>
+__attribute__((target("avx512f,fma,avx2,f16c"))) void tile512(const Problem& p, int64_t tile, int64_t t0) {
+  constexpr int64_t kRecord = record_bytes<Bits, Half>(), kCodes = Bits * kBlock / 8;
+  constexpr int64_t kScales = kTileRows * (Half ? 2 : 4);
   const int64_t num_blocks = p.K / kBlock;
-  __m512 acc[NR][TR];
-  for (int r = 0; r < NR; ++r)
+  const uint8_t* record = p.packed + tile * num_blocks * kRecord;
+  __m512 acc[kTileRows][TR];
+  for (int r = 0; r < kTileRows; ++r)
     for (int t = 0; t < TR; ++t) acc[r][t] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < num_blocks; ++b) {
+  for (int64_t b = 0; b < num_blocks; ++b, record += kRecord) {
+    _mm_prefetch(reinterpret_cast<const char*>(record + 8 * kRecord), _MM_HINT_T0);
     __m512 xlo[TR], xhi[TR];
     for (int t = 0; t < TR; ++t) {
       const float* xb = p.x + (t0 + t) * p.K + b * kBlock;
       xlo[t] = _mm512_loadu_ps(xb);
       xhi[t] = _mm512_loadu_ps(xb + 16);
     }
-    for (int r = 0; r < NR; ++r) {
-      const int64_t n = n0 + r;
+    for (int r = 0; r < kTileRows; ++r) {
       __m512 lo, hi;
-      dequant512<Bits>(p.codes + (n * num_blocks + b) * kBlockBytes, _mm512_set1_ps(p.scales[n * num_blocks + b]),
-                       _mm512_set1_ps(p.mins[n * num_blocks + b]), lo, hi);
+      dequant512<Bits>(record + 2 * kScales + r * kCodes, _mm512_set1_ps(scale_at<Half>(record, r)),
+                       _mm512_set1_ps(scale_at<Half>(record + kScales, r)), lo, hi);
       for (int t = 0; t < TR; ++t) acc[r][t] = _mm512_fmadd_ps(hi, xhi[t], _mm512_fmadd_ps(lo, xlo[t], acc[r][t]));
     }
   }
-  for (int r = 0; r < NR; ++r)
-    for (int t = 0; t < TR; ++t) p.y[(t0 + t) * p.N + n0 + r] = _mm512_reduce_add_ps(acc[r][t]);
+  for (int r = 0; r < kTileRows && tile * kTileRows + r < p.N; ++r)
+    for (int t = 0; t < TR; ++t) p.y[(t0 + t) * p.N + tile * kTileRows + r] = _mm512_reduce_add_ps(acc[r][t]);
 }
 
 // ---- AVX2: one block is four 8-lane vectors ----
@@ -106,19 +128,21 @@ __attribute__((target("avx2,fma"))) inline float hsum256(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-template <int Bits, int NR, int TR>
-__attribute__((target("avx2,fma"))) void tile256(const Problem& p, int64_t n0, int64_t t0) {
-  constexpr int64_t kBlockBytes = Bits * kBlock / 8;
+template <int Bits, bool Half, int TR>
+__attribute__((target("avx2,fma,f16c"))) void tile256(const Problem& p, int64_t tile, int64_t t0) {
+  constexpr int64_t kRecord = record_bytes<Bits, Half>(), kCodes = Bits * kBlock / 8;
+  constexpr int64_t kScales = kTileRows * (Half ? 2 : 4);
   const int64_t num_blocks = p.K / kBlock;
-  __m256 acc[NR][TR];
-  for (int r = 0; r < NR; ++r)
+  const uint8_t* record = p.packed + tile * num_blocks * kRecord;
+  __m256 acc[kTileRows][TR];
+  for (int r = 0; r < kTileRows; ++r)
     for (int t = 0; t < TR; ++t) acc[r][t] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < num_blocks; ++b) {
-    for (int r = 0; r < NR; ++r) {
-      const int64_t n = n0 + r;
+  for (int64_t b = 0; b < num_blocks; ++b, record += kRecord) {
+    _mm_prefetch(reinterpret_cast<const char*>(record + 8 * kRecord), _MM_HINT_T0);
+    for (int r = 0; r < kTileRows; ++r) {
       __m256 w[4];
-      dequant256<Bits>(p.codes + (n * num_blocks + b) * kBlockBytes, _mm256_set1_ps(p.scales[n * num_blocks + b]),
-                       _mm256_set1_ps(p.mins[n * num_blocks + b]), w);
+      dequant256<Bits>(record + 2 * kScales + r * kCodes, _mm256_set1_ps(scale_at<Half>(record, r)),
+                       _mm256_set1_ps(scale_at<Half>(record + kScales, r)), w);
       for (int t = 0; t < TR; ++t) {
         const float* xb = p.x + (t0 + t) * p.K + b * kBlock;
         __m256 a = acc[r][t];
@@ -127,43 +151,40 @@ __attribute__((target("avx2,fma"))) void tile256(const Problem& p, int64_t n0, i
       }
     }
   }
-  for (int r = 0; r < NR; ++r)
-    for (int t = 0; t < TR; ++t) p.y[(t0 + t) * p.N + n0 + r] = hsum256(acc[r][t]);
+  for (int r = 0; r < kTileRows && tile * kTileRows + r < p.N; ++r)
+    for (int t = 0; t < TR; ++t) p.y[(t0 + t) * p.N + tile * kTileRows + r] = hsum256(acc[r][t]);
 }
 
-// Row tiles: TR input rows at a time (4, then the 1..3 left), NR output rows (the N % NR left one at a time).
-template <int Bits, int NR, int TR, bool Wide>
-void tile(const Problem& p, int64_t n0, int64_t t0) {
-  if constexpr (Wide) tile512<Bits, NR, TR>(p, n0, t0);
-  else tile256<Bits, NR, TR>(p, n0, t0);
-}
-
-template <int Bits, int NR, bool Wide>
-void rows(const Problem& p, int64_t n0) {
+// Input rows in groups of TR (4 with AVX-512's 32 registers, 2 with AVX2's 16), then the rest.
+template <int Bits, bool Half, bool Wide>
+void tile_rows(const Problem& p, int64_t tile) {
   int64_t t0 = 0;
-  for (; t0 + 4 <= p.T; t0 += 4) tile<Bits, NR, 4, Wide>(p, n0, t0);
-  switch (p.T - t0) {
-    case 3: tile<Bits, NR, 3, Wide>(p, n0, t0); break;
-    case 2: tile<Bits, NR, 2, Wide>(p, n0, t0); break;
-    case 1: tile<Bits, NR, 1, Wide>(p, n0, t0); break;
-    default: break;
+  if constexpr (Wide) {
+    for (; t0 + 4 <= p.T; t0 += 4) tile512<Bits, Half, 4>(p, tile, t0);
+    switch (p.T - t0) {
+      case 3: tile512<Bits, Half, 3>(p, tile, t0); break;
+      case 2: tile512<Bits, Half, 2>(p, tile, t0); break;
+      case 1: tile512<Bits, Half, 1>(p, tile, t0); break;
+      default: break;
+    }
+  } else {
+    for (; t0 + 2 <= p.T; t0 += 2) tile256<Bits, Half, 2>(p, tile, t0);
+    if (t0 < p.T) tile256<Bits, Half, 1>(p, tile, t0);
   }
 }
 
-template <int Bits, bool Wide>
+template <int Bits, bool Half, bool Wide>
 void run(const Problem& p) {
-  constexpr int64_t kNR = Wide ? 4 : 2;
-  const int64_t num_tiles = (p.N + kNR - 1) / kNR;
-  at::parallel_for(0, num_tiles, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t n0 = i * kNR;
-      if (n0 + kNR <= p.N) {
-        rows<Bits, kNR, Wide>(p, n0);
-      } else {
-        for (int64_t n = n0; n < p.N; ++n) rows<Bits, 1, Wide>(p, n);
-      }
-    }
+  const int64_t num_tiles = (p.N + kTileRows - 1) / kTileRows;
+  at::parallel_for(0, num_tiles, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t tile = begin; tile < end; ++tile) tile_rows<Bits, Half, Wide>(p, tile);
   });
+}
+
+template <int Bits, bool Half>
+void dispatch(const Problem& p, int64_t isa) {
+  if (isa == kIsaAvx512) run<Bits, Half, true>(p);
+  else run<Bits, Half, false>(p);
 }
 
 #endif  // __x86_64__
@@ -171,32 +192,31 @@ void run(const Problem& p) {
 int64_t best_isa() {
 #if defined(__x86_64__)
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma")) return kIsaAvx512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return kIsaAvx2;
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  if (avx2 && __builtin_cpu_supports("avx512f")) return kIsaAvx512;
+  if (avx2) return kIsaAvx2;
 #endif
   return kIsaNone;
 }
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
-                  int64_t bits, int64_t isa) {
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, int64_t bits, bool half_scales,
+                  int64_t isa) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be [T, K] fp32, contiguous");
-  TORCH_CHECK(scales.dim() == 2 && scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
-                  mins.sizes() == scales.sizes() && mins.scalar_type() == at::kFloat && mins.is_contiguous(),
-              "scales and mins must be [N, K / 32] fp32, contiguous");
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
-  const int64_t T = x.size(0), K = x.size(1), N = scales.size(0);
-  TORCH_CHECK(K % kBlock == 0 && scales.size(1) == K / kBlock, "K must be 32 * scales.size(1)");
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.numel() == N * K * bits / 8,
-              "codes must be N * K * bits / 8 uint8, contiguous");
+  const int64_t T = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % kBlock == 0, "K must be a multiple of 32");
+  const int64_t record = kTileRows * (2 * (half_scales ? 2 : 4) + bits * kBlock / 8);
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  packed.numel() == (N + kTileRows - 1) / kTileRows * (K / kBlock) * record,
+              "packed must hold ceil(N / 4) * K / 32 records of ", record, " bytes");
   TORCH_CHECK(isa == kIsaAvx2 || isa == kIsaAvx512, "isa must be 1 (AVX2) or 2 (AVX-512)");
   TORCH_CHECK(isa <= best_isa(), "this CPU does not run isa ", isa);
   at::Tensor y = at::empty({T, N}, x.options());
   if (T == 0 || N == 0) return y;
-  Problem p{x.data_ptr<float>(), codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), mins.data_ptr<float>(),
-            y.data_ptr<float>(), T, N, K};
+  Problem p{x.data_ptr<float>(), packed.data_ptr<uint8_t>(), y.data_ptr<float>(), T, N, K};
 #if defined(__x86_64__)
-  if (isa == kIsaAvx512) bits == 4 ? run<4, true>(p) : run<8, true>(p);
-  else bits == 4 ? run<4, false>(p) : run<8, false>(p);
+  if (bits == 4) half_scales ? dispatch<4, true>(p, isa) : dispatch<4, false>(p, isa);
+  else half_scales ? dispatch<8, true>(p, isa) : dispatch<8, false>(p, isa);
 #endif
   return y;
 }
@@ -204,7 +224,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor
 }  // namespace
 
 TORCH_LIBRARY(kvreuse_gguf, m) {
-  m.def("linear(Tensor x, Tensor codes, Tensor scales, Tensor mins, int bits, int isa) -> Tensor");
+  m.def("linear(Tensor x, Tensor packed, int N, int bits, bool half_scales, int isa) -> Tensor");
   m.def("best_isa() -> int", &best_isa);
 }
 

@@ -15,6 +15,7 @@ import torch
 from gguf import GGMLQuantizationType as QType
 
 BLOCK = 32
+TILE_ROWS = 4  # output rows whose blocks the kernel reads from one record (kTileRows in gguf_linear.cpp)
 SUPPORTED = (QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q8_0, QType.Q4_K)
 
 
@@ -47,6 +48,33 @@ class QuantizedBlocks:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.mins))
+
+    def pack(self) -> PackedBlocks:
+        """The kernel's layout (gguf_linear.cpp): per tile of TILE_ROWS output rows (the last one padded with zero
+        rows), per block, one record of the tile's scales, mins and codes. Scales and mins are stored as fp16 where
+        every one of them is exactly an fp16 (the 32-input formats' are), else fp32 (Q4_K's products)."""
+        n, k = self.shape
+        pad = -n % TILE_ROWS
+        scales, mins, codes = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (self.scales, self.mins, self.codes))
+        half = all(torch.equal(t.half().float(), t) for t in (scales, mins))
+        tiles = (n + pad) // TILE_ROWS
+
+        def per_tile(t: torch.Tensor) -> torch.Tensor:                     # [N', B, bytes] -> [tiles, B, 4 * bytes]
+            return t.view(tiles, TILE_ROWS, k // BLOCK, -1).transpose(1, 2).reshape(tiles, k // BLOCK, -1)
+
+        as_bytes = [per_tile(t.to(torch.float16 if half else torch.float32)[..., None].view(torch.uint8))
+                    for t in (scales, mins)]                                # [tiles, B, 4 * (2 | 4)] each
+        record = torch.cat([*as_bytes, per_tile(codes.view(n + pad, k // BLOCK, -1))], dim=-1)
+        return PackedBlocks(record.contiguous().view(-1), n, self.bits, half)
+
+
+@dataclass(frozen=True)
+class PackedBlocks:
+    """QuantizedBlocks in the kernel's layout: `data` uint8, the weight's `out_features`, code width, scale dtype."""
+    data: torch.Tensor
+    out_features: int
+    bits: int
+    half_scales: bool
 
 
 def concat(parts: list[QuantizedBlocks]) -> QuantizedBlocks | None:

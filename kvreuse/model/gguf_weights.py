@@ -59,10 +59,9 @@ class GGUFLinear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.weight = weight                                             # [out, in], the model dtype
-        self.bits, self.isa, self.source = blocks.bits, isa, blocks.source
-        self.register_buffer("codes", blocks.codes, persistent=False)   # [out, in * bits / 8] uint8
-        self.register_buffer("scales", blocks.scales, persistent=False)  # [out, in / 32] fp32
-        self.register_buffer("mins", blocks.mins, persistent=False)     # [out, in / 32] fp32
+        packed = blocks.pack()
+        self.bits, self.half_scales, self.isa, self.source = packed.bits, packed.half_scales, isa, blocks.source
+        self.register_buffer("packed", packed.data, persistent=False)   # uint8, the kernel's records
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, blocks={self.source} "
@@ -72,8 +71,8 @@ class GGUFLinear(nn.Module):
         """x: [..., in] -> [..., out], in x's dtype."""
         rows = x.reshape(-1, self.in_features)                           # [T, in]
         if self.isa and rows.shape[0] <= KERNEL_MAX_ROWS:
-            y = torch.ops.kvreuse_gguf.linear(rows.float().contiguous(), self.codes, self.scales, self.mins,
-                                              self.bits, self.isa).to(x.dtype)  # [T, out]
+            y = torch.ops.kvreuse_gguf.linear(rows.float().contiguous(), self.packed, self.out_features, self.bits,
+                                              self.half_scales, self.isa).to(x.dtype)  # [T, out]
         else:
             y = F.linear(rows, self.weight)                              # [T, out]
         return y.view(*x.shape[:-1], self.out_features)
