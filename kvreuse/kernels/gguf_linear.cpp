@@ -223,9 +223,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, int6
 
 }  // namespace
 
-TORCH_LIBRARY(kvreuse_gguf, m) {
-  m.def("linear(Tensor x, Tensor packed, int N, int bits, bool half_scales, int isa) -> Tensor");
+TORCH_LIBRARY_FRAGMENT(kvreuse_cpu, m) {
+  m.def("gguf_linear(Tensor x, Tensor packed, int N, int bits, bool half_scales, int isa) -> Tensor");
   m.def("best_isa() -> int", &best_isa);
 }
 
-TORCH_LIBRARY_IMPL(kvreuse_gguf, CPU, m) { m.impl("linear", &linear); }
+TORCH_LIBRARY_IMPL(kvreuse_cpu, CPU, m) { m.impl("gguf_linear", &linear); }

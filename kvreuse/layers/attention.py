@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvreuse.kernels import build as kernels
+
 
 @dataclass
 class AttentionMetadata:
@@ -24,6 +26,7 @@ class AttentionMetadata:
     output_index: torch.Tensor   # [num_tokens] rows of the padded output that are real tokens, in batch order
     causal: bool = False         # one sequence from position 0: plain causal attention, the mask is not needed
     decode: bool = False         # one query per sequence, at its last position: nothing to pad or drop
+    context_lens: torch.Tensor | None = None  # [num_seqs] keys of each sequence (decode only: the fused kernel's)
 
     @classmethod
     def build(
@@ -69,6 +72,7 @@ class AttentionMetadata:
             attn_mask=attn_mask,
             output_index=rows.to(device),
             decode=True,
+            context_lens=lens.to(device),
         )
 
     @classmethod
@@ -126,7 +130,14 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 def store_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """One layer's attention for a forward: store its new K/V, then attend over the pool. Returns [T, H * D]."""
+    """One layer's attention for a forward: store its new K/V, then attend over the pool. Returns [T, H * D].
+    A decode step in fp32 on a CPU runs as one fused call where kvreuse's kernels are loaded (the same numbers up
+    to summation order; tests/test_attention.py)."""
+    if meta.decode and meta.context_lens is not None and q.dtype == torch.float32 and q.device.type == "cpu" \
+            and kernels.load().loaded:
+        return torch.ops.kvreuse_cpu.decode_attention(q.contiguous(), k.contiguous(), v.contiguous(), k_cache,
+                                                      v_cache, meta.slot_mapping, meta.context_slots,
+                                                      meta.context_lens, scale)
     store_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     return paged_attention(q, k_cache, v_cache, meta, scale)
 

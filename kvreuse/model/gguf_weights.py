@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvreuse.kernels import gguf_kernel
+from kvreuse.kernels import build as kernels
 from kvreuse.model.gguf_blocks import QuantizedBlocks, concat
 from kvreuse.model.llama import FUSED_LINEARS
 
@@ -65,13 +65,13 @@ class GGUFLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, blocks={self.source} "
-                f"({self.bits}-bit codes), kernel={gguf_kernel.ISAS.get(self.isa, 'none')}")
+                f"({self.bits}-bit codes), kernel={kernels.ISAS.get(self.isa, 'none')}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., in] -> [..., out], in x's dtype."""
         rows = x.reshape(-1, self.in_features)                           # [T, in]
         if self.isa and rows.shape[0] <= KERNEL_MAX_ROWS:
-            y = torch.ops.kvreuse_gguf.linear(rows.float().contiguous(), self.packed, self.out_features, self.bits,
+            y = torch.ops.kvreuse_cpu.gguf_linear(rows.float().contiguous(), self.packed, self.out_features, self.bits,
                                               self.half_scales, self.isa).to(x.dtype)  # [T, out]
         else:
             y = F.linear(rows, self.weight)                              # [T, out]
@@ -100,7 +100,7 @@ def use_gguf_blocks(model: Llama, weights: LoadedWeights) -> str:
     device = next(model.parameters()).device
     if device.type != "cpu":
         return f"dense (no GGUF kernel on {device.type})"
-    status = gguf_kernel.load()
+    status = kernels.load()
     if not status.isa:
         return f"dense ({status.reason})"
     targets = [(layer, name, f"layers.{i}.{name}") for i, layer in enumerate(model.layers) for name in FUSED_LINEARS]

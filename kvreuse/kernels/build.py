@@ -1,0 +1,97 @@
+"""kvreuse's CPU extension (`torch.ops.kvreuse_cpu`): the GGUF block product (gguf_linear.cpp) and the fused decode
+attention (decode_attention.cpp), built, loaded and chosen.
+
+`load()` builds the extension with torch's C++ extension builder (ninja and a C++ compiler; ~20 s, once: the result
+is kept under the cache directory, keyed by the sources, torch's version and the compiler flags). The GGUF product
+runs the widest instruction set both this CPU and torch's dispatch allow: torch's `ATEN_CPU_CAPABILITY` lowers it as
+it lowers torch's own kernels (`avx2` runs the AVX2 variant on an AVX-512 CPU, `default` none). The attention kernel
+is plain C++ and runs on any CPU. `KVREUSE_CPU_KERNELS=0` loads nothing: every op then runs in pure torch, the
+reference the kernels are tested against. A build failure is a `KernelStatus` with its reason, never an exception.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvreuse.model.cache_dir import cache_root
+
+logger = logging.getLogger(__name__)
+
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("gguf_linear.cpp", "decode_attention.cpp"))
+CFLAGS = ("-O3", "-fopenmp")  # at::parallel_for is OpenMP in the headers: without it, one thread
+ISAS = {1: "avx2", 2: "avx512"}
+_TORCH_CAPABILITY = {"AVX512": 2, "AVX2": 1}  # torch.backends.cpu.get_cpu_capability() -> the widest we may run
+_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class KernelStatus:
+    loaded: bool    # the extension is loaded: the decode attention kernel runs
+    isa: int        # the GGUF product's variant: 0 none (dense weights in torch), 1 AVX2, 2 AVX-512
+    reason: str     # why: the instruction set, or what kept the extension from loading
+
+    @property
+    def name(self) -> str:
+        return ISAS.get(self.isa, "none")
+
+
+@functools.cache
+def load() -> KernelStatus:
+    """Build (or reuse) and load the extension; what this process runs, and why."""
+    if os.environ.get("KVREUSE_CPU_KERNELS", "1") == "0":
+        return KernelStatus(False, 0, "KVREUSE_CPU_KERNELS=0")
+    with _lock:
+        try:
+            _build()
+        except Exception as exc:  # no compiler, no ninja, a build error: the torch ops compute the same
+            last = str(exc).strip().splitlines()[-1:] or [""]
+            logger.warning("kvreuse's CPU kernels unavailable (%s: %s); running pure torch ops", type(exc).__name__,
+                           last[0])
+            return KernelStatus(False, 0, f"build failed: {type(exc).__name__}")
+    cpu = int(torch.ops.kvreuse_cpu.best_isa())
+    capability = torch.backends.cpu.get_cpu_capability()
+    isa = min(cpu, _TORCH_CAPABILITY.get(capability, 0))
+    if isa == 0:
+        return KernelStatus(True, 0, "this CPU has no AVX2/FMA/F16C" if cpu == 0 else
+                            f"ATEN_CPU_CAPABILITY={capability.lower()}")
+    return KernelStatus(True, isa, ISAS[isa] if isa == cpu else f"{ISAS[isa]}, as ATEN_CPU_CAPABILITY allows")
+
+
+def build_dir() -> Path:
+    digest = hashlib.sha256(torch.__version__.encode() + " ".join(CFLAGS).encode())
+    for source in SOURCES:
+        digest.update(source.read_bytes())
+    return cache_root() / "kernels" / f"kvreuse_cpu-{digest.hexdigest()[:16]}"
+
+
+def _build() -> None:
+    from torch.utils.cpp_extension import load as load_extension
+
+    directory = build_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    load_extension(name="kvreuse_cpu", sources=[str(s) for s in SOURCES], extra_cflags=list(CFLAGS),
+                   extra_ldflags=["-fopenmp"], build_directory=str(directory), is_python_module=False, verbose=False)
+
+    @torch.library.register_fake("kvreuse_cpu::gguf_linear")
+    def _(x, packed, out_features, bits, half_scales, isa):
+        return x.new_empty(x.shape[0], out_features)
+
+    @torch.library.register_fake("kvreuse_cpu::decode_attention")
+    def _(q, k, v, k_cache, v_cache, slot_mapping, context_slots, context_lens, scale):
+        return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+
+
+if __name__ == "__main__":  # `python -m kvreuse.kernels.build`: build now (make install does)
+    logging.basicConfig(level=logging.INFO)
+    status = load()
+    print(f"kvreuse CPU kernels: {'loaded' if status.loaded else 'not loaded'}, GGUF product {status.name} "
+          f"({status.reason}); {build_dir()}")
+    raise SystemExit(0 if status.loaded else 1)

@@ -1,0 +1,108 @@
+"""The GGUF block kernel (kvreuse/kernels) on random blocks of every supported type: the blocks dequantize bit for
+bit to what gguf-py gives, and each kernel variant's product equals the float64 product with those weights within
+fp32 rounding, for odd output counts (a padded last tile), row counts that leave every remainder of the row tiling,
+inputs that are not 64-byte aligned, and scales that fp16 cannot hold (the fp32 records)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as QType
+from gguf.quants import dequantize
+
+from kvreuse.kernels import build as kernels
+from kvreuse.model.gguf_blocks import SUPPORTED, from_gguf
+
+STATUS = kernels.load()
+ISAS = [isa for isa in (1, 2) if isa <= STATUS.isa]
+needs_kernel = pytest.mark.skipif(not ISAS, reason=f"no kernel here: {STATUS.reason}")
+# Byte offsets of each type's fp16 fields within a block (d; Q4_1's m; Q4_K's dmin): set to finite halves.
+HALF_FIELDS = {QType.Q4_0: (0,), QType.Q4_1: (0, 2), QType.Q5_0: (0,), QType.Q8_0: (0,), QType.Q4_K: (0, 2)}
+
+
+def random_tensor(qtype: QType, rows: int, cols: int, seed: int = 0, scale: float = 0.05) -> np.ndarray:
+    """A GGUF tensor [rows, bytes per row] of random blocks: random codes, random finite fp16 scales."""
+    block_size, block_bytes = GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(rows * cols // block_size, block_bytes), dtype=np.uint8)
+    for offset in HALF_FIELDS[qtype]:
+        halves = (rng.standard_normal(len(blocks)) * scale).astype(np.float16)
+        blocks[:, offset:offset + 2] = halves.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(rows, -1)
+
+
+def reference(data: np.ndarray, qtype: QType) -> torch.Tensor:
+    return torch.from_numpy(np.array(dequantize(data, qtype), dtype=np.float32))
+
+
+@pytest.mark.parametrize("qtype", SUPPORTED, ids=lambda t: t.name)
+def test_blocks_dequantize_to_gguf_py_bit_for_bit(qtype):
+    data = random_tensor(qtype, 37, 512)
+    blocks = from_gguf(data, qtype)
+    assert blocks.shape == (37, 512)
+    assert torch.equal(blocks.dequantize(), reference(data, qtype))
+    # Rows picked out (the rotary un-permutation) keep their values.
+    index = torch.tensor([5, 0, 36, 2])
+    assert torch.equal(blocks.rows(index).dequantize(), reference(data, qtype)[index])
+
+
+def test_unsupported_types_are_left_to_the_dense_path():
+    assert from_gguf(np.zeros((4, 64), dtype=np.uint8), QType.Q6_K) is None
+    assert from_gguf(np.zeros((4, 16), dtype=np.float32), QType.F32) is None
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ISAS, ids=lambda i: kernels.ISAS[i])
+@pytest.mark.parametrize("qtype", SUPPORTED, ids=lambda t: t.name)
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 5, 8, 13, 16])
+def test_kernel_equals_the_dequantized_product(qtype, isa, num_rows):
+    # 37 outputs: the last 4-row tile is padded; 768 inputs: 24 blocks (3 Q4_K super-blocks).
+    data = random_tensor(qtype, 37, 768, seed=num_rows)
+    blocks = from_gguf(data, qtype)
+    packed = blocks.pack()
+    assert packed.half_scales == (qtype != QType.Q4_K)  # Q4_K's scale products are not fp16 numbers
+    weight = reference(data, qtype).double()                              # [37, 768]
+    # A view one float into a buffer: contiguous, but not on a 64-byte (or 32-byte) boundary.
+    buffer = torch.randn(num_rows * 768 + 1, generator=torch.Generator().manual_seed(num_rows))
+    x = buffer[1:].view(num_rows, 768)
+    assert x.data_ptr() % 32 != 0
+    y = torch.ops.kvreuse_cpu.gguf_linear(x, packed.data, 37, packed.bits, packed.half_scales, isa)
+    expected = x.double() @ weight.T                                      # [T, 37]
+    assert y.shape == (num_rows, 37) and y.dtype == torch.float32
+    # fp32 accumulation over 768 terms: a few units in the last place of the largest output.
+    torch.testing.assert_close(y.double(), expected, rtol=0, atol=2e-6 * expected.abs().max().item())
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ISAS, ids=lambda i: kernels.ISAS[i])
+def test_scales_beyond_fp16_are_kept_in_fp32(isa):
+    # Q8_0's min is -128 d: for d = 600 that is beyond fp16's range, so the records hold fp32 scales.
+    data = random_tensor(QType.Q8_0, 8, 64)
+    data[:, 0:2] = np.frombuffer(np.float16(600).tobytes(), dtype=np.uint8)
+    blocks = from_gguf(data, QType.Q8_0)
+    packed = blocks.pack()
+    assert not packed.half_scales
+    x = torch.randn(3, 64)
+    y = torch.ops.kvreuse_cpu.gguf_linear(x, packed.data, 8, packed.bits, packed.half_scales, isa)
+    expected = x.double() @ reference(data, QType.Q8_0).double().T
+    torch.testing.assert_close(y.double(), expected, rtol=0, atol=2e-6 * expected.abs().max().item())
+
+
+@needs_kernel
+def test_bad_calls_are_refused_with_the_reason():
+    blocks = from_gguf(random_tensor(QType.Q4_1, 8, 64), QType.Q4_1).pack()
+    with pytest.raises(RuntimeError, match="fp32"):
+        torch.ops.kvreuse_cpu.gguf_linear(torch.randn(1, 64).half(), blocks.data, 8, 4, True, ISAS[0])
+    with pytest.raises(RuntimeError, match="records"):
+        torch.ops.kvreuse_cpu.gguf_linear(torch.randn(1, 64), blocks.data, 12, 4, True, ISAS[0])
+    with pytest.raises(RuntimeError, match="isa"):
+        torch.ops.kvreuse_cpu.gguf_linear(torch.randn(1, 64), blocks.data, 8, 4, True, 7)
+
+
+def test_the_build_is_kept_per_source_and_torch():
+    directory = kernels.build_dir()
+    assert directory.name.startswith("kvreuse_cpu-")
+    if STATUS.isa:
+        assert any(directory.glob("*.so")), "the built extension is not where the next process looks"
