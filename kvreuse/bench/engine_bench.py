@@ -39,15 +39,18 @@ def synthetic_prompt(tokenizer, num_tokens: int, variant: int) -> list[int]:
 
 
 class KvreuseSystem:
-    """kvreuse with its decode step compiled (the default), or `compile="off"` (the `-eager` row: what compiling
-    buys), optionally quantized (`-int4`: an approximation; `kvreuse bench quant` prints its fidelity)."""
+    """kvreuse as configured by default (decode compiled, reading the GGUF's own blocks), or with `compile="off"`
+    (the `-eager` row: what compiling buys), `weights="dense"` (the `-dense` row: what the GGUF kernel buys),
+    or quantized (`-int4`: an approximation; `kvreuse bench quant` prints its fidelity)."""
 
-    def __init__(self, dtype: str = "fp32", quantization: str = "none", compile: str = "decode"):
+    def __init__(self, dtype: str = "fp32", quantization: str = "none", compile: str = "decode",
+                 weights: str = "auto"):
         self.dtype = dtype
         self.name = "-".join(["kvreuse", dtype, *([quantization] if quantization != "none" else []),
-                              *(["eager"] if compile == "off" else [])])
+                              *([weights] if weights != "auto" else []), *(["eager"] if compile == "off" else [])])
         config = load_config(None, [f"model.dtype={dtype}", f"model.quantization={quantization}",
-                                    f"engine.compile={compile}", "cache.enabled=false", "server.max_tokens=8192",
+                                    f"model.weights={weights}", f"engine.compile={compile}", "cache.enabled=false",
+                                    "server.max_tokens=8192",
                                     "engine.max_num_batched_tokens=2048", "engine.kv_cache_memory_mb=1024"])
         self.llm = LLM(config)
         self.llm.wait_compiled()
@@ -86,6 +89,7 @@ class HFSystem:
 
 def available_systems(include_bf16: bool) -> list[Callable[[], object]]:
     systems: list[Callable[[], object]] = [KvreuseSystem, lambda: KvreuseSystem(compile="off"),
+                                           lambda: KvreuseSystem(weights="dense"),
                                            lambda: KvreuseSystem(quantization="int4"), lambda: HFSystem(torch.float32)]
     if include_bf16:
         systems += [lambda: KvreuseSystem("bf16"), lambda: HFSystem(torch.bfloat16)]
@@ -141,6 +145,9 @@ def run(repeats: int = 3, include_bf16: bool = True, progress: Callable[[str], N
                        for s in systems if not s.name.startswith("kvreuse") for m in metrics})
         b1, b8 = table[ours]["decode_b1_tok_s"], table[ours]["decode_b8_tok_s"]
         ratios[f"decode_b8/decode_b1 {ours}"] = b8 / b1 if b1 and b8 else None
+        if ours == "kvreuse-fp32" and "kvreuse-fp32-dense" in table:
+            ratios.update({f"{m} {ours}/kvreuse-fp32-dense": results.ratio(m, ours, "kvreuse-fp32-dense")
+                           for m in metrics})
         if f"{ours}-eager" in table:
             ratios.update({f"{m} {ours}/{ours}-eager": results.ratio(m, ours, f"{ours}-eager")
                            for m in metrics if m.startswith("decode")})

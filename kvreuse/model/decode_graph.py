@@ -150,7 +150,10 @@ class DecodeGraph:
         """The final hidden states [S, hidden] of `rows` for a decode step (`meta.decode`: one query per sequence)."""
         assert meta.decode and self.can_run(len(input_ids)), "not a step the decode graph runs"
         self.num_steps += 1
-        return self._call(self._run_only, input_ids, positions, meta, kv_cache, rows)
+        # Only the guards that tell the two graphs apart (the batch size) are evaluated: the model's parameters and
+        # attributes the others check never change after the compile. 0.8 ms of a ~10 ms step at batch 1.
+        with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+            return self._call(self._run_only, input_ids, positions, meta, kv_cache, rows)
 
     def _call(self, fn, input_ids, positions, meta, kv_cache, rows) -> torch.Tensor:
         _step.value = _Step(layer_caches(kv_cache), meta)
