@@ -77,7 +77,7 @@ ALL_CHANGED = Config(
         tier_secret_file="/etc/kvreuse/tier.key",
         tier_store_tokens=True,
     ),
-    model=ModelConfig(path="C:\\models\\a=b.gguf", dtype="bf16", device="cpu", quantization="int8"),
+    model=ModelConfig(path="C:\\models\\a=b.gguf", dtype="bf16", device="cpu", quantization="int8", weights="dense"),
     engine=EngineConfig(
         num_kv_blocks=1000, kv_cache_memory_mb=1, max_num_seqs=2, max_num_batched_tokens=16, seed=-7, compile="off"
     ),
@@ -186,7 +186,7 @@ def test_config_to_ini_writes_every_key():
         "suffix.guard_margin", "disk.path", "disk.max_gb", "redis.url", "redis.ttl_s", "redis.timeout_ms",
         "tier_queue_mb", "tier_secret_file", "tier_store_tokens",
     }
-    assert len(parser["server"]) == 13 and len(parser["model"]) == 4 and len(parser["engine"]) == 6
+    assert len(parser["server"]) == 13 and len(parser["model"]) == 5 and len(parser["engine"]) == 6
     assert len(parser["events"]) == 4 and len(parser["cluster"]) == 7 and len(parser["structured"]) == 4
 
 
@@ -272,7 +272,7 @@ def test_parse_value_conversions():
     ("cache.blok_size=32", "unknown config key 'cache.blok_size'; did you mean 'cache.block_size'?"),
     ("cache.suffix.enabeld=true",
      "unknown config key 'cache.suffix.enabeld'; did you mean 'cache.suffix.enabled'?"),
-    ("model.zzz=1", "unknown config key 'model.zzz'; valid keys: device, dtype, path, quantization"),
+    ("model.zzz=1", "unknown config key 'model.zzz'; valid keys: device, dtype, path, quantization, weights"),
     ("cachee.block_size=16",
      "unknown config section [cachee] in --set 'cachee.block_size=16'; did you mean [cache]? "
      "valid sections: cache, cluster, engine, events, model, server, structured"),
@@ -449,3 +449,14 @@ def test_a_tier_that_cannot_work_is_a_config_error_with_exit_2_before_the_model_
     done = subprocess.run([sys.executable, "-m", "kvreuse", "serve", "--model", str(tmp_path / "no-model"),
                            "--set", setting], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and message in done.stderr, (done.returncode, done.stderr)
+
+
+@pytest.mark.parametrize("sets,message", [
+    (["model.weights=gguf", "model.quantization=int4"], "model.weights = gguf reads the file's own blocks and "
+                                                         "model.quantization = int4 re-quantizes"),
+    (["model.weights=gguf", "model.path=/models/llama-dir"], "model.weights = gguf needs a .gguf model"),
+    (["model.weights=fast"], "model.weights' must be one of auto, gguf, dense"),
+])
+def test_weights_that_cannot_apply_are_refused_by_name(sets, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(None, sets)

@@ -31,7 +31,7 @@ from kvreuse.kvcache.manager import KVCacheManager
 from kvreuse.kvcache.request import CacheRequest, ReuseScope
 from kvreuse.kvcache.tiers.store import TieredStore
 from kvreuse.layers.sampler import TokenLogprob
-from kvreuse.model.decode_graph import DecodeGraph
+from kvreuse.model.decode_graph import COMPILED_ROWS, DecodeGraph
 from kvreuse.model.gguf_weights import KERNEL_MAX_ROWS, resolve_weights, use_gguf_blocks
 from kvreuse.model.llama import Llama
 from kvreuse.model.loader import ModelInfo, load_weights, resolve_model_path
@@ -59,9 +59,9 @@ class LLMEngine:
         del weights
 
         num_blocks = front.num_kv_blocks
-        # A step the GGUF kernel takes compiles into one graph only up to its row limit (larger batches: eager).
-        graph_seqs = min(config.engine.max_num_seqs, KERNEL_MAX_ROWS if mode == "gguf" else config.engine.max_num_seqs)
-        decode_graph = DecodeGraph(model, graph_seqs) if config.engine.compile == "decode" else None
+        # Steps of up to COMPILED_ROWS rows run compiled, in graphs split where the GGUF kernel's row limit is.
+        decode_graph = (DecodeGraph(model, KERNEL_MAX_ROWS, min(COMPILED_ROWS, config.engine.max_num_batched_tokens))
+                        if config.engine.compile == "decode" else None)
         self.runner = ModelRunner(model, num_blocks, front.block_size, dtype, self.device,
                                   front.tokenizer.eos_token_ids, decode_graph)
         self.tiers = TieredStore.from_config(config.cache, PoolBlockIO(self.runner.kv_cache, front.fingerprint))

@@ -76,9 +76,10 @@ class ModelRunner:
         if any(s.kv.segment_plan is not None for s in seqs):
             hidden, out.outcomes = forward_reusing(self.model, self.kv_cache, seqs, input_ids, positions, meta,
                                                    rows_t, segments)
-        elif meta.decode and not prompt_rows and self.decode_graph is not None and self.decode_graph.can_run(len(seqs)):
-            hidden = self.decode_graph.run(input_ids, positions.to(self.device), meta, self.kv_cache,
-                                           rows_t.to(self.device))             # [S, hidden]
+        elif not prompt_rows and self.decode_graph is not None and self.decode_graph.can_run(len(input_ids)):
+            hidden = self.decode_graph.run(input_ids, positions.to(self.device), meta, self.kv_cache)  # [T, hidden]
+            if len(rows) < len(input_ids):
+                hidden = hidden[rows_t.to(self.device)]                                # [R, hidden]
         else:
             hidden = self.model.hidden_states(input_ids, positions.to(self.device), meta, self.kv_cache,
                                               rows_t.to(self.device))                  # [R, hidden]

@@ -43,7 +43,8 @@ class _Step:
     meta: AttentionMetadata
 
 
-_step = threading.local()  # .value: the _Step of the forward this thread runs
+COMPILED_ROWS = 64  # steps of up to this many rows run compiled: decode batches, a warm chat turn's new tokens
+_current = threading.local()  # .value: the _Step of the forward this thread runs
 _compiling: weakref.WeakSet[DecodeGraph] = weakref.WeakSet()  # graphs whose compile thread may still run
 
 
@@ -64,7 +65,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_in
                      scale: float) -> torch.Tensor:
     """`store_and_attend` for layer `layer_index` of the current thread's step. It writes the pool, which the
     compiler does not see: each layer's output feeds the next, so the calls keep their order."""
-    step: _Step = _step.value
+    step: _Step = _current.value
     return store_and_attend(q, k, v, *step.caches[layer_index], step.meta, scale)
 
 
@@ -73,13 +74,13 @@ def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_index: int, scale
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
 
-def _decode(model: Llama, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+def _step(model: Llama, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     scale = model.layers[0].scale
 
     def attend(layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return decode_attention(q, k, v, layer_index, scale)
 
-    return model.run_layers(input_ids, positions, rows, attend)
+    return model.run_layers(input_ids, positions, None, attend)  # every row: the caller picks the ones it needs
 
 
 def compiler_missing(device: torch.device) -> str | None:
@@ -98,12 +99,23 @@ def compiler_missing(device: torch.device) -> str | None:
     return None
 
 
-class DecodeGraph:
-    """The compiled decode step of one model. `start()` compiles in a background thread; `can_run(num_seqs)` says
-    whether a step of that many sequences runs compiled; `run(...)` is `Llama.hidden_states` for such a step."""
+def row_buckets(split: int, max_rows: int) -> list[tuple[int, int]]:
+    """The row ranges compiled into one graph each: 1 row, 2..`split`, `split` + 1..`max_rows` (those that exist).
+    `split` is where the model's linears change kernels (the GGUF kernel's row limit), so that no graph's range
+    straddles a branch on the row count."""
+    ranges = [(1, 1), (2, min(split, max_rows)), (split + 1, max_rows)]
+    return [(low, high) for low, high in ranges if low <= high]
 
-    def __init__(self, model: Llama, max_num_seqs: int):
-        self.model, self.max_num_seqs = model, max_num_seqs
+
+class DecodeGraph:
+    """The compiled step of one model, for steps of up to `max_rows` rows that score no prompt and reuse no segment:
+    decode batches and short prompt chunks (a warm chat turn's new tokens). `start()` compiles in a background
+    thread; `can_run(num_rows)` says whether a step of that many rows runs compiled; `run(...)` gives the final
+    hidden states of all its rows."""
+
+    def __init__(self, model: Llama, split: int, max_rows: int):
+        self.model, self.buckets = model, row_buckets(split, max_rows)
+        self.max_rows = self.buckets[-1][1]
         self.state = "off"               # off -> compiling -> ready | failed | cancelled
         self.compile_s: float | None = None
         self.error: str | None = None
@@ -141,26 +153,26 @@ class DecodeGraph:
         within `timeout`."""
         return self._thread is None or self._done.wait(timeout)
 
-    def can_run(self, num_seqs: int) -> bool:
-        return self.state == "ready" and 1 <= num_seqs <= self.max_num_seqs
+    def can_run(self, num_rows: int) -> bool:
+        return self.state == "ready" and 1 <= num_rows <= self.max_rows
 
     @torch.inference_mode()
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor,
-            rows: torch.Tensor) -> torch.Tensor:
-        """The final hidden states [S, hidden] of `rows` for a decode step (`meta.decode`: one query per sequence)."""
-        assert meta.decode and self.can_run(len(input_ids)), "not a step the decode graph runs"
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+            kv_cache: torch.Tensor) -> torch.Tensor:
+        """The final hidden states [T, hidden] of every row of a step of T rows (input_ids, positions: [T])."""
+        assert self.can_run(len(input_ids)), "not a step the compiled graphs run"
         self.num_steps += 1
         # Only the guards that tell the two graphs apart (the batch size) are evaluated: the model's parameters and
         # attributes the others check never change after the compile. 0.8 ms of a ~10 ms step at batch 1.
         with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-            return self._call(self._run_only, input_ids, positions, meta, kv_cache, rows)
+            return self._call(self._run_only, input_ids, positions, meta, kv_cache)
 
-    def _call(self, fn, input_ids, positions, meta, kv_cache, rows) -> torch.Tensor:
-        _step.value = _Step(layer_caches(kv_cache), meta)
+    def _call(self, fn, input_ids, positions, meta, kv_cache) -> torch.Tensor:
+        _current.value = _Step(layer_caches(kv_cache), meta)
         try:
-            return fn(self.model, input_ids, positions, rows)
+            return fn(self.model, input_ids, positions)
         finally:
-            _step.value = None
+            _current.value = None
 
     def _compile_thread(self) -> None:
         try:
@@ -177,7 +189,7 @@ class DecodeGraph:
 
     @torch.inference_mode()
     def _compile(self) -> None:
-        """Compile both graphs on a scratch pool (two blocks per layer), so nothing of the engine's is touched."""
+        """Compile every bucket's graph on a scratch pool, so nothing of the engine's is touched."""
         start = time.perf_counter()
         model = self.model
         args, param = model.args, next(model.parameters())
@@ -186,25 +198,25 @@ class DecodeGraph:
             self._fail(missing)
             return
         try:
-            compiled = torch.compile(_decode, fullgraph=True)
-            scratch = param.new_zeros(args.num_layers, 2, 2, 1, args.num_kv_heads, args.head_dim)
-            for num_seqs in sorted({1, min(2, self.max_num_seqs)}):
-                ids = torch.zeros(num_seqs, dtype=torch.long, device=param.device)          # [B]
-                positions = torch.zeros_like(ids)                                           # [B]
-                rows = torch.arange(num_seqs, device=param.device)                          # [B]
-                if num_seqs > 1:
-                    for t in (ids, positions, rows):
-                        torch._dynamo.mark_dynamic(t, 0, min=2, max=max(2, self.max_num_seqs))
-                meta = AttentionMetadata.for_decode([1] * num_seqs, [[b] for b in range(num_seqs)], 1, param.device)
-                self._call(compiled, ids, positions, meta, scratch, rows)
+            compiled = torch.compile(_step, fullgraph=True)
+            for low, high in self.buckets:
+                scratch = param.new_zeros(args.num_layers, 2, low, 1, args.num_kv_heads, args.head_dim)
+                ids = torch.zeros(low, dtype=torch.long, device=param.device)               # [T]
+                positions = torch.zeros_like(ids)                                           # [T]
+                if high > low:
+                    for t in (ids, positions):
+                        torch._dynamo.mark_dynamic(t, 0, min=low, max=high)
+                # A decode batch of `low` sequences of one token each (any meta runs the same graph).
+                meta = AttentionMetadata.for_decode([1] * low, [[b] for b in range(low)], 1, param.device)
+                self._call(compiled, ids, positions, meta, scratch)
         except Exception as exc:  # a compiler error of any kind: the eager step serves instead
             self._fail(f"{type(exc).__name__}: {exc}")
         else:
             self._run_only = torch._dynamo.run(compiled)
             self.compile_s = time.perf_counter() - start
             self.state = "ready"
-            logger.info("decode step compiled in %.1f s (batches of 1 and 2-%d sequences)", self.compile_s,
-                        self.max_num_seqs)
+            logger.info("decode step compiled in %.1f s (steps of %s rows)", self.compile_s,
+                        ", ".join(f"{low}" if low == high else f"{low}-{high}" for low, high in self.buckets))
 
     def _fail(self, why: str) -> None:
         self.state, self.error = "failed", why

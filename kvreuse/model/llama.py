@@ -158,17 +158,17 @@ class Llama(nn.Module):
 
         return self.run_layers(input_ids, positions, rows, attend)
 
-    def run_layers(self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
+    def run_layers(self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None,
                    attend: Attend) -> torch.Tensor:
         """Every layer over input_ids, positions [T], attention (and the K/V pool) left to `attend`; the final
-        hidden states [S, hidden] of `rows` [S]. The compiled decode step (decode_graph.py) runs this very code with
-        its attention outside the graph."""
+        hidden states [S, hidden] of `rows` [S] (None: every row, S = T). The compiled step (decode_graph.py) runs
+        this very code with its attention outside the graph."""
         x = self.embed_tokens(input_ids)                                  # [T, hidden]
         cos, sin = self.rotary.cos_sin(positions, x.dtype)                # [T, 1, D] each
         for i, layer in enumerate(self.layers):
             q, k, v = layer.qkv(x, cos, sin)
             x = layer.mlp(x, attend(i, q, k, v))
-        return self.norm(x[rows])                                         # [S, hidden]
+        return self.norm(x if rows is None else x[rows])                 # [S, hidden]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [S, hidden] final hidden states -> fp32 logits [S, vocab]."""
