@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvreuse.kernels import build as kernels
 from kvreuse.layers.attention import AttentionMetadata, paged_attention, store_kv
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 6, 2, 8
@@ -298,3 +299,48 @@ def test_padded_query_rows_are_safe():
     out, ranges = case.step([0, 1, 2, 3], starts, query_lens)
     assert out.shape[0] == sum(query_lens)
     case.check([0, 1, 2, 3], out, ranges)
+
+
+# ----------------------------------------------------------------------------- the fused decode kernel
+
+
+needs_kernels = pytest.mark.skipif(not kernels.load().loaded, reason=f"kernels not loaded: {kernels.load().reason}")
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("context_lens", [[1], [5], [37, 100, 3], [17] * 8, [300, 1]])
+@pytest.mark.parametrize("heads", [(6, 2, 8), (9, 3, 64), (4, 4, 16)], ids=["gqa3", "smollm2", "mha"])
+def test_fused_decode_attention_equals_the_torch_ops(context_lens, heads, dtype):
+    num_heads, num_kv_heads, head_dim = heads
+    gen = torch.Generator().manual_seed(sum(context_lens))
+    num_blocks, block_size = 64, 16
+    tables = [torch.randperm(num_blocks, generator=gen)[: -(-n // block_size)].tolist() for n in context_lens]
+    meta = AttentionMetadata.for_decode(context_lens, tables, block_size, CPU)
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    q = torch.randn(len(context_lens), num_heads, head_dim, generator=gen).to(dtype)
+    k, v = (torch.randn(len(context_lens), num_kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2))
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+
+    out = torch.ops.kvreuse_cpu.decode_attention(q, k, v, k_cache, v_cache, meta.slot_mapping, meta.context_slots,
+                                                 meta.context_lens, SCALE)
+    store_kv(k_ref, v_ref, k, v, meta.slot_mapping)
+    expected = paged_attention(q, k_ref, v_ref, meta, SCALE)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref), "the new K/V were not stored as store_kv does"
+    assert out.dtype == dtype
+    # fp32: summation order only. bf16: both compute in fp32 and round the output once, so within one bf16 step.
+    torch.testing.assert_close(out.float(), expected.float(), rtol=0, atol=2e-6 if dtype == torch.float32 else 2e-2)
+
+
+@needs_kernels
+def test_fused_decode_attention_refuses_slots_outside_the_pool():
+    k_cache = v_cache = torch.zeros(4, 16, 2, 8)
+    meta = AttentionMetadata.for_decode([3], [[1]], 16, CPU)
+    q, k = torch.zeros(1, 6, 8), torch.zeros(1, 2, 8)
+    bad = meta.context_slots.clone()
+    bad[0, 1] = 4 * 16
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        torch.ops.kvreuse_cpu.decode_attention(q, k, k, k_cache, v_cache, meta.slot_mapping, bad, meta.context_lens,
+                                               SCALE)
+    assert not k_cache.any(), "a refused call wrote the pool"

@@ -9,11 +9,14 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <c10/util/BFloat16.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <initializer_list>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -37,17 +40,17 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
-// One query head against its context: out[D] = softmax(scale * q . K) V. Cloned per instruction set, so that
-// the loops are vectorized for the CPU that runs them.
-__attribute__((target_clones("avx512f", "avx2", "default"))) void attend_one(
-    const float* q, const float* kc, const float* vc, const int64_t* ctx, int64_t len, int64_t row, int64_t offset,
-    int64_t D, float scale, float* scores, float* out) {
+// One query head against its context: out[D] = softmax(scale * q . K) V, in fp32 whatever the pool's dtype T.
+template <typename T>
+__attribute__((always_inline)) inline void attend_one(const float* q, const T* kc, const T* vc, const int64_t* ctx,
+                                                      int64_t len, int64_t row, int64_t offset, int64_t D,
+                                                      float scale, float* scores, float* out) {
   float top = -INFINITY;
   for (int64_t j = 0; j < len; ++j) {
-    const float* kj = kc + ctx[j] * row + offset;
+    const T* kj = kc + ctx[j] * row + offset;
     float s = 0.f;
 #pragma omp simd reduction(+ : s)
-    for (int64_t d = 0; d < D; ++d) s += q[d] * kj[d];
+    for (int64_t d = 0; d < D; ++d) s += q[d] * static_cast<float>(kj[d]);
     scores[j] = s * scale;
     top = std::max(top, scores[j]);
   }
@@ -59,11 +62,58 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void attend_one(
   }
   for (int64_t d = 0; d < D; ++d) out[d] = 0.f;
   for (int64_t j = 0; j < len; ++j) {
-    const float* vj = vc + ctx[j] * row + offset;
+    const T* vj = vc + ctx[j] * row + offset;
     const float w = scores[j] / total;
 #pragma omp simd
-    for (int64_t d = 0; d < D; ++d) out[d] += w * vj[d];
+    for (int64_t d = 0; d < D; ++d) out[d] += w * static_cast<float>(vj[d]);
   }
+}
+
+// The (sequence, head) pairs [begin, end), each cloned per instruction set so that the loops above are vectorized
+// for the CPU that runs them. q_row and out_row: D floats of scratch.
+template <typename T>
+__attribute__((always_inline)) inline void attend_range(const T* q, const T* kc, const T* vc, const int64_t* context,
+                                                        const int64_t* lens, int64_t max_len, int64_t H, int64_t group,
+                                                        int64_t row, int64_t D, float scale, T* out, int64_t begin,
+                                                        int64_t end, float* scores, float* q_row, float* out_row) {
+  for (int64_t i = begin; i < end; ++i) {
+    const int64_t b = i / H, h = i % H;
+    for (int64_t d = 0; d < D; ++d) q_row[d] = static_cast<float>(q[(b * H + h) * D + d]);
+    attend_one<T>(q_row, kc, vc, context + b * max_len, lens[b], row, (h / group) * D, D, scale, scores, out_row);
+    for (int64_t d = 0; d < D; ++d) out[(b * H + h) * D + d] = static_cast<T>(out_row[d]);
+  }
+}
+
+#define KVREUSE_ATTEND_RANGE(NAME, T)                                                                               \
+  __attribute__((target_clones("avx512f", "avx2", "default"))) void NAME(                                          \
+      const T* q, const T* kc, const T* vc, const int64_t* context, const int64_t* lens, int64_t max_len, int64_t H, \
+      int64_t group, int64_t row, int64_t D, float scale, T* out, int64_t begin, int64_t end, float* scores,         \
+      float* q_row, float* out_row) {                                                                               \
+    attend_range<T>(q, kc, vc, context, lens, max_len, H, group, row, D, scale, out, begin, end, scores, q_row,     \
+                    out_row);                                                                                       \
+  }
+KVREUSE_ATTEND_RANGE(attend_fp32, float)
+KVREUSE_ATTEND_RANGE(attend_bf16, c10::BFloat16)
+#undef KVREUSE_ATTEND_RANGE
+
+template <typename T>
+void attend_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const int64_t* context,
+                const int64_t* lens, int64_t max_len, int64_t group, int64_t row, float scale, at::Tensor& out,
+                int64_t grain) {
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const T* qp = q.data_ptr<T>();
+  const T* kc = k_cache.data_ptr<T>();
+  const T* vc = v_cache.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, B * H, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(max_len), q_row(D), out_row(D);
+    if constexpr (std::is_same_v<T, float>)
+      attend_fp32(qp, kc, vc, context, lens, max_len, H, group, row, D, scale, op, begin, end, scores.data(),
+                  q_row.data(), out_row.data());
+    else
+      attend_bf16(qp, kc, vc, context, lens, max_len, H, group, row, D, scale, op, begin, end, scores.data(),
+                  q_row.data(), out_row.data());
+  });
 }
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache,
@@ -74,8 +124,10 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes(), "q must be [B, H, D], k and v [B, Hkv, D]");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), Hkv = k.size(1);
   TORCH_CHECK(k.size(0) == B && k.size(2) == D && H % Hkv == 0, "q, k, v disagree on B, D or the head groups");
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "q must be fp32 or bf16");
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&q, &k, &v, &k_cache, &v_cache})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(), "q, k, v and the caches must be fp32, contiguous");
+    TORCH_CHECK(t->scalar_type() == dtype && t->is_contiguous(), "q, k, v and the caches must share q's dtype, contiguous");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(2) == Hkv && k_cache.size(3) == D && v_cache.sizes() == k_cache.sizes(),
               "the caches must be [num_blocks, block_size, Hkv, D]");
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&slot_mapping, &context_slots, &context_lens})
@@ -94,30 +146,23 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
     for (int64_t j = 0; j < lens[b]; ++j)
       TORCH_CHECK(context[b * max_len + j] >= 0 && context[b * max_len + j] < num_slots, "a context slot is outside the pool");
   }
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
+  const int64_t item = k.element_size();
+  auto* kc = static_cast<char*>(k_cache.data_ptr());
+  auto* vc = static_cast<char*>(v_cache.data_ptr());
   for (int64_t b = 0; b < B; ++b) {
-    std::memcpy(kc + slots[b] * row, k.data_ptr<float>() + b * row, row * sizeof(float));
-    std::memcpy(vc + slots[b] * row, v.data_ptr<float>() + b * row, row * sizeof(float));
+    std::memcpy(kc + slots[b] * row * item, static_cast<const char*>(k.data_ptr()) + b * row * item, row * item);
+    std::memcpy(vc + slots[b] * row * item, static_cast<const char*>(v.data_ptr()) + b * row * item, row * item);
   }
-  at::Tensor out = at::empty({B, H * D}, q.options());
-  const float* qp = q.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+  at::Tensor out = at::empty({B, H, D}, q.options());
   const int64_t group = H / Hkv;
   const float s = static_cast<float>(scale);
   // One (sequence, head) per task: enough work to split once contexts are long, one thread when they are short.
   int64_t total_keys = 0;
   for (int64_t b = 0; b < B; ++b) total_keys += lens[b];
   const int64_t grain = std::max<int64_t>(1, (B * H) * 4096 / std::max<int64_t>(1, total_keys * H));
-  at::parallel_for(0, B * H, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(max_len);
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = i / H, h = i % H;
-      attend_one(qp + (b * H + h) * D, kc, vc, context + b * max_len, lens[b], row, (h / group) * D, D, s,
-                 scores.data(), op + (b * H + h) * D);
-    }
-  });
-  return out;
+  if (dtype == at::kFloat) attend_all<float>(q, k_cache, v_cache, context, lens, max_len, group, row, s, out, grain);
+  else attend_all<c10::BFloat16>(q, k_cache, v_cache, context, lens, max_len, group, row, s, out, grain);
+  return out.view({B, H * D});
 }
 
 }  // namespace

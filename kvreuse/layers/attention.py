@@ -120,6 +120,9 @@ class AttentionMetadata:
         )
 
 
+FUSED_DTYPES = (torch.float32, torch.bfloat16)  # what the fused decode kernel takes
+
+
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """k_cache/v_cache: [num_blocks, block_size, num_kv_heads, head_dim]; k/v: [T, num_kv_heads, head_dim]."""
@@ -131,9 +134,9 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 def store_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """One layer's attention for a forward: store its new K/V, then attend over the pool. Returns [T, H * D].
-    A decode step in fp32 on a CPU runs as one fused call where kvreuse's kernels are loaded (the same numbers up
-    to summation order; tests/test_attention.py)."""
-    if meta.decode and meta.context_lens is not None and q.dtype == torch.float32 and q.device.type == "cpu" \
+    A decode step in fp32 or bf16 on a CPU runs as one fused call where kvreuse's kernels are loaded (the same
+    numbers up to summation order; tests/test_attention.py)."""
+    if meta.decode and meta.context_lens is not None and q.dtype in FUSED_DTYPES and q.device.type == "cpu" \
             and kernels.load().loaded:
         return torch.ops.kvreuse_cpu.decode_attention(q.contiguous(), k.contiguous(), v.contiguous(), k_cache,
                                                       v_cache, meta.slot_mapping, meta.context_slots,
