@@ -1,15 +1,15 @@
-"""The decode step compiled by torch.compile (inductor): a batch of one new token per sequence, without Python
-overhead between the ~40 small ops of each of the model's layers.
+"""The model's step compiled by torch.compile (inductor): decode batches and short prompt chunks (up to
+COMPILED_ROWS rows), without Python overhead between the ~40 small ops of each of the model's layers.
 
 What is compiled is `Llama.run_layers` itself, with attention behind one opaque op (`kvreuse::decode_attention`)
 that reads the K/V pool and the step's attention metadata from a per-thread context. So the graph depends only on
-the number of sequences, not on their lengths or block tables (no recompiles as contexts grow), and the pool is
-written in place (a pool passed into the graph would be copied by functionalization, once per layer). Two graphs
-are compiled, in a background thread while the engine decodes eagerly: one sequence, and 2..max_num_seqs (one
-dynamic dimension). Once they are ready, the engine runs them without compiling anything more (`torch._dynamo.run`:
-a batch that fits neither runs eagerly, never a compile in the serving thread).
+the number of rows, not on context lengths or block tables (no recompiles as contexts grow), and the pool is written
+in place (a pool passed into the graph would be copied by functionalization, once per layer). One graph per row
+bucket (`row_buckets`: 1, 2-16, 17-64, split where the GGUF kernel's row limit is) is compiled in a background thread
+while the engine runs eagerly. Once they are ready, the engine runs them without compiling anything more
+(`torch._dynamo.run`: a step no graph covers runs eagerly, never a compile in the serving thread).
 
-Compiling takes ~25-30 s on a 2-core CPU (each graph), ~8 s when inductor's on-disk cache holds it (a restart with the
+Compiling takes ~25-30 s on a 2-core CPU (each graph), ~4 s when inductor's on-disk cache holds it (a restart with the
 same model and torch). A compile still running when the engine closes or the interpreter exits is cancelled (`close`): a
 daemon thread left inside torch at exit is killed in a C++ frame that must not unwind, and the process aborts
 ("terminate called without an active exception", exit 134). Without a C++ compiler (or on any error) the graph is
