@@ -75,6 +75,18 @@ def test_tiny_model_compiled_equals_eager_with_prompt_scoring_beside_it(compilin
     assert calls == graph.num_steps - steps > 0
 
 
+def test_several_engines_in_one_process_each_run_compiled(compiling, tiny_model_dir):
+    """Four models of different structure (fp32 and bf16, int8, int4: what a benchmark builds) compile 10 graphs.
+    dynamo keeps graphs per code object, and one shared list would pass its recompile limit (8) at the fourth
+    engine, whose compile would then fail."""
+    for quantization, dtype in (("none", "fp32"), ("none", "bf16"), ("int8", "fp32"), ("int4", "fp32")):
+        llm = compiled_llm(model__path=tiny_model_dir, model__dtype=dtype, engine__num_kv_blocks=64,
+                           model__quantization=quantization)
+        graph = llm.engine.runner.decode_graph
+        _, calls = compiled_calls(lambda llm=llm: llm.generate(list(range(100, 110)), greedy(6)))
+        assert calls == graph.num_steps == 6, f"{quantization} {dtype}: a step ran eagerly"
+
+
 def test_a_missing_compiler_is_detected(monkeypatch):
     assert decode_graph.compiler_missing(torch.device("cpu")) is None      # this machine has one
     monkeypatch.setattr(torch._inductor.config.cpp, "cxx", ("/nonexistent/c++",))

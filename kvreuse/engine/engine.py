@@ -32,7 +32,7 @@ from kvreuse.kvcache.request import CacheRequest, ReuseScope
 from kvreuse.kvcache.tiers.store import TieredStore
 from kvreuse.layers.sampler import TokenLogprob
 from kvreuse.model.decode_graph import COMPILED_ROWS, DecodeGraph
-from kvreuse.model.gguf_weights import KERNEL_MAX_ROWS, resolve_weights, use_gguf_blocks
+from kvreuse.model.gguf_weights import resolve_weights, use_gguf_blocks
 from kvreuse.model.llama import Llama
 from kvreuse.model.loader import ModelInfo, load_weights, resolve_model_path
 from kvreuse.model.quantize import quantize_model
@@ -59,8 +59,7 @@ class LLMEngine:
         del weights
 
         num_blocks = front.num_kv_blocks
-        # Steps of up to COMPILED_ROWS rows run compiled, in graphs split where the GGUF kernel's row limit is.
-        decode_graph = (DecodeGraph(model, KERNEL_MAX_ROWS, min(COMPILED_ROWS, config.engine.max_num_batched_tokens))
+        decode_graph = (DecodeGraph(model, min(COMPILED_ROWS, config.engine.max_num_batched_tokens))
                         if config.engine.compile == "decode" else None)
         self.runner = ModelRunner(model, num_blocks, front.block_size, dtype, self.device,
                                   front.tokenizer.eos_token_ids, decode_graph)

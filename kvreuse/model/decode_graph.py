@@ -5,7 +5,7 @@ What is compiled is `Llama.run_layers` itself, with attention behind one opaque 
 that reads the K/V pool and the step's attention metadata from a per-thread context. So the graph depends only on
 the number of rows, not on context lengths or block tables (no recompiles as contexts grow), and the pool is written
 in place (a pool passed into the graph would be copied by functionalization, once per layer). One graph per row
-bucket (`row_buckets`: 1, 2-16, 17-64, split where the GGUF kernel's row limit is) is compiled in a background thread
+bucket (`row_buckets`: 1, 2-16 and 17-64 with GGUF weights) is compiled in a background thread
 while the engine runs eagerly. Once they are ready, the engine runs them without compiling anything more
 (`torch._dynamo.run`: a step no graph covers runs eagerly, never a compile in the serving thread).
 
@@ -26,7 +26,9 @@ import ctypes
 import logging
 import threading
 import time
+import types
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -43,7 +45,8 @@ class _Step:
     meta: AttentionMetadata
 
 
-COMPILED_ROWS = 64  # steps of up to this many rows run compiled: decode batches, a warm chat turn's new tokens
+ROW_GRID = (1, 16, 64)  # the top row count of each compiled graph (row_buckets)
+COMPILED_ROWS = ROW_GRID[-1]  # steps of up to this many rows run compiled: decode batches, a chat turn's new tokens
 _current = threading.local()  # .value: the _Step of the forward this thread runs
 _compiling: weakref.WeakSet[DecodeGraph] = weakref.WeakSet()  # graphs whose compile thread may still run
 
@@ -99,12 +102,28 @@ def compiler_missing(device: torch.device) -> str | None:
     return None
 
 
-def row_buckets(split: int, max_rows: int) -> list[tuple[int, int]]:
-    """The row ranges compiled into one graph each: 1 row, 2..`split`, `split` + 1..`max_rows` (those that exist).
-    `split` is where the model's linears change kernels (the GGUF kernel's row limit), so that no graph's range
-    straddles a branch on the row count."""
-    ranges = [(1, 1), (2, min(split, max_rows)), (split + 1, max_rows)]
-    return [(low, high) for low, high in ranges if low <= high]
+def _own_step() -> Callable:
+    """`_step` under a code object of its own. dynamo keeps compiled graphs per code object, so without this every
+    engine of a process (a benchmark's several) would add its three graphs to one list and hit dynamo's recompile
+    limit (8) at the third."""
+    code = _step.__code__.replace()  # equal, but a distinct object
+    return types.FunctionType(code, _step.__globals__, _step.__name__, _step.__defaults__, _step.__closure__)
+
+
+def row_buckets(model: Llama, max_rows: int) -> list[tuple[int, int]]:
+    """The row ranges compiled into one graph each, from one grid for every model: 1, 2-16, 17-64 (up to
+    `max_rows`). A range that one of the model's linears branches inside (`kernel_max_rows`: int8's 32) is left out
+    with every larger one: those steps run eagerly. The grid is fixed because inductor's on-disk cache keys a graph
+    without its range: a graph cached for 2-16 that is loaded for 2-64 brings in its `<= 16` guard, and the compile
+    fails. Ranges that never overlap partially never meet such an entry."""
+    limits = {m.kernel_max_rows for m in model.modules() if hasattr(m, "kernel_max_rows")}
+    buckets, low = [], 1
+    for high in ROW_GRID:
+        if high > max_rows or any(low <= limit < high for limit in limits):
+            break
+        buckets.append((low, high))
+        low = high + 1
+    return buckets
 
 
 class DecodeGraph:
@@ -113,9 +132,9 @@ class DecodeGraph:
     thread; `can_run(num_rows)` says whether a step of that many rows runs compiled; `run(...)` gives the final
     hidden states of all its rows."""
 
-    def __init__(self, model: Llama, split: int, max_rows: int):
-        self.model, self.buckets = model, row_buckets(split, max_rows)
-        self.max_rows = self.buckets[-1][1]
+    def __init__(self, model: Llama, max_rows: int):
+        self.model, self.buckets = model, row_buckets(model, max_rows)
+        self.max_rows = self.buckets[-1][1] if self.buckets else 0
         self.state = "off"               # off -> compiling -> ready | failed | cancelled
         self.compile_s: float | None = None
         self.error: str | None = None
@@ -198,16 +217,16 @@ class DecodeGraph:
             self._fail(missing)
             return
         try:
-            compiled = torch.compile(_step, fullgraph=True)
+            compiled = torch.compile(_own_step(), fullgraph=True)
             for low, high in self.buckets:
-                scratch = param.new_zeros(args.num_layers, 2, low, 1, args.num_kv_heads, args.head_dim)
-                ids = torch.zeros(low, dtype=torch.long, device=param.device)               # [T]
+                scratch = param.new_zeros(args.num_layers, 2, high, 1, args.num_kv_heads, args.head_dim)
+                ids = torch.zeros(high, dtype=torch.long, device=param.device)              # [T]
                 positions = torch.zeros_like(ids)                                           # [T]
                 if high > low:
                     for t in (ids, positions):
                         torch._dynamo.mark_dynamic(t, 0, min=low, max=high)
-                # A decode batch of `low` sequences of one token each (any meta runs the same graph).
-                meta = AttentionMetadata.for_decode([1] * low, [[b] for b in range(low)], 1, param.device)
+                # A decode batch of `high` sequences of one token each (any meta runs the same graph).
+                meta = AttentionMetadata.for_decode([1] * high, [[b] for b in range(high)], 1, param.device)
                 self._call(compiled, ids, positions, meta, scratch)
         except Exception as exc:  # a compiler error of any kind: the eager step serves instead
             self._fail(f"{type(exc).__name__}: {exc}")

@@ -55,6 +55,8 @@ def weights_tag(mode: str) -> str:
 class GGUFLinear(nn.Module):
     """A bias-free linear with a dense weight (prefill) and the GGUF blocks of the same values (decode)."""
 
+    kernel_max_rows = KERNEL_MAX_ROWS  # where forward branches (the compiled graphs split there: decode_graph.py)
+
     def __init__(self, weight: torch.Tensor, blocks: QuantizedBlocks, isa: int):
         super().__init__()
         self.out_features, self.in_features = weight.shape
