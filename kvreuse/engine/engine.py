@@ -24,6 +24,7 @@ from kvreuse.engine.output import RequestOutput, Usage
 from kvreuse.engine.scheduler import Scheduler, SchedulerOutput
 from kvreuse.engine.sequence import Sequence
 from kvreuse.engine.stats import DecodeGraphStatus, EngineSnapshot, EngineStats
+from kvreuse.kernels import build as kernels
 from kvreuse.kvcache.accounting import ReuseRecord
 from kvreuse.kvcache.copy_jobs import CopyJobs
 from kvreuse.kvcache.events import KVEventPublisher
@@ -48,7 +49,8 @@ class LLMEngine:
         self.device = resolve_device(config.model.device)
         path = resolve_model_path(config.model.path or None)
         mode = resolve_weights(config.model.weights, config.model.quantization, path, self.device)
-        weights = load_weights(path, keep_blocks=mode == "gguf")
+        # The blocks are parsed only where the kernel runs; otherwise `gguf` is the dense path (use_gguf_blocks).
+        weights = load_weights(path, keep_blocks=mode == "gguf" and kernels.load().isa > 0)
         dtype, why = resolve_dtype(config.model.dtype, self.device, weights.args)
         self.front_end = FrontEnd(config, ModelInfo(weights.args, weights.path, weights.fingerprint), dtype, why)
         front = self.front_end

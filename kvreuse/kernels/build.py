@@ -11,7 +11,6 @@ reference the kernels are tested against. A build failure is a `KernelStatus` wi
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
 import os
@@ -30,6 +29,7 @@ CFLAGS = ("-O3", "-fopenmp")  # at::parallel_for is OpenMP in the headers: witho
 ISAS = {1: "avx2", 2: "avx512"}
 _TORCH_CAPABILITY = {"AVX512": 2, "AVX2": 1}  # torch.backends.cpu.get_cpu_capability() -> the widest we may run
 _lock = threading.Lock()
+_status: KernelStatus | None = None  # load()'s answer
 
 
 @dataclass(frozen=True)
@@ -43,19 +43,28 @@ class KernelStatus:
         return ISAS.get(self.isa, "none")
 
 
-@functools.cache
 def load() -> KernelStatus:
-    """Build (or reuse) and load the extension; what this process runs, and why."""
+    """Build (or reuse) and load the extension, once per process: what this process runs, and why. Called on the
+    hot path (each decode layer's attention), so the answer is kept; the engine's thread and the compile thread may
+    ask first at the same time, and the extension must be registered once."""
+    global _status
+    if _status is None:
+        with _lock:
+            if _status is None:
+                _status = _load()
+    return _status
+
+
+def _load() -> KernelStatus:
     if os.environ.get("KVREUSE_CPU_KERNELS", "1") == "0":
         return KernelStatus(False, 0, "KVREUSE_CPU_KERNELS=0")
-    with _lock:
-        try:
-            _build()
-        except Exception as exc:  # no compiler, no ninja, a build error: the torch ops compute the same
-            last = str(exc).strip().splitlines()[-1:] or [""]
-            logger.warning("kvreuse's CPU kernels unavailable (%s: %s); running pure torch ops", type(exc).__name__,
-                           last[0])
-            return KernelStatus(False, 0, f"build failed: {type(exc).__name__}")
+    try:
+        _build()
+    except Exception as exc:  # no compiler, no ninja, a build error: the torch ops compute the same
+        last = str(exc).strip().splitlines()[-1:] or [""]
+        logger.warning("kvreuse's CPU kernels unavailable (%s: %s); running pure torch ops", type(exc).__name__,
+                       last[0])
+        return KernelStatus(False, 0, f"build failed: {type(exc).__name__}")
     cpu = int(torch.ops.kvreuse_cpu.best_isa())
     capability = torch.backends.cpu.get_cpu_capability()
     isa = min(cpu, _TORCH_CAPABILITY.get(capability, 0))

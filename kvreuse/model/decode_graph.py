@@ -134,7 +134,7 @@ class DecodeGraph:
 
     def __init__(self, model: Llama, max_rows: int):
         self.model, self.buckets = model, row_buckets(model, max_rows)
-        self.max_rows = self.buckets[-1][1] if self.buckets else 0
+        self.max_rows = self.buckets[-1][1]  # (1, 1) is always there
         self.state = "off"               # off -> compiling -> ready | failed | cancelled
         self.compile_s: float | None = None
         self.error: str | None = None

@@ -9,7 +9,6 @@ kernel is not built or the CPU lacks AVX2 the dense weight is used: the same num
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -25,9 +24,6 @@ if TYPE_CHECKING:
     from kvreuse.model.llama import Llama
     from kvreuse.model.loader import LoadedWeights
 
-logger = logging.getLogger(__name__)
-
-MODES = ("auto", "gguf", "dense")
 # Rows up to which the kernel beats the dense fp32 GEMM on SmolLM2-135M's shapes (docs/benchmarks.md); more rows
 # (prefill) are compute-bound, where the dense GEMM's blocking wins.
 KERNEL_MAX_ROWS = 16
@@ -72,9 +68,9 @@ class GGUFLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., in] -> [..., out], in x's dtype."""
         rows = x.reshape(-1, self.in_features)                           # [T, in]
-        if self.isa and rows.shape[0] <= KERNEL_MAX_ROWS:
-            y = torch.ops.kvreuse_cpu.gguf_linear(rows.float().contiguous(), self.packed, self.out_features, self.bits,
-                                              self.half_scales, self.isa).to(x.dtype)  # [T, out]
+        if self.isa and rows.shape[0] <= self.kernel_max_rows:
+            y = torch.ops.kvreuse_cpu.gguf_linear(rows.float().contiguous(), self.packed, self.out_features,
+                                                  self.bits, self.half_scales, self.isa).to(x.dtype)  # [T, out]
         else:
             y = F.linear(rows, self.weight)                              # [T, out]
         return y.view(*x.shape[:-1], self.out_features)
@@ -98,13 +94,13 @@ def fused_blocks(weights: LoadedWeights) -> dict[str, QuantizedBlocks]:
 def use_gguf_blocks(model: Llama, weights: LoadedWeights) -> str:
     """Give `model`'s linears the GGUF blocks of `weights` (loaded with `keep_blocks`); a linear without blocks
     stays dense. On a device other than a CPU nothing changes. Returns a one-line summary."""
-    blocks = fused_blocks(weights)
     device = next(model.parameters()).device
     if device.type != "cpu":
         return f"dense (no GGUF kernel on {device.type})"
     status = kernels.load()
     if not status.isa:
         return f"dense ({status.reason})"
+    blocks = fused_blocks(weights)
     targets = [(layer, name, f"layers.{i}.{name}") for i, layer in enumerate(model.layers) for name in FUSED_LINEARS]
     targets.append((model, "lm_head", "lm_head"))
     used = []

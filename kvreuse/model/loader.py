@@ -123,23 +123,16 @@ def file_sha256(paths: list[Path]) -> str:
     return digest.hexdigest()
 
 
-def _our_names(args: ModelArgs, top: tuple[str, str, str], layer_format: str,
-               layer_names: dict[str, str]) -> dict[str, str]:
-    """Our name -> the checkpoint's, for every tensor we load; `top` names its embedding, final norm and LM head
-    (left out where the head is tied to the embedding)."""
+def _rename(args: ModelArgs, tensors: dict, top: tuple[str, str, str], layer_format: str,
+            layer_names: dict[str, str], *, missing_ok: bool = False) -> dict:
+    """A checkpoint's tensors under our names; `top` names its embedding, final norm and LM head (left out where the
+    head is tied to the embedding). KeyError for a missing one, unless `missing_ok` (then left out)."""
     names = dict(zip(("embed_tokens", "norm", "lm_head"), top, strict=True))
     if args.tie_word_embeddings:
         del names["lm_head"]
     for i in range(args.num_layers):
         names.update({f"layers.{i}.{ours}": layer_format.format(i=i, name=theirs)
                       for theirs, ours in layer_names.items()})
-    return names
-
-
-def _rename(args: ModelArgs, tensors: dict, top: tuple[str, str, str], layer_format: str,
-            layer_names: dict[str, str], *, missing_ok: bool = False) -> dict:
-    """A checkpoint's tensors under our names (KeyError for a missing one, unless `missing_ok`: left out)."""
-    names = _our_names(args, top, layer_format, layer_names)
     return {ours: tensors[theirs] for ours, theirs in names.items() if not missing_ok or theirs in tensors}
 
 
@@ -167,15 +160,10 @@ def _gguf_field(reader, key: str, default=None):
     return field.contents()
 
 
-def _unpermute_rope(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
-    # llama.cpp's converter interleaves each head's two rotary halves (GGUF "normal" RoPE);
-    # undo it so Q/K use the rotate-half layout of Hugging Face checkpoints.
-    out_features, in_features = weight.shape
-    return (
-        weight.reshape(num_heads, out_features // num_heads // 2, 2, in_features)
-        .transpose(1, 2)
-        .reshape(out_features, in_features)
-    )
+def _unpermute_rope(out_features: int, num_heads: int) -> torch.Tensor:
+    """The row order [out_features] that undoes llama.cpp's interleaving of each head's two rotary halves (GGUF
+    "normal" RoPE), so that Q/K use the rotate-half layout of Hugging Face checkpoints: weight[order]."""
+    return torch.arange(out_features).view(num_heads, out_features // num_heads // 2, 2).transpose(1, 2).reshape(-1)
 
 
 def _gguf_args(reader, path: Path, shapes: dict[str, tuple]) -> ModelArgs:
@@ -218,10 +206,10 @@ def _load_gguf(path: Path, keep_blocks: bool = False) -> LoadedWeights:
     our_blocks = _rename(args, blocks, top, "blk.{i}.{name}.weight", _GGUF_LAYER_NAMES, missing_ok=True)
     for i in range(args.num_layers):
         for name, heads in ((f"layers.{i}.q_proj", args.num_heads), (f"layers.{i}.k_proj", args.num_kv_heads)):
-            ours[name] = _unpermute_rope(ours[name], heads)
+            order = _unpermute_rope(ours[name].shape[0], heads)
+            ours[name] = ours[name][order]
             if name in our_blocks:
-                our_blocks[name] = our_blocks[name].rows(_unpermute_rope(torch.arange(ours[name].shape[0])[:, None],
-                                                                         heads)[:, 0])
+                our_blocks[name] = our_blocks[name].rows(order)
     return LoadedWeights(args, ours, path, file_sha256([path]), our_blocks)
 
 
