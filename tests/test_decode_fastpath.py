@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvreuse.layers.attention import AttentionMetadata, paged_attention
-from kvreuse.model.llama import RMSNorm
+from kvreuse.layers.norm import RMSNorm
 from kvreuse.sampling_params import SamplingParams
 
 from .helpers import greedy, sample

@@ -11,14 +11,14 @@ import torch
 
 from kvreuse.engine.engine import LLMEngine, resolve_dtype
 from kvreuse.model import dtype_probe
-from kvreuse.model.loader import ModelArgs
+from kvreuse.model.args import ModelArgs, Rope
 
 from .conftest import TINY
 from .helpers import tiny_engine
 
 CPU = torch.device("cpu")
 ARGS = ModelArgs(vocab_size=100, hidden_size=TINY["hidden_size"], intermediate_size=TINY["intermediate_size"],
-                 num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=1e4, rms_norm_eps=1e-5,
+                 num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rope=Rope(1e4), rms_norm_eps=1e-5,
                  max_position_embeddings=4096)
 
 

@@ -58,8 +58,8 @@ def test_layer0_kv_of_a_shifted_block_equals_fresh_after_rerotation(tiny_model_d
     model = llm.engine.runner.model
     with torch.inference_mode():
         positions = torch.tensor(captured["positions"])
-        x = model.embed_tokens(torch.tensor([second[p] for p in captured["positions"]]))
-        cos, sin = model.rotary.cos_sin(positions, x.dtype)
+        x = model.embed(torch.tensor([second[p] for p in captured["positions"]]))
+        cos, sin = model.cos_sin(positions, x.dtype)[model.layers[0].kind]
         _, fresh_k, fresh_v = model.layers[0].qkv(x, cos, sin)
     torch.testing.assert_close(captured["k"], fresh_k, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(captured["v"], fresh_v, atol=1e-6, rtol=0)

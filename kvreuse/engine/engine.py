@@ -32,9 +32,9 @@ from kvreuse.kvcache.manager import KVCacheManager
 from kvreuse.kvcache.request import CacheRequest, ReuseScope
 from kvreuse.kvcache.tiers.store import TieredStore
 from kvreuse.layers.sampler import TokenLogprob
+from kvreuse.model.architectures import ARCHITECTURES
 from kvreuse.model.decode_graph import COMPILED_ROWS, DecodeGraph
 from kvreuse.model.gguf_weights import resolve_weights, use_gguf_blocks
-from kvreuse.model.llama import Llama
 from kvreuse.model.loader import ModelInfo, load_weights, resolve_model_path
 from kvreuse.model.quantize import quantize_model
 from kvreuse.sampling_params import SamplingParams
@@ -54,7 +54,7 @@ class LLMEngine:
         dtype, why = resolve_dtype(config.model.dtype, self.device, weights.args)
         self.front_end = FrontEnd(config, ModelInfo(weights.args, weights.path, weights.fingerprint), dtype, why)
         front = self.front_end
-        model = Llama.from_weights(weights, dtype, self.device)
+        model = ARCHITECTURES[weights.args.architecture].model_class.from_weights(weights, dtype, self.device)
         quantize_model(model, config.model.quantization)  # weight-only; "none" leaves it as loaded
         self.weights_description = use_gguf_blocks(model, weights) if mode == "gguf" else "dense"
         logger.info("model.weights = %s: %s", config.model.weights, self.weights_description)

@@ -18,7 +18,7 @@ from kvreuse.layers.attention import AttentionMetadata
 from kvreuse.layers.logits_processors import SamplingRow
 from kvreuse.layers.sampler import TokenLogprob, sample_rows
 from kvreuse.model.decode_graph import DecodeGraph
-from kvreuse.model.llama import Llama
+from kvreuse.model.decoder import CausalLM
 from kvreuse.model.loader import ModelArgs
 
 PROMPT_LOGITS_ROWS = 256  # prompt rows turned into logits at once: [256, vocab] fp32 is 48 MiB for a 48K vocabulary
@@ -43,7 +43,7 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: Llama, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
                  eos_token_ids: frozenset[int] = frozenset(), decode_graph: DecodeGraph | None = None):
         args = model.args
         self.model, self.block_size, self.device = model, block_size, device

@@ -1,5 +1,5 @@
 """Segment reuse, repaired: the whole policy in one place; the model only provides the mechanism
-(`Llama.forward_selective`).
+(`CausalLM.forward_selective`).
 
 Beyond layer 0 a reused block's K/V depend on the text it was computed after, so reusing it in another context is
 an approximation (docs/design/reuse.md). For each forward in which some sequences reuse cached segments:
@@ -30,7 +30,7 @@ from kvreuse.kvcache.accounting import ReuseRecord
 from kvreuse.kvcache.request import CacheRequest
 from kvreuse.kvcache.segment import SegmentPlan
 from kvreuse.layers.attention import AttentionMetadata
-from kvreuse.model.llama import Llama
+from kvreuse.model.decoder import CausalLM
 
 SELECT_LAYER = 1  # rows are ranked by their deviation here: the first layer whose K/V depend on context
 
@@ -100,7 +100,7 @@ def near_tie(logits: torch.Tensor, margin: float) -> bool:
 
 
 # --- copy ------------------------------------------------------------------------------------------------
-def copy_segments(model: Llama, kv_cache: torch.Tensor, kv: CacheRequest) -> None:
+def copy_segments(model: CausalLM, kv_cache: torch.Tensor, kv: CacheRequest) -> None:
     """Copy each reused run's K/V (every layer) into the request's own slots, re-rotating K by the distance it
     moved. kv_cache: [L, 2, num_blocks, block_size, Hkv, D]; the sources stay untouched (the repair rewrites
     the copies)."""
@@ -116,14 +116,14 @@ def copy_segments(model: Llama, kv_cache: torch.Tensor, kv: CacheRequest) -> Non
     src = torch.tensor(src_slots, device=device)
     dst = torch.tensor([kv.block_table[p // bs] * bs + p % bs for p in dst_pos], device=device)
     deltas = torch.tensor(dst_pos, device=device) - torch.tensor(src_pos, device=device)
-    slots[:, 0, dst] = model.rotary.rotate_by(slots[:, 0, src], deltas)
+    slots[:, 0, dst] = model.rotate_by(slots[:, 0, src], deltas)
     slots[:, 1, dst] = slots[:, 1, src]
 
 
 # --- one forward -----------------------------------------------------------------------------------------
 class BatchRepair:
     """The rows of one forward (sequence b owns rows [bounds[b], bounds[b + 1])) and which of them were reused;
-    `select` and `metadata_for` are what `Llama.forward_selective` calls back."""
+    `select` and `metadata_for` are what `CausalLM.forward_selective` calls back."""
 
     def __init__(self, seqs: list[Sequence], positions: torch.Tensor, kv_cache: torch.Tensor,
                  settings: SegmentConfig):
@@ -145,7 +145,9 @@ class BatchRepair:
         return zip(self.seqs, self.bounds, self.bounds[1:], strict=False)
 
     def metadata_for(self, rows: torch.Tensor) -> AttentionMetadata:
-        """Attention metadata for a subset of the rows (ascending)."""
+        """Attention metadata for a subset of the rows (ascending; on any device: the metadata is built on the
+        CPU, where the positions are)."""
+        rows = rows.cpu()
         per_seq = [self.positions[rows][self.row_seq[rows] == i] for i in range(len(self.seqs))]
         return AttentionMetadata.for_queries(per_seq, [s.kv.block_table for s in self.seqs],
                                              self.kv_cache.shape[3], self.kv_cache.device)
@@ -161,7 +163,7 @@ class BatchRepair:
         return self.kept.to(self.kv_cache.device)
 
 
-def forward_reusing(model: Llama, kv_cache: torch.Tensor, seqs: list[Sequence], input_ids: torch.Tensor,
+def forward_reusing(model: CausalLM, kv_cache: torch.Tensor, seqs: list[Sequence], input_ids: torch.Tensor,
                     positions: torch.Tensor, meta: AttentionMetadata, rows: torch.Tensor,
                     settings: SegmentConfig) -> tuple[torch.Tensor, dict[str, RepairOutcome]]:
     """The forward of a batch in which some sequences reuse cached segments (each scheduled whole, so each
@@ -202,7 +204,7 @@ def forward_reusing(model: Llama, kv_cache: torch.Tensor, seqs: list[Sequence], 
     return hidden, outcomes
 
 
-def _forward_exact(model: Llama, kv_cache: torch.Tensor, seq: Sequence, input_ids: torch.Tensor,
+def _forward_exact(model: CausalLM, kv_cache: torch.Tensor, seq: Sequence, input_ids: torch.Tensor,
                    positions: torch.Tensor) -> torch.Tensor:
     """Compute one sequence's scheduled rows [n] exactly (overwriting the repaired K/V); its last row's final hidden
     state [hidden]."""

@@ -8,7 +8,7 @@ problem so one SDPA call serves the batch; padding is masked out and dropped.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +27,8 @@ class AttentionMetadata:
     causal: bool = False         # one sequence from position 0: plain causal attention, the mask is not needed
     decode: bool = False         # one query per sequence, at its last position: nothing to pad or drop
     context_lens: torch.Tensor | None = None  # [num_seqs] keys of each sequence (decode only: the fused kernel's)
+    query_positions: torch.Tensor | None = None  # [num_seqs, max_query_len] position of each query (pad: repeat)
+    _windowed: dict[int, AttentionMetadata] = field(default_factory=dict, repr=False)
 
     @classmethod
     def build(
@@ -73,6 +75,7 @@ class AttentionMetadata:
             output_index=rows.to(device),
             decode=True,
             context_lens=lens.to(device),
+            query_positions=(lens - 1)[:, None].to(device),
         )
 
     @classmethod
@@ -117,7 +120,37 @@ class AttentionMetadata:
             context_slots=context_slots.to(device),
             attn_mask=attn_mask.unsqueeze(1).to(device),
             output_index=output_index.to(device),
+            query_positions=query_pos.to(device),
         )
+
+    def windowed(self, window: int | None) -> AttentionMetadata:
+        """This forward's metadata for a sliding-window layer: each query sees the keys at positions
+        (p - window, p], itself included. A decode keeps only each sequence's last `window` keys (the fused kernel
+        then reads no more); queries of a prompt are masked. Built once per window and forward."""
+        if window is None or self.context_slots.shape[1] <= window:
+            return self
+        if window not in self._windowed:
+            self._windowed[window] = self._decode_window(window) if self.decode else self._query_window(window)
+        return self._windowed[window]
+
+    def _decode_window(self, window: int) -> AttentionMetadata:
+        lens = self.context_lens                                                       # [B]
+        j = torch.arange(window, device=lens.device)                                   # [W]
+        first = (lens - window).clamp_min(0)                                           # [B] first visible key
+        new_lens = lens.clamp_max(window)                                              # [B]
+        visible = j < new_lens[:, None]                                                # [B, W]
+        keys = (first[:, None] + j).clamp_max(self.context_slots.shape[1] - 1)         # [B, W]
+        slots = torch.where(visible, self.context_slots.gather(1, keys), 0)            # [B, W]
+        mask = None if bool(visible.all()) else visible[:, None, None, :]              # [B, 1, 1, W]
+        return AttentionMetadata(self.slot_mapping, self.query_index, slots, mask, self.output_index, decode=True,
+                                 context_lens=new_lens, query_positions=self.query_positions)
+
+    def _query_window(self, window: int) -> AttentionMetadata:
+        key_pos = torch.arange(self.context_slots.shape[1], device=self.context_slots.device)   # [K]
+        query_pos = self.query_positions[:, :, None]                                   # [B, Q, 1]
+        mask = (key_pos <= query_pos) & (key_pos > query_pos - window)                 # [B, Q, K]
+        return AttentionMetadata(self.slot_mapping, self.query_index, self.context_slots, mask.unsqueeze(1),
+                                 self.output_index, query_positions=self.query_positions)
 
 
 FUSED_DTYPES = (torch.float32, torch.bfloat16)  # what the fused decode kernel takes
@@ -132,10 +165,12 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 
 def store_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """One layer's attention for a forward: store its new K/V, then attend over the pool. Returns [T, H * D].
-    A decode step in fp32 or bf16 on a CPU runs as one fused call where kvreuse's kernels are loaded (the same
-    numbers up to summation order; tests/test_attention.py)."""
+                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                     window: int | None = None) -> torch.Tensor:
+    """One layer's attention for a forward: store its new K/V, then attend over the pool (the last `window` keys of
+    each query, for a sliding-window layer). Returns [T, H * D]. A decode step in fp32 or bf16 on a CPU runs as one
+    fused call where kvreuse's kernels are loaded (the same numbers up to summation order; tests/test_attention.py)."""
+    meta = meta.windowed(window)
     if meta.decode and meta.context_lens is not None and q.dtype in FUSED_DTYPES and q.device.type == "cpu" \
             and kernels.load().loaded:
         return torch.ops.kvreuse_cpu.decode_attention(q.contiguous(), k.contiguous(), v.contiguous(), k_cache,
@@ -146,8 +181,9 @@ def store_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
     """q: [T, H, D] (already rotated); returns [T, H * D]. The new tokens' K/V must already be stored."""
+    meta = meta.windowed(window)
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[2]
     num_seqs, max_query_len = meta.query_index.shape

@@ -1,16 +1,44 @@
-"""Rotary position embedding (rotate-half layout), with a table indexed by absolute position."""
+"""Rotary position embedding (rotate-half layout), with a table indexed by absolute position, and the frequency
+scalings of `Rope` (linear, llama3, a GGUF's per-frequency factors)."""
 
 from __future__ import annotations
 
+import math
+
 import torch
+
+from kvreuse.model.args import Rope
+
+
+def inv_frequencies(head_dim: int, rope: Rope) -> torch.Tensor:
+    """The rotation speed of each of the head's D/2 pairs [D/2], float64, after `rope`'s scaling."""
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))  # [D/2]
+    if rope.freq_factors is not None:
+        if len(rope.freq_factors) != head_dim // 2:
+            raise ValueError(f"{len(rope.freq_factors)} rope frequency factors for a head of {head_dim}")
+        inv_freq = inv_freq / torch.tensor(rope.freq_factors, dtype=torch.float64)
+    if rope.kind == "linear":
+        inv_freq = inv_freq / rope.factor
+    elif rope.kind == "llama3":
+        # Low frequencies (wavelength past the original context / low_freq_factor) slowed by `factor`, high ones
+        # kept, and the band between interpolated smoothly.
+        wavelen = 2 * math.pi / inv_freq
+        low_wavelen = rope.original_max_position / rope.low_freq_factor
+        high_wavelen = rope.original_max_position / rope.high_freq_factor
+        smooth = (rope.original_max_position / wavelen - rope.low_freq_factor) / (
+            rope.high_freq_factor - rope.low_freq_factor)
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = torch.where(medium, (1 - smooth) * scaled / rope.factor + smooth * scaled, scaled)
+    return inv_freq
 
 
 class RotaryEmbedding(torch.nn.Module):
-    def __init__(self, head_dim: int, max_position: int, theta: float):
+    def __init__(self, head_dim: int, max_position: int, rope: Rope | float):
         super().__init__()
+        rope = rope if isinstance(rope, Rope) else Rope(float(rope))
         # Angles in float64 so that rotating by p then by q - p matches rotating by q at large positions.
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))  # [D/2]
-        angles = torch.outer(torch.arange(max_position, dtype=torch.float64), inv_freq)  # [P, D/2]
+        angles = torch.outer(torch.arange(max_position, dtype=torch.float64), inv_frequencies(head_dim, rope))
         angles = torch.cat([angles, angles], dim=-1)  # [P, D]
         self.register_buffer("cos_table", angles.cos().float(), persistent=False)
         self.register_buffer("sin_table", angles.sin().float(), persistent=False)

@@ -1,7 +1,7 @@
 """The model's step compiled by torch.compile (inductor): decode batches and short prompt chunks (up to
 COMPILED_ROWS rows), without Python overhead between the ~40 small ops of each of the model's layers.
 
-What is compiled is `Llama.run_layers` itself, with attention behind one opaque op (`kvreuse::decode_attention`)
+What is compiled is `CausalLM.run_layers` itself, with attention behind one opaque op (`kvreuse::decode_attention`)
 that reads the K/V pool and the step's attention metadata from a per-thread context. So the graph depends only on
 the number of rows, not on context lengths or block tables (no recompiles as contexts grow), and the pool is written
 in place (a pool passed into the graph would be copied by functionalization, once per layer). One graph per row
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from kvreuse.layers.attention import AttentionMetadata, store_and_attend
-from kvreuse.model.llama import Llama, layer_caches
+from kvreuse.model.decoder import CausalLM, layer_caches
 
 logger = logging.getLogger(__name__)
 
@@ -64,24 +64,25 @@ def _cancel_at_exit() -> None:
 
 
 @torch.library.custom_op("kvreuse::decode_attention", mutates_args=())
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_index: int,
-                     scale: float) -> torch.Tensor:
-    """`store_and_attend` for layer `layer_index` of the current thread's step. It writes the pool, which the
-    compiler does not see: each layer's output feeds the next, so the calls keep their order."""
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_index: int, scale: float,
+                     window: int) -> torch.Tensor:
+    """`store_and_attend` for layer `layer_index` of the current thread's step (`window` 0: full attention). It
+    writes the pool, which the compiler does not see: each layer's output feeds the next, so the calls keep their
+    order."""
     step: _Step = _current.value
-    return store_and_attend(q, k, v, *step.caches[layer_index], step.meta, scale)
+    return store_and_attend(q, k, v, *step.caches[layer_index], step.meta, scale, window or None)
 
 
 @decode_attention.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_index: int, scale: float) -> torch.Tensor:
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_index: int, scale: float,
+      window: int) -> torch.Tensor:
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
 
-def _step(model: Llama, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    scale = model.layers[0].scale
-
+def _step(model: CausalLM, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     def attend(layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return decode_attention(q, k, v, layer_index, scale)
+        layer = model.layers[layer_index]
+        return decode_attention(q, k, v, layer_index, layer.scale, layer.window or 0)
 
     return model.run_layers(input_ids, positions, None, attend)  # every row: the caller picks the ones it needs
 
@@ -110,7 +111,7 @@ def _own_step() -> Callable:
     return types.FunctionType(code, _step.__globals__, _step.__name__, _step.__defaults__, _step.__closure__)
 
 
-def row_buckets(model: Llama, max_rows: int) -> list[tuple[int, int]]:
+def row_buckets(model: CausalLM, max_rows: int) -> list[tuple[int, int]]:
     """The row ranges compiled into one graph each, from one grid for every model: 1, 2-16, 17-64 (up to
     `max_rows`). A range that one of the model's linears branches inside (`kernel_max_rows`: int8's 32) is left out
     with every larger one: those steps run eagerly. The grid is fixed because inductor's on-disk cache keys a graph
@@ -132,7 +133,7 @@ class DecodeGraph:
     thread; `can_run(num_rows)` says whether a step of that many rows runs compiled; `run(...)` gives the final
     hidden states of all its rows."""
 
-    def __init__(self, model: Llama, max_rows: int):
+    def __init__(self, model: CausalLM, max_rows: int):
         self.model, self.buckets = model, row_buckets(model, max_rows)
         self.max_rows = self.buckets[-1][1]  # (1, 1) is always there
         self.state = "off"               # off -> compiling -> ready | failed | cancelled

