@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kvreuse.layers.attention import AttentionMetadata
+from kvreuse.model.architectures import ARCHITECTURES
 from kvreuse.model.loader import ModelLoadError, load_model_info, load_weights
 
 from .helpers import greedy, tiny_llm
@@ -49,11 +50,12 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
 
 
-def build(name: str, directory: Path, vocab_size: int, tokenizer, seed: int = 0) -> Path:
+def build(name: str, directory: Path, vocab_size: int, tokenizer, seed: int = 0, **overrides) -> Path:
+    """MODELS[name] (its settings updated by `overrides`) with random weights, saved with `tokenizer`."""
     import transformers
 
     config_class, settings = MODELS[name]
-    config = getattr(transformers, config_class)(vocab_size=vocab_size, **SHAPE, **settings)
+    config = getattr(transformers, config_class)(vocab_size=vocab_size, **SHAPE, **{**settings, **overrides})
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     randomize(model, seed)
     model.save_pretrained(str(directory))
@@ -71,9 +73,19 @@ def arch(request, tmp_path_factory, real_tokenizer):
     return request.param, str(path), hf
 
 
-def our_logits(llm, token_ids: list[int], block_size: int = 16) -> torch.Tensor:
-    """Our model's last-row logits for a prompt, computed in one forward over a scratch pool."""
-    model = llm.engine.runner.model
+def our_logits(llm, token_ids: list[int]) -> torch.Tensor:
+    """An engine's model's last-row logits for a prompt."""
+    return model_logits(llm.engine.runner.model, token_ids)
+
+
+def our_model_logits(weights, token_ids: list[int]) -> torch.Tensor:
+    """The last-row logits of the fp32 model built from loaded weights (loader.LoadedWeights)."""
+    model_class = ARCHITECTURES[weights.args.architecture].model_class
+    return model_logits(model_class.from_weights(weights, torch.float32, torch.device("cpu")), token_ids)
+
+
+def model_logits(model, token_ids: list[int], block_size: int = 16) -> torch.Tensor:
+    """A model's last-row logits [vocab] for a prompt, computed in one forward over a scratch pool."""
     args = model.args
     num_blocks = -(-len(token_ids) // block_size)
     kv = torch.zeros(args.num_layers, 2, num_blocks, block_size, args.num_kv_heads, args.head_dim)
