@@ -14,6 +14,7 @@ import torch
 from kvreuse.model.architectures import ARCHITECTURES, SUPPORTED, Architecture, by_gguf_name, by_hf_model_type
 from kvreuse.model.args import ModelArgs, Rope
 from kvreuse.model.gguf_blocks import QuantizedBlocks, from_gguf
+from kvreuse.model.gguf_metadata import GGUFFile, read_gguf
 from kvreuse.model.named_models import resolve_named_model
 
 __all__ = ["LoadedWeights", "ModelArgs", "ModelInfo", "ModelLoadError", "load_model_info", "load_weights"]
@@ -84,11 +85,9 @@ def load_model_info(path: str | Path | None) -> ModelInfo:
     ingress that never runs the model needs. None reads the embedded model's."""
     resolved = _resolve_supported(path)
     if resolved.suffix == ".gguf":
-        from gguf import GGUFReader
-
-        reader = GGUFReader(resolved)  # memory-mapped: only the header and the tensor table are read
-        tensors = {tensor.name: tensor for tensor in reader.tensors}
-        args = _gguf_args(reader, resolved, {name: t.data.shape for name, t in tensors.items()}, _rope_freqs(tensors))
+        file = read_gguf(resolved)  # the header and the tensor table; no tensor data is read
+        args = _gguf_args(file.fields, resolved, {name: t.shape for name, t in file.tensors.items()},
+                          _rope_freqs(file))
         return ModelInfo(args, resolved, file_sha256([resolved]))
     from safetensors import safe_open
 
@@ -159,13 +158,13 @@ def _rope(params: dict, where: str) -> Rope:
 
 # --- GGUF ------------------------------------------------------------------------------------------
 
-def _gguf_field(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    if field is None:
+def _gguf_field(fields, key: str, default=None):
+    value = fields.get(key)
+    if value is None:
         if default is None:
             raise ModelLoadError(f"GGUF metadata key {key!r} is missing")
         return default
-    return field.contents()
+    return value
 
 
 def _unpermute_rope(out_features: int, num_heads: int) -> torch.Tensor:
@@ -178,19 +177,20 @@ GEMMA3_SLIDING_PATTERN = 6   # llama.cpp's: every sixth Gemma 3 layer is global
 GEMMA3_LOCAL_ROPE_THETA = 10000.0
 
 
-def _rope_freqs(tensors: dict) -> tuple[float, ...] | None:
+def _rope_freqs(file: GGUFFile) -> tuple[float, ...] | None:
     """A GGUF's `rope_freqs` (Llama 3's scaling, as per-frequency divisors), if it has one."""
-    tensor = tensors.get("rope_freqs.weight")
-    return None if tensor is None else tuple(float(x) for x in np.asarray(tensor.data, dtype=np.float32).ravel())
+    if "rope_freqs.weight" not in file.tensors:
+        return None
+    return tuple(float(x) for x in np.asarray(file.tensor_data("rope_freqs.weight"), dtype=np.float32).ravel())
 
 
-def _gguf_args(reader, path: Path, shapes: dict[str, tuple], freq_factors: tuple[float, ...] | None) -> ModelArgs:
+def _gguf_args(fields, path: Path, shapes: dict[str, tuple], freq_factors: tuple[float, ...] | None) -> ModelArgs:
     """The model's shape from a GGUF's metadata; `shapes` maps tensor names to their (rows first) shapes."""
-    name = _gguf_field(reader, "general.architecture")
+    name = _gguf_field(fields, "general.architecture")
     arch = by_gguf_name(name)
     if arch is None:
         raise ModelLoadError(f"{path}: architecture {name!r} is not supported (supported: {SUPPORTED})")
-    key = lambda k, default=None: _gguf_field(reader, f"{name}.{k}", default)  # noqa: E731
+    key = lambda k, default=None: _gguf_field(fields, f"{name}.{k}", default)  # noqa: E731
     num_heads, hidden_size = int(key("attention.head_count")), int(key("embedding_length"))
     num_layers = int(key("block_count"))
     head_dim = int(key("attention.key_length", key("rope.dimension_count", hidden_size // num_heads)))
@@ -227,23 +227,22 @@ def _gguf_args(reader, path: Path, shapes: dict[str, tuple], freq_factors: tuple
 
 
 def _load_gguf(path: Path, keep_blocks: bool = False) -> LoadedWeights:
-    from gguf import GGUFReader
     from gguf.quants import dequantize
 
-    reader = GGUFReader(path)
+    file = read_gguf(path)
+    args = _gguf_args(file.fields, path, {name: t.shape for name, t in file.tensors.items()}, _rope_freqs(file))
     tensors: dict[str, torch.Tensor] = {}
     blocks: dict[str, QuantizedBlocks] = {}
-    for tensor in reader.tensors:
+    for name, info in file.tensors.items():
+        data = file.tensor_data(name)
         try:
-            array = dequantize(tensor.data, tensor.tensor_type)
+            array = dequantize(data, info.ggml_type)
         except NotImplementedError as exc:
-            raise ModelLoadError(f"{path}: tensor {tensor.name} has type {tensor.tensor_type.name}, which the GGUF "
+            raise ModelLoadError(f"{path}: tensor {name} has type {info.ggml_type.name}, which the GGUF "
                                  f"reader cannot dequantize ({exc})") from exc
-        tensors[tensor.name] = torch.from_numpy(np.array(array, dtype=np.float32))
-        if keep_blocks and (quantized := from_gguf(tensor.data, tensor.tensor_type)) is not None:
-            blocks[tensor.name] = quantized
-    freq_factors = None if "rope_freqs.weight" not in tensors else tuple(tensors["rope_freqs.weight"].tolist())
-    args = _gguf_args(reader, path, {name: tuple(t.shape) for name, t in tensors.items()}, freq_factors)
+        tensors[name] = torch.from_numpy(np.array(array, dtype=np.float32))
+        if keep_blocks and (quantized := from_gguf(data, info.ggml_type)) is not None:
+            blocks[name] = quantized
     arch = _architecture(args)
     top = ("token_embd.weight", "output_norm.weight", "output.weight")
     names = _our_names(args, set(tensors), top, "blk.{i}.", arch.gguf_layer_names)
