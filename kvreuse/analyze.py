@@ -19,7 +19,8 @@ from kvreuse.kvcache.accounting import ReuseRecord
 from kvreuse.kvcache.normalize import normalize_text
 from kvreuse.kvcache.simulate import simulate
 from kvreuse.kvcache.tokens import common_prefix_length
-from kvreuse.model.loader import file_sha256, resolve_model_path
+from kvreuse.model.fingerprint import cached_sha256
+from kvreuse.model.loader import resolve_model_path
 from kvreuse.model.tokenizer import Tokenizer
 
 DYNAMIC_FIELDS = {
@@ -84,8 +85,8 @@ def divergences(texts: list[str], tokenizer: Tokenizer) -> list[dict]:
 def load_tokenizer(config: Config) -> tuple[Tokenizer, str]:
     """The configured model's tokenizer and a weights fingerprint for block keys, without loading weights."""
     model_path = resolve_model_path(config.model.path or None)
-    fingerprint = file_sha256([model_path] if model_path.is_file() else sorted(model_path.glob("*.safetensors")))
-    return Tokenizer.load(model_path, fingerprint), fingerprint
+    fingerprint = cached_sha256([model_path] if model_path.is_file() else sorted(model_path.glob("*.safetensors")))
+    return Tokenizer.load(model_path, fingerprint, config.model.chat_template or None), fingerprint
 
 
 def analyze(prompts: list[str | list[dict]], config: Config) -> dict:

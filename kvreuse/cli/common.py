@@ -20,6 +20,7 @@ EXIT_USAGE = 2
 # The vLLM-style shorthand flags, by argparse dest, and the config key each sets. Each command has some of them.
 SHORTHANDS = {
     "model": "model.path",
+    "chat_template": "model.chat_template",
     "device": "model.device",
     "dtype": "model.dtype",
     "quantization": "model.quantization",
@@ -36,6 +37,9 @@ SHORTHANDS = {
     "ray_address": "cluster.ray_address",
 }
 CONFIG_SECTIONS = ", ".join(f"[{section}]" for section in Config.model_fields)
+MODEL_HELP = ("gemma3-270m, or a .gguf file or Hugging Face directory of a supported architecture (llama, mistral, "
+              "qwen2, qwen3, gemma3) (default: the embedded SmolLM2-135M-Instruct)")
+CHAT_TEMPLATE_HELP = "a Jinja chat template file, used instead of the model's own (a base model has none)"
 
 
 class InputError(ValueError):
@@ -73,7 +77,8 @@ def common_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help=f"INI config file ({CONFIG_SECTIONS} keys; see docs/configuration.md)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override one config key; repeatable; wins over the file")
-    parser.add_argument("--model", help="a Llama-family .gguf file or Hugging Face directory (default: embedded)")
+    parser.add_argument("--model", help=MODEL_HELP)
+    parser.add_argument("--chat-template", metavar="FILE", help=f"{CHAT_TEMPLATE_HELP} ({shorthand('chat_template')})")
     parser.add_argument("--device", choices=choices_of(ModelConfig, "device"), help=shorthand("device"))
     parser.add_argument("--dtype", choices=choices_of(ModelConfig, "dtype"), help=shorthand("dtype"))
     parser.add_argument("--quantization", choices=choices_of(ModelConfig, "quantization"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from kvreuse.cli.common import InputError, log_level_flag, positive_int
+from kvreuse.cli.common import CHAT_TEMPLATE_HELP, MODEL_HELP, InputError, log_level_flag, positive_int
 from kvreuse.config import load_config
 
 
@@ -17,7 +17,9 @@ def add_tokenizer(sub) -> None:
                                                "tokenizer_config.json with the chat template, special_tokens_map.json)"
                                                " without loading the weights")
     export.add_argument("dir", metavar="DIR", help="output directory: new or empty (or see --force)")
-    export.add_argument("--model", help="a Llama-family .gguf file or Hugging Face directory (default: embedded)")
+    export.add_argument("--model", help=MODEL_HELP)
+    export.add_argument("--chat-template", metavar="FILE",
+                        help=f"{CHAT_TEMPLATE_HELP}, written to tokenizer_config.json")
     export.add_argument("--max-model-len", type=positive_int,
                         help="model_max_length to write (default: the context limit `kvreuse serve` uses)")
     export.add_argument("--force", action="store_true", help="write into DIR even if it is not empty")
@@ -27,9 +29,15 @@ def add_tokenizer(sub) -> None:
 
 def cmd_tokenizer_export(args: argparse.Namespace) -> int:
     """Write the tokenizer files into DIR, with the context limit the server would report."""
+    from kvreuse.model.chat_template import load_chat_template
     from kvreuse.model.loader import load_model_info
     from kvreuse.model.tokenizer import Tokenizer
 
+    if args.chat_template:
+        try:
+            load_chat_template(args.chat_template)
+        except ValueError as exc:
+            raise InputError(f"--chat-template: {exc}") from None
     out = Path(args.dir)
     if out.exists() and not out.is_dir():
         raise InputError(f"{out} exists and is not a directory")
@@ -40,7 +48,7 @@ def cmd_tokenizer_export(args: argparse.Namespace) -> int:
     # The context limit `kvreuse serve` would report, so that clients truncate where the server does.
     server = load_config(None, [f"server.max_tokens={args.max_model_len}"] if args.max_model_len else []).server
     max_model_len = min(server.max_tokens, info.args.max_position_embeddings)
-    written = Tokenizer.load(info.path, info.fingerprint).export(out, max_model_len)
+    written = Tokenizer.load(info.path, info.fingerprint, args.chat_template).export(out, max_model_len)
     print(f"wrote {', '.join(p.name for p in written)} to {out} (model_max_length {max_model_len}); load it with "
           f"transformers.AutoTokenizer.from_pretrained({str(out)!r})")
     return 0

@@ -10,9 +10,11 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from jinja2 import TemplateError
 
 from kvreuse.config import Config
 from kvreuse.engine.model_runner import kv_bytes_per_block
@@ -20,6 +22,7 @@ from kvreuse.engine.sequence import Sequence
 from kvreuse.kvcache.normalize import normalize_text
 from kvreuse.kvcache.request import new_cache_request
 from kvreuse.model import dtype_probe
+from kvreuse.model.chat_template import NoChatTemplate
 from kvreuse.model.gguf_weights import resolve_weights, weights_tag
 from kvreuse.model.loader import ModelArgs, ModelInfo, load_model_info
 from kvreuse.model.quantize import quantization_tag
@@ -83,7 +86,7 @@ class FrontEnd:
                                        resolve_device(config.model.device))
         tags = [quantization_tag(config.model.quantization), weights_tag(self.weights)]
         self.fingerprint = ":".join([info.fingerprint, str(dtype).removeprefix("torch."), *filter(None, tags)])
-        self.tokenizer = Tokenizer.load(info.path, info.fingerprint)
+        self.tokenizer = Tokenizer.load(info.path, info.fingerprint, config.model.chat_template or None)
         self.block_size = config.cache.block_size
         self.bytes_per_block = kv_bytes_per_block(info.args, self.block_size, dtype)
         self.num_kv_blocks = config.engine.num_kv_blocks or max(1, config.engine.kv_cache_memory_mb * 2**20
@@ -104,8 +107,9 @@ class FrontEnd:
         dtype, why = resolve_dtype(config.model.dtype, resolve_device(config.model.device), info.args)
         weights = resolve_weights(config.model.weights, config.model.quantization, info.path,
                                   resolve_device(config.model.device))
+        template = config.model.chat_template and str(Path(config.model.chat_template).resolve())
         model = config.model.model_copy(update={"path": str(info.path), "dtype": dtype_name(dtype),
-                                                "weights": weights})
+                                                "weights": weights, "chat_template": template})
         return cls(config.model_copy(update={"model": model}), info, dtype, why, compiles_grammars=False)
 
     @property
@@ -123,7 +127,12 @@ class FrontEnd:
     def _chat_text(self, messages: list[dict]) -> ChatText:
         messages = [{**m, "content": self.normalize(m["content"])} if isinstance(m.get("content"), str) else m
                     for m in messages]
-        return self.tokenizer.render_chat(messages)
+        try:
+            return self.tokenizer.render_chat(messages)
+        except NoChatTemplate as exc:
+            raise RequestError(f"messages: {exc}", "messages", "no_chat_template") from None
+        except TemplateError as exc:  # the template's own raise_exception, e.g. roles that do not alternate
+            raise RequestError(f"messages: the chat template refused the conversation: {exc}", "messages") from None
 
     def tokenize_chat(self, messages: list[dict]) -> list[int]:
         """The prompt tokens of a conversation under the chat template: only the template's own markers become

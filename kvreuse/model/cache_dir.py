@@ -1,4 +1,5 @@
-"""Where kvreuse keeps what it derives once per machine (converted tokenizers, dtype probes)."""
+"""Where kvreuse keeps what it derives once per machine (converted tokenizers, dtype probes, fingerprints, named
+models assembled from their packages)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 from dataclasses import dataclass, field
@@ -13,9 +12,10 @@ import torch
 
 from kvreuse.model.architectures import ARCHITECTURES, SUPPORTED, Architecture, by_gguf_name, by_hf_model_type
 from kvreuse.model.args import ModelArgs, Rope
+from kvreuse.model.fingerprint import cached_sha256
 from kvreuse.model.gguf_blocks import QuantizedBlocks, from_gguf
 from kvreuse.model.gguf_metadata import GGUFFile, read_gguf
-from kvreuse.model.named_models import resolve_named_model
+from kvreuse.model.named_models import NAMED_MODELS, resolve_named_model
 
 __all__ = ["LoadedWeights", "ModelArgs", "ModelInfo", "ModelLoadError", "load_model_info", "load_weights"]
 
@@ -65,11 +65,12 @@ def resolve_model_path(path: str | None) -> Path:
     """A model path, a model name (named_models.NAMED_MODELS: `gemma3-270m`), or None for the embedded model."""
     if not path:
         return embedded_model_path()
-    if (named := resolve_named_model(path)) is not None:
-        return named
     resolved = Path(path).expanduser()
+    if not resolved.exists() and (named := resolve_named_model(path)) is not None:
+        return named
     if not resolved.exists():
-        raise ModelLoadError(f"model path not found: {path} (expected a .gguf file or a Hugging Face directory)")
+        raise ModelLoadError(f"model path not found: {path} (expected a .gguf file, a Hugging Face directory or "
+                             f"a model name: {', '.join(NAMED_MODELS)})")
     return resolved
 
 
@@ -109,14 +110,8 @@ def _resolve_supported(path: str | Path | None) -> Path:
 
 
 def file_sha256(paths: list[Path]) -> str:
-    digest = hashlib.sha256()
-    for path in sorted(paths):
-        with open(path, "rb") as f:
-            while chunk := f.read(1 << 22):
-                digest.update(chunk)
-    return digest.hexdigest()
-
-
+    """A model's fingerprint: the sha256 of its files' bytes, remembered per file version (fingerprint.py)."""
+    return cached_sha256(paths)
 
 
 def _our_names(args: ModelArgs, present: set[str], top: tuple[str, str, str], layer_format: str,

@@ -9,22 +9,19 @@ so a message cannot forge a role or end its turn.
 from __future__ import annotations
 
 import json
-import logging
-import os
 import re
 import secrets
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 from tokenizers import Encoding
 from tokenizers import Tokenizer as RustTokenizer
 
-from kvreuse.model.cache_dir import cache_root
-
-logger = logging.getLogger(__name__)
+from kvreuse.model.chat_template import NoChatTemplate, load_chat_template
+from kvreuse.model.gguf_tokenizer import load_gguf_tokenizer
 
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+END_TOKENS = ("<|endoftext|>", "<|im_end|>", "<end_of_turn>", "<|eot_id|>")
 
 
 def check_unicode(text: str) -> None:
@@ -44,54 +41,47 @@ class ChatText:
     pieces: tuple[tuple[str, bool], ...] | None = None
 
 
-def _cache_dir(fingerprint: str) -> Path:
-    return cache_root() / "tokenizers" / fingerprint[:16]
-
-
 class Tokenizer:
     def __init__(self, hf_tokenizer):
         self.hf = hf_tokenizer
         # Encode/decode go straight to the Rust tokenizer: transformers' wrapper reconfigures it per call,
         # which is not safe when the server's preparation threads and the engine thread use it at once.
         self._backend = hf_tokenizer.backend_tokenizer
-        # A copy that reads special-token text as plain text, for the text inside chat messages. A copy rather than
-        # toggling the flag per call, for the same reason.
-        self._text_backend = RustTokenizer.from_str(self._backend.to_str())
-        self._text_backend.encode_special_tokens = True
+        self._text_backend_copy: RustTokenizer | None = None
         specials = sorted({t.content for t in self._backend.get_added_tokens_decoder().values() if t.special},
                           key=len, reverse=True)  # longest first: the leftmost-longest match, as the tokenizer does
         self._special_text = re.compile("|".join(map(re.escape, specials))) if specials else None
         self.max_token_chars = self._longest_token_chars()
         self._uncounted = self._chars_without_tokens()
-        # Text generation stops at the model's EOS and at its end-of-text token when it has one.
-        ids = {hf_tokenizer.eos_token_id} | {hf_tokenizer.convert_tokens_to_ids(t) for t in ("<|endoftext|>",)}
+        # Text generation stops at the model's EOS, at its end-of-text token, and at the end of a turn in the chat
+        # formats that have their own token for it (a base model's EOS is not one; it may be given a template).
+        ids = {hf_tokenizer.eos_token_id} | {hf_tokenizer.convert_tokens_to_ids(t) for t in END_TOKENS}
         self.eos_token_ids = frozenset(i for i in ids if i is not None and i != hf_tokenizer.unk_token_id)
 
     @classmethod
-    def load(cls, model_path: Path, fingerprint: str) -> Tokenizer:
-        """Converting a GGUF vocabulary takes seconds, so the converted tokenizer is kept on disk,
-        keyed by the weights' fingerprint."""
-        from transformers import AutoTokenizer
-
+    def load(cls, model_path: Path, fingerprint: str, chat_template_file: str | Path | None = None) -> Tokenizer:
+        """The tokenizer of an HF directory, or of a GGUF (converted once, then kept on disk keyed by the weights'
+        fingerprint). `chat_template_file` (a Jinja file) replaces the model's own chat template."""
         if model_path.is_dir():
-            return cls(AutoTokenizer.from_pretrained(str(model_path)))
-        cached = _cache_dir(fingerprint)
-        if (cached / "tokenizer.json").is_file():
-            try:
-                return cls(AutoTokenizer.from_pretrained(str(cached)))
-            except Exception as exc:  # a stale or partial cache is rebuilt, never fatal
-                logger.warning("ignoring tokenizer cache %s: %s", cached, exc)
-        tokenizer = AutoTokenizer.from_pretrained(str(model_path.parent), gguf_file=model_path.name)
-        # Written to a private folder, then renamed into place, so a concurrent reader never sees half a cache.
-        tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
-        try:
-            tokenizer.save_pretrained(str(tmp))
-            shutil.rmtree(cached, ignore_errors=True)  # a stale cache that failed to load above
-            os.replace(tmp, cached)
-        except OSError as exc:
-            logger.info("could not cache the tokenizer in %s: %s", cached, exc)
-            shutil.rmtree(tmp, ignore_errors=True)
-        return cls(tokenizer)
+            from transformers import AutoTokenizer
+
+            hf_tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+        else:
+            hf_tokenizer = load_gguf_tokenizer(model_path, fingerprint)
+        if chat_template_file:
+            hf_tokenizer.chat_template = load_chat_template(chat_template_file)
+        return cls(hf_tokenizer)
+
+    @property
+    def _text_backend(self) -> RustTokenizer:
+        # A copy that reads special-token text as plain text, for the text inside chat messages: a copy rather than
+        # toggling the flag per call, for the same reason. Made when first needed (a message holding special-token
+        # text): copying a large vocabulary takes a second or two. Threads racing here make equal copies.
+        if self._text_backend_copy is None:
+            backend = RustTokenizer.from_str(self._backend.to_str())
+            backend.encode_special_tokens = True
+            self._text_backend_copy = backend
+        return self._text_backend_copy
 
     def _longest_token_chars(self) -> int:
         # A token covers at most its decoded text, or its vocabulary string: for byte-level vocabularies one symbol
@@ -132,9 +122,10 @@ class Tokenizer:
         return self._backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Renders with the model's own template (transformers runs it in a sandboxed jinja2)."""
+        """Renders with the chat template, the model's own or the one given to `load` (transformers runs it in a
+        sandboxed jinja2). NoChatTemplate if there is neither."""
         if not self.hf.chat_template:
-            raise ValueError("this model has no chat template; use a plain prompt instead of messages")
+            raise NoChatTemplate()
         return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
     def render_chat(self, messages: list[dict]) -> ChatText:
@@ -173,14 +164,15 @@ class Tokenizer:
         return ChatText("".join(piece for piece, _ in pieces), tuple(pieces))
 
     def encode_chat(self, chat: ChatText) -> list[int]:
-        """The tokens of a rendered conversation: the template's markers are special tokens, message text is text."""
+        """The tokens of a rendered conversation: the template's markers are special tokens, message text is text.
+        Nothing is added around them (no BOS): a template writes its own, as Hugging Face's and vLLM's chat
+        tokenization assume."""
         if chat.pieces is None:  # no message holds special-token text: exactly the tokens of the whole text
-            return self.encode(chat.text)
-        # Tokenized piece by piece, cut where the tokenizer itself cuts (at special tokens), then the tokenizer's
-        # own post-processing (e.g. a BOS) once, as `encode` adds it.
+            return _encode(self._backend, chat.text, add_special_tokens=False).ids
+        # Tokenized piece by piece, cut where the tokenizer itself cuts (at special tokens).
         parts = [_encode(self._backend if marker else self._text_backend, text, add_special_tokens=False)
                  for text, marker in chat.pieces if text]
-        return self._backend.post_process(Encoding.merge(parts, growing_offsets=True), add_special_tokens=True).ids
+        return Encoding.merge(parts, growing_offsets=True).ids
 
     # --- for outside clients: vLLM's add_special_tokens, token strings, a Hugging Face directory ---------------
 

@@ -17,16 +17,16 @@ router = APIRouter(dependencies=[Depends(authenticate)])
 
 class TokenizeBody(TokenizeRequest):
     """vLLM's request fields beside ours. `add_special_tokens: false` drops what the tokenizer's post-processing
-    adds (a BOS, an EOS; special-token text in a prompt is still the special token, as in vLLM and HF). Its default
-    is true for messages too, unlike vLLM's false: our chat requests get those additions, and /tokenize gives the
-    tokens a request gets. (SmolLM2's post-processing adds nothing, so both defaults give the same tokens.)"""
+    adds to a prompt (a BOS, an EOS; special-token text in a prompt is still the special token, as in vLLM and HF).
+    Chat tokens never get those additions (the template writes its own BOS), so for messages both values give the
+    tokens a chat request gets."""
     add_special_tokens: bool = True
     return_token_strs: bool | None = False
 
 
 def _tokenize(front: FrontEnd, body: TokenizeBody) -> dict:
     tokens = tokenize_body(front, body)
-    if not body.add_special_tokens:
+    if not body.add_special_tokens and body.messages is None:
         tokens = front.tokenizer.without_additions(tokens)
     return {"count": len(tokens), "max_model_len": front.max_model_len, "tokens": tokens,
             "token_strs": front.tokenizer.token_strings(tokens) if body.return_token_strs else None}

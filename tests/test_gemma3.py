@@ -1,0 +1,116 @@
+"""The real Gemma 3 270M (`--model gemma3-270m`, the Q4_K_M GGUF from its PyPI package) against transformers loading
+the same file: greedy tokens of prompts shorter and longer than its 512-token window, a multi-turn chat under the
+example template, the prefix cache on and off, and segment reuse at full recompute."""
+
+from __future__ import annotations
+
+import inspect
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvreuse.llm import LLM
+from kvreuse.model.named_models import resolve_named_model
+
+from .helpers import greedy, make_config
+
+pytestmark = pytest.mark.slow
+TEMPLATE = Path(__file__).resolve().parent.parent / "examples" / "gemma3-chat.jinja"
+NUM_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def hf_gemma():
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_named_model("gemma3-270m")
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def gemma() -> LLM:
+    """On the defaults a user gets (model.weights = auto: the GGUF kernel where it is built), in fp32."""
+    return LLM(make_config(model__path="gemma3-270m", model__dtype="fp32", model__chat_template=str(TEMPLATE),
+                           engine__num_kv_blocks=512, server__max_tokens=4096))
+
+
+def hf_greedy(hf, token_ids: list[int], num_tokens: int = NUM_TOKENS) -> list[int]:
+    with torch.inference_mode():
+        out = hf.generate(torch.tensor([token_ids]), max_new_tokens=num_tokens, min_new_tokens=num_tokens,
+                          do_sample=False)
+    return out[0, len(token_ids):].tolist()
+
+
+def test_the_architecture_is_read_from_the_file(gemma):
+    args = gemma.engine.runner.model.args
+    assert (args.architecture, args.num_layers, args.hidden_size, args.head_dim, args.vocab_size) == \
+        ("gemma3", 18, 640, 256, 262144)
+    assert args.layer_kinds.count("sliding") == 15 and args.sliding_window == 512
+    assert (args.rope.theta, args.sliding_rope.theta) == (1e6, 1e4)
+
+
+def test_greedy_tokens_equal_transformers_within_and_past_the_window(gemma, hf_gemma):
+    texts = ["The capital of France is", "def fibonacci(n):\n",
+             inspect.getsource(textwrap)[:3000] + "\n# The function above"]
+    token_ids = [gemma.tokenizer.encode(t) for t in texts]
+    assert max(len(t) for t in token_ids) > 600, "one prompt must pass the 512-token window"
+    want = [hf_greedy(hf_gemma, ids) for ids in token_ids]
+    assert [o.token_ids for o in gemma.generate(token_ids, greedy(NUM_TOKENS), use_cache=False)] == want
+    cached = gemma.generate(token_ids, greedy(NUM_TOKENS))   # the prompts' blocks are cached by the first run ...
+    cached = gemma.generate(token_ids, greedy(NUM_TOKENS))   # ... and hit by this one
+    assert [o.token_ids for o in cached] == want
+    assert cached[2].usage.cached_tokens >= 512, "the long prompt's blocks, past the window, came from the cache"
+
+
+def test_a_multi_turn_chat_with_a_template_file(gemma, hf_gemma):
+    messages = [{"role": "system", "content": "You answer in one short sentence."}]
+    for turn, question in enumerate(["What is the capital of France?", "And of Italy?", "Which one is larger?"]):
+        messages.append({"role": "user", "content": question})
+        prompt = gemma.engine.front_end.tokenize_chat(messages)
+        assert prompt[0] == 2 and prompt.count(2) == 1, "one <bos>, written by the template"
+        out = gemma.generate(prompt, greedy(NUM_TOKENS))[0]
+        assert out.token_ids == hf_greedy(hf_gemma, prompt), f"turn {turn}"
+        if turn:
+            assert out.usage.cached_tokens >= 16, "the earlier turns are a cached prefix"
+        messages.append({"role": "assistant", "content": gemma.tokenizer.decode(out.token_ids)})
+
+
+def test_segment_reuse_at_full_recompute_is_exact(gemma, hf_gemma):
+    llm = LLM(make_config(model__path="gemma3-270m", model__dtype="fp32", engine__num_kv_blocks=256,
+                          cache__suffix__enabled="true", cache__suffix__recompute_ratio="1.0",
+                          cache__suffix__guard_margin="0"))
+    document = inspect.getsource(textwrap)[3000:4500]
+    llm.generate(gemma.tokenizer.encode("Read this:\n" + document), greedy(1))
+    second = gemma.tokenizer.encode("Now read the following text carefully:\n" + document)
+    out = llm.generate(second, greedy(NUM_TOKENS))[0]
+    assert out.usage.reused_tokens > 0
+    assert out.token_ids == hf_greedy(hf_gemma, second)
+
+
+def test_the_readmes_gemma_command_serves_chat(tmp_path):
+    """`kvreuse serve --model gemma3-270m --chat-template examples/gemma3-chat.jinja` exactly as the README shows it,
+    answering the openai client; the second turn starts from the cached first."""
+    import shlex
+
+    import openai
+
+    from .server_process import start_server
+    from .test_server import readme_block
+
+    command = next(line for line in readme_block("bash", "--model gemma3-270m").splitlines() if "serve" in line)
+    args = shlex.split(command.split("#")[0])
+    assert args[:2] == [".venv/bin/kvreuse", "serve"]
+    with start_server(*args[2:], log_path=tmp_path / "gemma.log", ready_timeout=300) as server:
+        client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120.0,
+                               http_client=openai.DefaultHttpxClient(trust_env=False))
+        messages = [{"role": "user", "content": "Name three colours."}]
+        first = client.chat.completions.create(model=server.model, messages=messages, max_tokens=12, temperature=0)
+        assert first.choices[0].message.content
+        messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                     {"role": "user", "content": "And three animals?"}]
+        second = client.chat.completions.create(model=server.model, messages=messages, max_tokens=12, temperature=0)
+        assert second.choices[0].message.content
+        assert second.usage.prompt_tokens_details.cached_tokens >= 16
+        client.close()
