@@ -7,6 +7,8 @@ import json
 import pytest
 
 from kvreuse.bench.commands import scenario_config
+from kvreuse.bench.engine_bench import Target
+from kvreuse.bench.engine_sizes import Sizes
 from kvreuse.bench.fidelity import fidelity_config
 from kvreuse.cli import build_config, build_parser, config_overrides, main
 from kvreuse.prompts_file import PromptRecord, PromptsFileError, read_prompts_file
@@ -28,7 +30,7 @@ def test_bench_needs_a_known_subcommand(capsys):
 
 @pytest.mark.parametrize("argv,flag", [
     (["bench", "engine", "--url", "http://x"], "--url"),
-    (["bench", "engine", "--model", "m.gguf"], "--model"),
+    (["bench", "engine", "--preset", "chat"], "--preset"),
     (["bench", "prefix", "--no-bf16"], "--no-bf16"),
     (["bench", "replay", "http://x", "--quick"], "--quick"),
     (["bench", "replay", "http://x", "--set", "cache.block_size=8"], "--set"),
@@ -170,7 +172,12 @@ def test_generate_and_analyze_report_the_same_bad_line(command, tmp_path, capsys
 
 # --- bench engine / prefix: the suite's run, its table on stdout, --out files ---------------------------------------
 @pytest.mark.parametrize("suite,argv,expected_kwargs", [
-    ("engine", ["--no-bf16", "--repeats", "2"], {"repeats": 2, "include_bf16": False}),
+    ("engine", ["--no-bf16", "--repeats", "2"],
+     {"repeats": 2, "include_bf16": False, "target": Target(), "systems": None}),
+    ("engine", ["--model", "m", "--device", "cpu", "--systems", "hf-fp32", "kvreuse-fp32", "--prefill-lengths", "64",
+                "--decode-batches", "1", "4", "--decode-tokens", "8"],
+     {"repeats": 3, "include_bf16": True, "target": Target("m", "cpu", Sizes((64,), 128, 8, (1, 4))),
+      "systems": ["hf-fp32", "kvreuse-fp32"]}),
     ("prefix", [], {"repeats": 3}),
 ])
 def test_bench_suite_runs_and_writes_its_report(suite, argv, expected_kwargs, monkeypatch, tmp_path, capsys):
@@ -190,3 +197,12 @@ def test_bench_suite_runs_and_writes_its_report(suite, argv, expected_kwargs, mo
     assert capsys.readouterr().out == f"| {suite} |\n"
     assert json.loads((tmp_path / f"{suite}.json").read_text()) == {"suite": suite}
     assert (tmp_path / f"{suite}.md").read_text() == f"| {suite} |\n"
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--systems", "kvreuse-fp64"], "unknown system 'kvreuse-fp64'; choose from kvreuse-fp32, "),
+    (["--decode-tokens", "1"], "--decode-tokens must be at least 2"),
+])
+def test_bench_engine_refuses_what_it_cannot_time(argv, message, capsys):
+    assert main(["bench", "engine", *argv]) == 2
+    assert message in capsys.readouterr().err

@@ -11,6 +11,7 @@ llama-cpp-python is not a peer here: our package index has no prebuilt wheel of 
 from __future__ import annotations
 
 import copy
+import inspect
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -55,6 +56,12 @@ def load_hf(model_path: str | Path | None, dtype: torch.dtype = torch.float32, d
     return model, AutoTokenizer.from_pretrained(location, **extra)
 
 
+def cache_argument(model) -> str:
+    """The name under which `model.forward` takes its KV cache: `cache` from transformers 5.2x on,
+    `past_key_values` before (later versions still accept it, with a deprecation warning)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def _cache_bytes(cache) -> int:
     # Storage, not view sizes: a cropped cache still holds the tensors it was sliced from.
     return sum(t.untyped_storage().nbytes() for layer in cache.layers if layer.is_initialized
@@ -68,6 +75,7 @@ class HFPeer:
                  device: str = "cpu", max_cached_prompts: int = 8):
         self.model, self.tokenizer = load_hf(model_path, dtype, device)
         self.device = device
+        self.cache_argument = cache_argument(self.model)
         self.max_cached_prompts = max_cached_prompts
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
@@ -120,13 +128,14 @@ class HFPeer:
                 cache = copy.deepcopy(prompt_caches[best])  # the stored cache must stay whole for later prompts
                 cache.crop(reused - cache.get_seq_length())
         ids = torch.tensor([prompt[reused:]], device=self.device)  # [1, prompt tokens not cached]
-        logits = self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]  # [vocab]
+        with_cache = {self.cache_argument: cache, "use_cache": True}
+        logits = self.model(input_ids=ids, logits_to_keep=1, **with_cache).logits[0, -1]  # [vocab]
         first_logits = logits.float().cpu()
         token_ids = [int(logits.argmax())]  # .item() waits for the device, so the clock below is honest
         ttft = time.perf_counter() - start
         while len(token_ids) < max_tokens:
             ids = torch.tensor([[token_ids[-1]]], device=self.device)  # [1, 1]
-            logits = self.model(input_ids=ids, cache=cache, use_cache=True).logits[0, -1]  # [vocab]
+            logits = self.model(input_ids=ids, **with_cache).logits[0, -1]  # [vocab]
             token_ids.append(int(logits.argmax()))
         total = time.perf_counter() - start
         return HFOutput(token_ids, first_logits, ttft, total, len(prompt), reused), cache

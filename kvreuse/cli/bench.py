@@ -5,8 +5,18 @@ from __future__ import annotations
 
 import argparse
 
+from kvreuse.bench.engine_sizes import Sizes
 from kvreuse.cli.bench_workloads import add_cluster, add_replay, add_scenario
-from kvreuse.cli.common import choices_of, log_level_flag, out_flag, positive_int, progress, publish, repeats_flag
+from kvreuse.cli.common import (
+    InputError,
+    choices_of,
+    log_level_flag,
+    out_flag,
+    positive_int,
+    progress,
+    publish,
+    repeats_flag,
+)
 from kvreuse.config import ModelConfig
 
 
@@ -25,20 +35,49 @@ def _dtype_flag(parser: argparse.ArgumentParser, default: str, help: str) -> Non
 
 
 def _add_engine(suites) -> None:
+    sizes = Sizes()
     engine = suites.add_parser("engine", help="cold prefill and decode vs HF transformers / llama.cpp, "
                                               "medians of interleaved rounds")
     repeats_flag(engine)
     engine.add_argument("--no-bf16", action="store_true", help="skip HF bf16 (slow without AVX512-BF16)")
+    engine.add_argument("--model", help="a Llama-family .gguf file or Hugging Face directory (default: embedded)")
+    engine.add_argument("--device", choices=choices_of(ModelConfig, "device"), default="auto",
+                        help="where every system runs (model.device; default auto: CUDA when present)")
+    engine.add_argument("--systems", nargs="+", metavar="SYSTEM",
+                        help="the rows to run, by name (kvreuse-bf16, hf-bf16, ...; default: what the model allows)")
+    engine.add_argument("--prefill-lengths", nargs="+", type=positive_int, metavar="N", default=sizes.prefill_lengths,
+                        help=_default("cold prefill lengths", sizes.prefill_lengths))
+    engine.add_argument("--decode-batches", nargs="+", type=positive_int, metavar="B", default=sizes.decode_batches,
+                        help=_default("decode batch sizes", sizes.decode_batches))
+    engine.add_argument("--decode-tokens", type=positive_int, default=sizes.decode_tokens,
+                        help=_default("tokens decoded per sequence, at least 2", sizes.decode_tokens))
+    engine.add_argument("--decode-prompt-len", type=positive_int, default=sizes.decode_prompt_len,
+                        help=_default("prompt tokens before decoding", sizes.decode_prompt_len))
     out_flag(engine, "engine")
     log_level_flag(engine)
     engine.set_defaults(func=cmd_bench_engine)
+
+
+def _default(what: str, value: object) -> str:
+    shown = " ".join(map(str, value)) if isinstance(value, tuple) else value
+    return f"{what} (default {shown})"
 
 
 def cmd_bench_engine(args: argparse.Namespace) -> int:
     """Cold prefill and decode beside the peers."""
     from kvreuse.bench import engine_bench
 
-    report = engine_bench.run(repeats=args.repeats, include_bf16=not args.no_bf16, progress=progress)
+    unknown = [name for name in args.systems or () if name not in engine_bench.SYSTEMS]
+    if unknown:
+        raise InputError(f"unknown system {unknown[0]!r}; choose from {', '.join(engine_bench.SYSTEMS)}")
+    if args.decode_tokens < 2:
+        raise InputError("--decode-tokens must be at least 2: the first token is the prefill's")
+    sizes = Sizes(tuple(args.prefill_lengths), args.decode_prompt_len, args.decode_tokens, tuple(args.decode_batches))
+    try:
+        report = engine_bench.run(repeats=args.repeats, include_bf16=not args.no_bf16, progress=progress,
+                                  target=engine_bench.Target(args.model, args.device, sizes), systems=args.systems)
+    except ValueError as exc:
+        raise InputError(str(exc)) from exc
     return publish("engine", report, engine_bench.markdown(report), args.out)
 
 
