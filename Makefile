@@ -2,7 +2,7 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: run test install redis-server bench-peers
+.PHONY: run test install redis-server bench-peers gpu-carry gpu-check
 
 install: $(VENV)/.installed
 
@@ -40,3 +40,11 @@ bench-peers: install
 	  -DGGML_AVX512=$$(grep -q avx512f /proc/cpuinfo && echo ON || echo OFF) \
 	  -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" \
 	  $(BIN)/pip install -q llama-cpp-python==0.3.36
+
+# The GPU check (docs/features/gpu.md): gpu-carry fills .gpu/ here (the wheels the device lacks, the tokenizer); the
+# device tool then runs scripts/gpu_check.sh with carry [".gpu"]. gpu-check runs the same steps on this machine's CPU.
+gpu-carry: install
+	scripts/gpu_carry.sh
+
+gpu-check: install
+	$(BIN)/python -m kvreuse.bench.gpu_check --device cpu --quick --out out/gpu-check

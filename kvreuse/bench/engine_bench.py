@@ -1,7 +1,7 @@
 """`kvreuse bench engine`: cold prefill and decode throughput against peers on the same weights.
 
 Systems, each with caching off so every prefill is cold: kvreuse (fp32, and bf16), Hugging Face transformers
-(fp32 and bf16) on the same weights, and llama-cpp-python on the embedded GGUF when it is installed
+(fp32 and bf16) on the same weights, and llama-cpp-python on the same GGUF when it is installed
 (`make bench-peers`), run in a worker process so that a crash is a failed row (llamacpp_peer.py). Runs are
 interleaved round by round (A B C A B C ...) and the medians reported, with ratios. At the start, the GEMM peak of
 each dtype is measured on the model's own linears, on the device the systems run on, and each prefill is reported
@@ -97,8 +97,8 @@ class HFSystem:
         return total - first
 
 
-# Every system a run may choose, by the name its row carries. "-dense" and "llama.cpp" need a GGUF (llama.cpp: the
-# embedded one); "-int4" quantizes on any device.
+# Every system a run may choose, by the name its row carries. "-dense" and "llama.cpp" need a GGUF; "-int4" quantizes
+# on any device.
 SYSTEMS: dict[str, Callable[[Target], object]] = {
     "kvreuse-fp32": lambda t: KvreuseSystem(t),
     "kvreuse-fp32-eager": lambda t: KvreuseSystem(t, compile="off"),
@@ -108,7 +108,7 @@ SYSTEMS: dict[str, Callable[[Target], object]] = {
     "kvreuse-bf16": lambda t: KvreuseSystem(t, "bf16"),
     "kvreuse-bf16-eager": lambda t: KvreuseSystem(t, "bf16", compile="off"),
     "hf-bf16": lambda t: HFSystem(t, torch.bfloat16),
-    "llama.cpp": lambda t: LlamaCppPeer(torch.get_num_threads()),
+    "llama.cpp": lambda t: LlamaCppPeer(torch.get_num_threads(), model=t.model),
 }
 
 
@@ -119,7 +119,7 @@ def default_systems(target: Target, include_bf16: bool) -> list[str]:
              "hf-fp32"]
     if include_bf16:
         names += ["kvreuse-bf16", "hf-bf16"]
-    if target.model is None and importlib.util.find_spec("llama_cpp") is not None:
+    if gguf and importlib.util.find_spec("llama_cpp") is not None:
         names.append("llama.cpp")
     return names
 

@@ -36,9 +36,10 @@ class LlamaCppPeer:
 
     name = "llama.cpp"
 
-    def __init__(self, threads: int, command: Sequence[str] | None = None):
+    def __init__(self, threads: int, command: Sequence[str] | None = None, model: str | None = None):
+        """`model`: a GGUF path or model name (None: the embedded model)."""
         self.command = list(command or [sys.executable, "-m", "kvreuse.bench.llamacpp_peer",
-                                        "--threads", str(threads)])
+                                        "--threads", str(threads), *(("--model", model) if model else ())])
         self.failure: str | None = None
         self.process = subprocess.Popen(self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                         stderr=subprocess.PIPE, text=True, bufsize=1)
@@ -94,17 +95,17 @@ class LlamaCppPeer:
             self.process.wait()
 
 
-def _serve(threads: int) -> None:
+def _serve(threads: int, model: str | None) -> None:
     from llama_cpp import Llama
 
-    from kvreuse.model.loader import embedded_model_path
+    from kvreuse.model.loader import resolve_model_path
 
     llm = None
     for line in sys.stdin:
         command = json.loads(line)
         try:
             if command["op"] == "load":
-                llm = Llama(model_path=str(embedded_model_path()), n_ctx=4096, n_threads=threads, n_batch=512,
+                llm = Llama(model_path=str(resolve_model_path(model)), n_ctx=4096, n_threads=threads, n_batch=512,
                             verbose=False)
                 reply = {"ok": True}
             elif command["op"] == "prefill":
@@ -127,4 +128,6 @@ def _serve(threads: int) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--threads", type=int, required=True)
-    _serve(parser.parse_args().threads)
+    parser.add_argument("--model", help="a GGUF path or model name (default: the embedded model)")
+    arguments = parser.parse_args()
+    _serve(arguments.threads, arguments.model)
