@@ -1,7 +1,8 @@
 """Every supported architecture against Hugging Face transformers, on tiny random-weight models built by transformers
 in the test: last-row logits and greedy tokens, with the prefix cache on and off, chunked prefill, a batch of mixed
-lengths, and prompts longer than the sliding window. Every parameter is randomized (transformers initializes biases
-at 0, q/k norms at 1 and Gemma's norms at 0, which would hide exactly the features under test)."""
+lengths, and prompts longer than the sliding window. Every parameter is randomized (random_models.randomize_:
+transformers initializes biases at 0, q/k norms at 1 and Gemma's norms at 0, which would hide exactly the features
+under test)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvreuse.bench.random_models import randomize_
 from kvreuse.layers.attention import AttentionMetadata
 from kvreuse.model.architectures import ARCHITECTURES
 from kvreuse.model.loader import ModelLoadError, load_model_info, load_weights
@@ -38,18 +40,6 @@ MODELS = {
 }
 
 
-def randomize(model: torch.nn.Module, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
-            elif name.endswith("bias"):
-                p.copy_(0.3 * torch.randn(p.shape, generator=g))
-            else:  # norms: around 1 (Gemma's stored w: the multiplier 1 + w around 2)
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
-
-
 def build(name: str, directory: Path, vocab_size: int, tokenizer, seed: int = 0, **overrides) -> Path:
     """MODELS[name] (its settings updated by `overrides`) with random weights, saved with `tokenizer`."""
     import transformers
@@ -57,7 +47,7 @@ def build(name: str, directory: Path, vocab_size: int, tokenizer, seed: int = 0,
     config_class, settings = MODELS[name]
     config = getattr(transformers, config_class)(vocab_size=vocab_size, **SHAPE, **{**settings, **overrides})
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    randomize(model, seed)
+    randomize_(model, seed)
     model.save_pretrained(str(directory))
     tokenizer.hf.save_pretrained(str(directory))
     return directory

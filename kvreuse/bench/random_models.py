@@ -34,8 +34,15 @@ TINY_LLAMA = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 
               "num_key_value_heads": 2, "head_dim": 16, "rope_theta": 10000.0, "rms_norm_eps": 1e-5,
               "max_position_embeddings": 4096, "tie_word_embeddings": False}
 
+TINY_GEMMA3 = {**TINY_LLAMA, "num_hidden_layers": 3, "sliding_window": 24, "tie_word_embeddings": True,
+               "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}
+
 RANDOM_MODELS = (
     RandomModel("llama-tiny", "llama", TINY_LLAMA, tiny=True),
+    RandomModel("mistral-tiny", "mistral", {**TINY_LLAMA, "sliding_window": 24}, tiny=True),
+    RandomModel("qwen2-tiny", "qwen2", TINY_LLAMA, tiny=True),
+    RandomModel("qwen3-tiny", "qwen3", TINY_LLAMA, tiny=True),
+    RandomModel("gemma3-tiny", "gemma3_text", TINY_GEMMA3, tiny=True),
     RandomModel("smollm2-135m", "llama", SMOLLM2_135M, bench=True),
 )
 
