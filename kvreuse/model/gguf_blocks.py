@@ -136,7 +136,7 @@ def _q5_0(b: np.ndarray):
 
 def _q8_0(b: np.ndarray):
     d = _half(b[:, :2])
-    return (b[:, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8), d, -128 * d
+    return b[:, 2:] ^ np.uint8(0x80), d, -128 * d  # int8 q + 128 as a byte: its sign bit flipped
 
 
 def _q4_k(b: np.ndarray):

@@ -230,14 +230,20 @@ def _load_gguf(path: Path, keep_blocks: bool = False) -> LoadedWeights:
     blocks: dict[str, QuantizedBlocks] = {}
     for name, info in file.tensors.items():
         data = file.tensor_data(name)
+        # The types the kernel reads are dequantized from their blocks (the same values bit for bit as gguf-py's,
+        # tests/test_gguf_kernel.py, in torch's threads rather than numpy's one); the others by gguf-py.
+        quantized = from_gguf(data, info.ggml_type)
+        if quantized is not None:
+            tensors[name] = quantized.dequantize()
+            if keep_blocks:
+                blocks[name] = quantized
+            continue
         try:
             array = dequantize(data, info.ggml_type)
         except NotImplementedError as exc:
             raise ModelLoadError(f"{path}: tensor {name} has type {info.ggml_type.name}, which the GGUF "
                                  f"reader cannot dequantize ({exc})") from exc
         tensors[name] = torch.from_numpy(np.array(array, dtype=np.float32))
-        if keep_blocks and (quantized := from_gguf(data, info.ggml_type)) is not None:
-            blocks[name] = quantized
     arch = _architecture(args)
     top = ("token_embd.weight", "output_norm.weight", "output.weight")
     names = _our_names(args, set(tensors), top, "blk.{i}.", arch.gguf_layer_names)
