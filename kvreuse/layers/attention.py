@@ -28,6 +28,8 @@ class AttentionMetadata:
     decode: bool = False         # one query per sequence, at its last position: nothing to pad or drop
     context_lens: torch.Tensor | None = None  # [num_seqs] keys of each sequence (decode only: the fused kernel's)
     query_positions: torch.Tensor | None = None  # [num_seqs, max_query_len] position of each query (pad: repeat)
+    # A long prompt's sliding-window attention, query rows [start, end) at a time over the keys they can see
+    chunks: list[tuple[int, int, AttentionMetadata]] | None = None
     _windowed: dict[int, AttentionMetadata] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -126,7 +128,8 @@ class AttentionMetadata:
     def windowed(self, window: int | None) -> AttentionMetadata:
         """This forward's metadata for a sliding-window layer: each query sees the keys at positions
         (p - window, p], itself included. A decode keeps only each sequence's last `window` keys (the fused kernel
-        then reads no more); queries of a prompt are masked. Built once per window and forward."""
+        then reads no more); queries of a prompt are masked, and one sequence's long prompt is cut into chunks of
+        `window` queries, each over the keys it can see. Built once per window and forward."""
         if window is None or self.context_slots.shape[1] <= window:
             return self
         if window not in self._windowed:
@@ -145,12 +148,27 @@ class AttentionMetadata:
         return AttentionMetadata(self.slot_mapping, self.query_index, slots, mask, self.output_index, decode=True,
                                  context_lens=new_lens, query_positions=self.query_positions)
 
-    def _query_window(self, window: int) -> AttentionMetadata:
-        key_pos = torch.arange(self.context_slots.shape[1], device=self.context_slots.device)   # [K]
+    def _query_window(self, window: int, first_key: int = 0) -> AttentionMetadata:
+        """`context_slots` hold the keys from position `first_key` on."""
+        key_pos = first_key + torch.arange(self.context_slots.shape[1], device=self.context_slots.device)  # [K]
         query_pos = self.query_positions[:, :, None]                                   # [B, Q, 1]
         mask = (key_pos <= query_pos) & (key_pos > query_pos - window)                 # [B, Q, K]
-        return AttentionMetadata(self.slot_mapping, self.query_index, self.context_slots, mask.unsqueeze(1),
+        meta = AttentionMetadata(self.slot_mapping, self.query_index, self.context_slots, mask.unsqueeze(1),
                                  self.output_index, query_positions=self.query_positions)
+        num_seqs, num_queries = self.query_index.shape
+        if num_seqs == 1 and self.context_slots.shape[1] > 2 * window:  # a chunk's keys never are
+            meta.chunks = [(start, min(start + window, num_queries), self._query_chunk(start, window))
+                           for start in range(0, num_queries, window)]
+        return meta
+
+    def _query_chunk(self, start: int, window: int) -> AttentionMetadata:
+        """Query rows [start, start + window) of one sequence, over the keys they can see."""
+        positions = self.query_positions[:, start:start + window]                      # [1, C] ascending
+        first_key = max(0, int(positions[0, 0]) - window + 1)
+        rows = torch.arange(positions.shape[1], device=positions.device)               # [C]
+        slots = self.context_slots[:, first_key:int(positions[0, -1]) + 1]             # [1, K'] the keys it sees
+        chunk = AttentionMetadata(self.slot_mapping, rows[None], slots, None, rows, query_positions=positions)
+        return chunk._query_window(window, first_key)
 
 
 FUSED_DTYPES = (torch.float32, torch.bfloat16)  # what the fused decode kernel takes
@@ -184,6 +202,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
     """q: [T, H, D] (already rotated); returns [T, H * D]. The new tokens' K/V must already be stored."""
     meta = meta.windowed(window)
+    if meta.chunks is not None:
+        return torch.cat([paged_attention(q[start:end], k_cache, v_cache, chunk, scale)
+                          for start, end, chunk in meta.chunks])
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[2]
     num_seqs, max_query_len = meta.query_index.shape
