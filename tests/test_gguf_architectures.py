@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvreuse.model.architectures import ARCHITECTURES
-from kvreuse.model.loader import load_weights
+from kvreuse.model.loader import ModelLoadError, load_weights
 
 from .test_architectures import SHAPE, build, our_model_logits, prompts
 
@@ -89,3 +89,22 @@ def test_a_gguf_of_each_architecture_loads_to_the_hf_directorys_model(name, tmp_
     for ids in prompts()[1:3]:
         torch.testing.assert_close(our_model_logits(from_gguf, ids), our_model_logits(from_hf, ids),
                                    atol=2e-5, rtol=1e-5)
+
+
+def test_a_tensor_type_the_reader_cannot_dequantize_is_refused_by_name(tmp_path, real_tokenizer, monkeypatch):
+    """A type gguf-py cannot dequantize (a newer one than the installed reader knows) is refused, naming the tensor
+    and its type. gguf-py reads every type it can write, so the reader's refusal is the one fault faked here."""
+    import gguf.quants
+
+    hf_dir = str(build("qwen2", tmp_path / "hf", len(real_tokenizer.hf), real_tokenizer))
+    write_gguf(hf_dir, "qwen2", tmp_path / "model.gguf")
+    real = gguf.quants.dequantize
+
+    def dequantize(data, qtype):
+        if qtype == gguf.GGMLQuantizationType.F32 and data.ndim == 2:
+            raise NotImplementedError(f"Dequantization for {qtype.name} is not yet implemented")
+        return real(data, qtype)
+
+    monkeypatch.setattr(gguf.quants, "dequantize", dequantize)
+    with pytest.raises(ModelLoadError, match=r"tensor \S+ has type F32, which the GGUF reader cannot dequantize"):
+        load_weights(tmp_path / "model.gguf")
