@@ -187,9 +187,11 @@ class CacheConfig(_Section):
     max_blocks: int = Field(4096, ge=0, description=(
         "Cached blocks kept while no request holds them; beyond it the policy's victim is dropped at once. Blocks "
         "that requests hold are never evicted."))
-    policy: Literal["lru", "lfu"] = Field("lru", description=(
-        "Which unreferenced cached block is evicted first: `lru` (least recently used) or `lfu` (fewest hits, then "
-        "least recent)."))
+    policy: Literal["lru", "lfu", "s3fifo", "chain"] = Field("lru", description=(
+        "Which unreferenced cached block is evicted first: `lru` (least recently used), `lfu` (fewest hits, then "
+        "least recent), `s3fifo` (S3-FIFO: new blocks pass a small FIFO first, so prompts seen once leave early) or "
+        "`chain` (blocks of prefix chains that came back, hit or continued where an earlier prompt ended, are kept "
+        "8x longer than a prompt seen once; docs/features/prefix-caching.md)."))
     suffix: SegmentConfig = Field(default_factory=SegmentConfig, description="Segment reuse (the `suffix.*` keys).")
     normalize_input: bool = Field(False, description=(
         "Canonicalise each message's text before tokenizing (NFKC, line endings, runs of spaces), so prompts that "

@@ -1,5 +1,6 @@
-"""Eviction policies on their own (no model): LRU and LFU pop order, membership, and LFU's lazy heap staying
-bounded under add/remove churn.
+"""Eviction policies on their own (no model): every policy's membership, LRU and LFU pop order, and LFU's lazy heap
+staying bounded under add/remove churn (S3-FIFO and chain: test_eviction_policies.py; Belady's MIN:
+test_belady.py).
 
 The pool's protocol: `add` when a block becomes evictable (ref_cnt 0 with a key), `remove` when a request takes it
 again (its num_hits / last_access then change before it is added back), `pop` to evict."""
@@ -11,7 +12,7 @@ import random
 import pytest
 
 from kvreuse.kvcache.block import KVCacheBlock
-from kvreuse.kvcache.eviction import POLICIES, LFUPolicy, LRUPolicy
+from kvreuse.kvcache.eviction import POLICIES, ChainPolicy, LFUPolicy, LRUPolicy, S3FIFOPolicy
 
 
 def blocks(n: int) -> list[KVCacheBlock]:
@@ -26,15 +27,18 @@ def drain(policy) -> list[int]:
 
 
 def test_policies_registry():
-    assert POLICIES == {"lru": LRUPolicy, "lfu": LFUPolicy}
-    assert (LRUPolicy.name, LFUPolicy.name) == ("lru", "lfu")
+    assert POLICIES == {"lru": LRUPolicy, "lfu": LFUPolicy, "s3fifo": S3FIFOPolicy, "chain": ChainPolicy}
+    assert all(cls.name == name for name, cls in POLICIES.items())
 
 
-@pytest.mark.parametrize("policy_cls", [LRUPolicy, LFUPolicy])
+@pytest.mark.parametrize("policy_cls", list(POLICIES.values()))
 def test_contains_and_len(policy_cls):
     policy = policy_cls()
     a, b, c = blocks(3)
     assert len(policy) == 0 and a not in policy
+    for x in (a, b, c):
+        x.uid = x.block_id + 1
+        policy.publish(x, None)
     policy.add(a)
     policy.add(b)
     assert len(policy) == 2
@@ -45,9 +49,11 @@ def test_contains_and_len(policy_cls):
     assert len(policy) == 1 and a not in policy and b in policy
     assert policy.pop() is b
     assert len(policy) == 0 and b not in policy
+    policy.check_integrity()
 
 
-@pytest.mark.parametrize(("policy_cls", "error"), [(LRUPolicy, KeyError), (LFUPolicy, IndexError)])
+@pytest.mark.parametrize(("policy_cls", "error"), [(LRUPolicy, KeyError), (LFUPolicy, IndexError),
+                                                   (S3FIFOPolicy, IndexError), (ChainPolicy, KeyError)])
 def test_pop_on_empty_raises(policy_cls, error):
     policy = policy_cls()
     with pytest.raises(error):

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from kvreuse.cli import main
+from kvreuse.kvcache.eviction import POLICIES
 from kvreuse.llm import LLM
 from kvreuse.sampling_params import SamplingParams
 
@@ -123,11 +124,12 @@ def test_per_request_opt_out_and_min_match_blocks(tiny_model_dir):
     assert llm.generate(prompt[: 3 * BS] + [1] * BS, greedy(2))[0].usage.cached_tokens == 3 * BS
 
 
-def test_max_blocks_bounds_what_stays_cached_and_lfu_is_selectable(tiny_model_dir):
-    llm = tiny(tiny_model_dir, cache__max_blocks=3, cache__policy="lfu")
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_max_blocks_bounds_what_stays_cached_under_every_policy(tiny_model_dir, policy):
+    llm = tiny(tiny_model_dir, cache__max_blocks=3, cache__policy=policy)
     llm.generate(list(range(1100, 1100 + 6 * BS)), greedy(2))
     stats = llm.engine.stats_snapshot()
-    assert stats.blocks_cached == 3 and stats.blocks_in_use == 0 and stats.eviction_policy == "lfu"
+    assert stats.blocks_cached == 3 and stats.blocks_in_use == 0 and stats.eviction_policy == policy
     assert stats.evictions >= 3
     llm.engine.check_integrity()
 

@@ -5,7 +5,7 @@ short program of operations.
    with its real scheduler, KV cache manager and postprocess, and a recording stand-in for the forward (the model
    adds nothing here): requests made of shared prefixes (exact hits), shared documents at other offsets (segment
    reuse), fillers, salts and `use_cache=false`; steps with chunked prefill, preemption on a tiny pool, eviction
-   under a small `cache.max_blocks`, LRU and LFU; aborts at random points; faults injected into the forward;
+   under a small `cache.max_blocks`, every eviction policy; aborts at random points; faults injected into the forward;
    segment reuse switched on and off. The stand-in keeps, for every KV slot, the token whose K/V it would hold
    and reads each sequence back through its block table before sampling, so a wrong hit, a misplaced copy or a
    reused freed block fails at once; it samples from the tokens read back, so the expected completion of each
@@ -31,6 +31,7 @@ from hypothesis import strategies as st
 from kvreuse.engine.engine import LLMEngine, RequestError
 from kvreuse.engine.model_runner import StepOutput
 from kvreuse.engine.sequence import Sequence
+from kvreuse.kvcache.eviction import POLICIES
 from kvreuse.llm import LLM
 from kvreuse.model.tokenizer import Tokenizer
 from kvreuse.sampling_params import SamplingParams
@@ -172,7 +173,7 @@ def engine_settings(draw) -> dict:
     return {"cache__block_size": block_size,
             "engine__num_kv_blocks": draw(st.integers(48, 256)) // block_size,
             "cache__max_blocks": draw(st.integers(4, 32)),
-            "cache__policy": draw(st.sampled_from(["lru", "lfu"])),
+            "cache__policy": draw(st.sampled_from(list(POLICIES))),
             "cache__min_match_blocks": draw(st.integers(1, 2)),
             "cache__suffix__enabled": draw(st.sampled_from([True, True, True, False])),
             "engine__max_num_batched_tokens": draw(st.integers(8, 64)),
@@ -275,7 +276,7 @@ def run_program(run: Run, program: list[tuple], coverage: Counter, exact_only: b
 def engine_factory(tiny_model_dir, real_tokenizer) -> Callable[..., LLMEngine]:
     """Fresh engines on the tiny model, cheaply: the tokenizer (read-only, ~0.7 s to load) is loaded once."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(Tokenizer, "load", classmethod(lambda cls, path, fingerprint: real_tokenizer))
+        mp.setattr(Tokenizer, "load", classmethod(lambda cls, path, fingerprint, chat_template=None: real_tokenizer))
 
         def make(**settings) -> LLMEngine:
             return LLM(make_config(model__path=tiny_model_dir, model__dtype="fp32", **settings)).engine

@@ -1,4 +1,5 @@
-"""PNG plots for `kvreuse bench scenario`: TTFT per cache mode per scenario, and hit rate against block_size.
+"""PNG plots for `kvreuse bench scenario`: TTFT per cache mode per scenario, and hit rate against block_size; and
+for `kvreuse bench trace`, hit rate against cache capacity per eviction policy.
 
 The TTFT chart draws a scenario report as it is (any mode names, including peers such as "hf"). The hit-rate
 sweep runs no model: like `kvreuse analyze`, it replays each scenario's prompts through the real cache manager,
@@ -147,6 +148,30 @@ def hit_rate_plot(sweep: dict, path) -> Path:
     ax.set_title(f"Hit rate against block size\n{requests}cache replay without running the model")
     if sweep["scenarios"]:
         fig.legend(loc="outside right upper", fontsize="small")  # outside: the curves fill the whole 0-100 range
+    return _save(fig, path)
+
+
+def capacity_plot(report: dict, path) -> Path:
+    """Hit rate (% of prompt tokens) against capacity (hash blocks, log axis), one line per policy, the infinite
+    cache as a dashed line. `report` is what `trace_bench.run` returns. Returns the PNG's path."""
+    capacities = report["capacities"]
+    by = {(r["capacity"], r["policy"]): r["hit_rate"] for r in report["results"]}
+    fig = Figure(figsize=(8.0, 4.8), layout="constrained")
+    ax = fig.add_subplot()
+    for i, policy in enumerate(report["policies"]):
+        ax.plot(capacities, [100 * by[c, policy] for c in capacities], color=_colour(i), marker="o", label=policy,
+                linestyle=":" if policy == "belady" else "-")
+    ax.axhline(100 * report["infinite"]["hit_rate"], color="0.4", linestyle="--", label="infinite cache")
+    ax.set_xscale("log")
+    ax.set_xticks(capacities, [f"{c:,}" for c in capacities])
+    ax.minorticks_off()
+    ax.set_xlabel(f"capacity (hash blocks of {report['hash_block_tokens']} trace tokens)")
+    ax.set_ylabel("prompt tokens served from cache (%)")
+    ax.set_ylim(0, 100)
+    ax.grid(alpha=0.3)
+    ax.set_title(f"Prefix hit rate against capacity: {report['trace'] or 'trace'}\n{report['requests']} requests, "
+                 f"{report['tokens_per_hash']} tokens per hash, replayed through the cache manager")
+    ax.legend(title="policy", fontsize="small", loc="upper left", ncols=2)
     return _save(fig, path)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from kvreuse.bench.engine_sizes import Sizes
+from kvreuse.cli.bench_trace import add_scenario_trace, add_trace
 from kvreuse.cli.bench_workloads import add_cluster, add_replay, add_scenario
 from kvreuse.cli.common import (
     InputError,
@@ -26,7 +27,8 @@ def add_bench(sub) -> None:
                                          "prefix suites", description="Benchmarks. Each subcommand prints a "
                                          "Markdown table; --out DIR also writes it and the JSON report.")
     suites = bench.add_subparsers(dest="suite", required=True, metavar="SUITE")
-    for add in (add_scenario, _add_engine, _add_prefix, _add_tiers, _add_eval, _add_quant, add_cluster, add_replay):
+    for add in (add_scenario, _add_engine, _add_prefix, _add_tiers, _add_eval, _add_quant, add_cluster, add_replay,
+                add_trace, add_scenario_trace):
         add(suites)
 
 

@@ -15,16 +15,16 @@ from collections import Counter, deque
 from collections.abc import Callable, Sequence
 
 from kvreuse.kvcache.block import KVCacheBlock
-from kvreuse.kvcache.eviction import POLICIES
+from kvreuse.kvcache.eviction import EvictionPolicy, make_policy
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, max_cached_blocks: int | None = None, policy: str = "lru"):
+    def __init__(self, num_blocks: int, max_cached_blocks: int | None = None, policy: str | EvictionPolicy = "lru"):
         self.num_blocks = num_blocks
         self.max_cached_blocks = num_blocks if max_cached_blocks is None else max_cached_blocks
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_ids: deque[int] = deque(range(num_blocks))
-        self.evictable = POLICIES[policy]()
+        self.evictable = make_policy(policy)  # by `cache.policy` name, or an instance (a replay's offline MIN)
         self.key_to_block: dict[bytes, KVCacheBlock] = {}
         self.uid_to_block: dict[int, KVCacheBlock] = {}  # published blocks by identity: whose parent still exists
         self.num_evictions = 0
@@ -132,6 +132,7 @@ class BlockPool:
         self.uid_to_block[block.uid] = block
         block.num_hits = 1
         self.key_to_block[key] = block
+        self.evictable.publish(block, None if parent_uid is None else self.uid_to_block.get(parent_uid))
         for listener in self.on_register:
             listener(block)
         return block.uid
@@ -170,3 +171,4 @@ class BlockPool:
         assert len(self.uid_to_block) == len(self.key_to_block), "published uids and keys differ"
         assert all(self.uid_to_block[b.uid] is b for b in self.key_to_block.values()), "uid index is stale"
         assert len(self.evictable) <= self.max_cached_blocks, "more cached blocks than max_cached_blocks"
+        self.evictable.check_integrity()

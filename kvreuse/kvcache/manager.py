@@ -10,6 +10,7 @@ from concurrent.futures import TimeoutError as FutureTimeout  # the builtin from
 from kvreuse.config import CacheConfig
 from kvreuse.kvcache.block_pool import BlockPool
 from kvreuse.kvcache.copy_jobs import CopyJobs
+from kvreuse.kvcache.eviction import EvictionPolicy
 from kvreuse.kvcache.hashing import BlockHashFn, extend_chain, sha256_block_key
 from kvreuse.kvcache.match import NO_MATCH, Match
 from kvreuse.kvcache.prompt_logprobs import PromptLogprobStore
@@ -26,7 +27,7 @@ class KVCacheManager:
 only registered blocks are written to the lower tiers."""
 
     def __init__(self, num_blocks: int, block_size: int, *, enable_caching: bool = True,
-                 max_cached_blocks: int | None = None, policy: str = "lru", min_match_blocks: int = 1,
+                 max_cached_blocks: int | None = None, policy: str | EvictionPolicy = "lru", min_match_blocks: int = 1,
                  fingerprint: str = "", hash_fn: BlockHashFn = sha256_block_key, enable_segments: bool = False,
                  tiers: TieredStore | None = None):
         self.block_size = block_size
@@ -46,13 +47,15 @@ only registered blocks are written to the lower tiers."""
 
     @classmethod
     def from_config(cls, cache: CacheConfig, num_blocks: int, fingerprint: str, *,
-                    enable_segments: bool | None = None, tiers: TieredStore | None = None) -> KVCacheManager:
-        """The `[cache]` section's manager; `enable_segments` overrides `cache.suffix.enabled`. The tiers are built by
-        the caller, who owns the K/V they copy (`TieredStore.from_config`)."""
+                    enable_segments: bool | None = None, tiers: TieredStore | None = None,
+                    policy: EvictionPolicy | None = None) -> KVCacheManager:
+        """The `[cache]` section's manager; `enable_segments` overrides `cache.suffix.enabled`, `policy` (a policy
+        object: a replay's offline MIN) `cache.policy`. The tiers are built by the caller, who owns the K/V they copy
+        (`TieredStore.from_config`)."""
         segments = cache.suffix.enabled if enable_segments is None else enable_segments
         return cls(num_blocks, cache.block_size, enable_caching=cache.enabled, max_cached_blocks=cache.max_blocks,
-                   policy=cache.policy, min_match_blocks=cache.min_match_blocks, fingerprint=fingerprint,
-                   enable_segments=segments, tiers=tiers)
+                   policy=cache.policy if policy is None else policy, min_match_blocks=cache.min_match_blocks,
+                   fingerprint=fingerprint, enable_segments=segments, tiers=tiers)
 
     def new_request(self, token_ids: list[int], cache_salt: str | None = None, use_cache: bool = True,
                     prompt_logprobs: int | None = None) -> CacheRequest:

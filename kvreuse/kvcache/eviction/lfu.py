@@ -1,50 +1,10 @@
-"""Which unreferenced cached block goes first when memory is needed: LRU or LFU.
-
-Both keep only evictable blocks (ref_cnt 0, holding a key); `add` when a block becomes evictable,
-`remove` when a request takes it again, `pop` to evict.
-"""
+"""LFU: the cached block with the fewest hits goes first."""
 
 from __future__ import annotations
 
 import heapq
-from collections import OrderedDict
-from typing import Protocol
 
 from kvreuse.kvcache.block import KVCacheBlock
-
-
-class EvictionPolicy(Protocol):
-    name: str
-
-    def add(self, block: KVCacheBlock) -> None: ...
-    def remove(self, block: KVCacheBlock) -> None: ...
-    def pop(self) -> KVCacheBlock: ...
-    def __len__(self) -> int: ...
-    def __contains__(self, block: KVCacheBlock) -> bool: ...
-
-
-class LRUPolicy:
-    """Least recently used first; O(1) for every operation."""
-
-    name = "lru"
-
-    def __init__(self):
-        self._blocks: OrderedDict[int, KVCacheBlock] = OrderedDict()
-
-    def add(self, block: KVCacheBlock) -> None:
-        self._blocks[block.block_id] = block
-
-    def remove(self, block: KVCacheBlock) -> None:
-        del self._blocks[block.block_id]
-
-    def pop(self) -> KVCacheBlock:
-        return self._blocks.popitem(last=False)[1]
-
-    def __len__(self) -> int:
-        return len(self._blocks)
-
-    def __contains__(self, block: KVCacheBlock) -> bool:
-        return block.block_id in self._blocks
 
 
 class LFUPolicy:
@@ -56,6 +16,9 @@ class LFUPolicy:
     def __init__(self):
         self._heap: list[tuple[int, int, int]] = []
         self._blocks: dict[int, KVCacheBlock] = {}
+
+    def publish(self, block: KVCacheBlock, parent: KVCacheBlock | None) -> None:
+        pass
 
     def add(self, block: KVCacheBlock) -> None:
         self._blocks[block.block_id] = block
@@ -83,5 +46,6 @@ class LFUPolicy:
     def __contains__(self, block: KVCacheBlock) -> bool:
         return block.block_id in self._blocks
 
-
-POLICIES = {"lru": LRUPolicy, "lfu": LFUPolicy}
+    def check_integrity(self) -> None:
+        live = {entry[2] for entry in self._heap if self._live(entry)}
+        assert live == set(self._blocks), "an evictable block has no live LFU heap entry"
