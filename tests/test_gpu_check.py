@@ -14,9 +14,11 @@ from kvreuse.bench.check_steps import CheckFailed, CheckRun
 
 from .server_process import REPO_ROOT
 
-QUICK_STEPS = ["environment", "tokenizer", "build llama-tiny", "parity llama-tiny fp32", "parity llama-tiny bf16",
-               "prefix cache on == off llama-tiny", "segment reuse exact llama-tiny", "bench engine llama-tiny",
-               "bench scenario chat llama-tiny"]
+TINY = ["llama-tiny", "mistral-tiny", "qwen2-tiny", "qwen3-tiny", "gemma3-tiny"]  # one per architecture
+QUICK_STEPS = ["environment", "tokenizer", *(f"build {m}" for m in TINY),
+               *(step for m in TINY for step in (f"parity {m} fp32", f"parity {m} bf16", f"prefix cache on == off {m}",
+                                                  f"segment reuse exact {m}")),
+               "bench engine llama-tiny", "bench scenario chat llama-tiny"]
 
 
 def test_the_cpu_mode_passes_every_step(tmp_path):
@@ -30,7 +32,7 @@ def test_the_cpu_mode_passes_every_step(tmp_path):
     assert [s["name"] for s in report["steps"]] == QUICK_STEPS
     assert report["passed"] and [s["status"] for s in report["steps"]] == ["passed"] * len(QUICK_STEPS)
     steps = {s["name"]: s for s in report["steps"]}
-    assert all(p["equal"] for p in steps["parity llama-tiny fp32"]["details"]["prompts"])
+    assert all(p["equal"] for m in TINY for p in steps[f"parity {m} fp32"]["details"]["prompts"])
     engine = steps["bench engine llama-tiny"]["details"]["report"]
     assert set(engine["medians"]) == {"kvreuse-fp32-eager", "hf-fp32"}
     assert all(v for row in engine["medians"].values() for v in row.values())
