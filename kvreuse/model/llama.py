@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from kvreuse.model.decoder import FUSED_LINEARS, CausalLM, DecoderLayer, layer_caches
-
-__all__ = ["FUSED_LINEARS", "Llama", "layer_caches"]
+from kvreuse.model.decoder import CausalLM, DecoderLayer
 
 
 class Llama(CausalLM):
