@@ -16,11 +16,13 @@ from collections import Counter
 
 from kvreuse.config import Config
 from kvreuse.kvcache.accounting import ReuseRecord
+from kvreuse.kvcache.layout import resolve_layout
 from kvreuse.kvcache.normalize import normalize_text
 from kvreuse.kvcache.simulate import simulate
 from kvreuse.kvcache.tokens import common_prefix_length
+from kvreuse.model.args import ModelArgs
 from kvreuse.model.fingerprint import cached_sha256
-from kvreuse.model.loader import resolve_model_path
+from kvreuse.model.loader import load_model_info, resolve_model_path
 from kvreuse.model.tokenizer import Tokenizer
 
 DYNAMIC_FIELDS = {
@@ -41,10 +43,14 @@ def render(tokenizer: Tokenizer, prompt: str | list[dict], normalize: bool) -> s
     return tokenizer.apply_chat_template([{**m, "content": fix(m.get("content") or "")} for m in prompt])
 
 
-def replay(token_lists: list[list[int]], config: Config, fingerprint: str, segments: bool) -> ReuseRecord:
-    """The prompts through the engine's cache as configured (4096 blocks if the pool is sized by memory)."""
+def replay(token_lists: list[list[int]], config: Config, fingerprint: str, segments: bool,
+           args: ModelArgs | None = None) -> ReuseRecord:
+    """The prompts through the engine's cache as configured (4096 blocks if the pool is sized by memory), over the
+    pool layout the engine would use for a model of `args` (segment reuse: every layer's K/V)."""
+    cache = config.cache.model_copy(update={"suffix": config.cache.suffix.model_copy(update={"enabled": segments})})
+    layout = resolve_layout(args, cache) if args is not None else None
     return simulate(token_lists, config.cache, fingerprint, config.engine.num_kv_blocks or 4096,
-                    enable_segments=segments)
+                    enable_segments=segments, layout=layout)
 
 
 def find_dynamic_fields(texts: list[str]) -> list[dict]:
@@ -94,11 +100,12 @@ def analyze(prompts: list[str | list[dict]], config: Config) -> dict:
     normalize = config.cache.normalize_input
     texts = [render(tokenizer, p, normalize) for p in prompts]
     token_lists = [tokenizer.encode(t) for t in texts]
-    as_configured = replay(token_lists, config, fingerprint, segments=config.cache.suffix.enabled)
-    with_segments = replay(token_lists, config, fingerprint, segments=True)
+    args = load_model_info(config.model.path or None).args
+    as_configured = replay(token_lists, config, fingerprint, segments=config.cache.suffix.enabled, args=args)
+    with_segments = replay(token_lists, config, fingerprint, segments=True, args=args)
     other_texts = [render(tokenizer, p, not normalize) for p in prompts]
     other = replay([tokenizer.encode(t) for t in other_texts], config, fingerprint,
-                   segments=config.cache.suffix.enabled)
+                   segments=config.cache.suffix.enabled, args=args)
     normalized, raw = (as_configured, other) if normalize else (other, as_configured)
     fields = find_dynamic_fields(texts)
     splits = divergences(texts, tokenizer)

@@ -192,6 +192,11 @@ class CacheConfig(_Section):
         "least recent), `s3fifo` (S3-FIFO: new blocks pass a small FIFO first, so prompts seen once leave early) or "
         "`chain` (blocks of prefix chains that came back, hit or continued where an earlier prompt ended, are kept "
         "8x longer than a prompt seen once; docs/features/prefix-caching.md)."))
+    sliding_kv: Literal["auto", "window", "full"] = Field("auto", description=(
+        "K/V of a model's sliding-window layers (Gemma 3): `window` keeps only what each window still reads, in "
+        "layer groups with their own block tables (a fraction of the memory at long contexts; a prefix hit also "
+        "needs the window before its end); `full` keeps all of it, like llama.cpp's `--swa-full`; `auto` is "
+        "`window` unless segment reuse or a tier is on, which need `full` (docs/features/sliding-window.md)."))
     suffix: SegmentConfig = Field(default_factory=SegmentConfig, description="Segment reuse (the `suffix.*` keys).")
     normalize_input: bool = Field(False, description=(
         "Canonicalise each message's text before tokenizing (NFKC, line endings, runs of spaces), so prompts that "

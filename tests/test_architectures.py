@@ -15,6 +15,7 @@ import torch
 from kvreuse.bench.random_models import randomize_
 from kvreuse.layers.attention import AttentionMetadata
 from kvreuse.model.architectures import ARCHITECTURES
+from kvreuse.model.decoder import ForwardKV
 from kvreuse.model.loader import ModelLoadError, load_model_info, load_weights
 
 from .helpers import greedy, tiny_llm
@@ -45,7 +46,7 @@ def build(name: str, directory: Path, vocab_size: int, tokenizer, seed: int = 0,
     import transformers
 
     config_class, settings = MODELS[name]
-    config = getattr(transformers, config_class)(vocab_size=vocab_size, **SHAPE, **{**settings, **overrides})
+    config = getattr(transformers, config_class)(vocab_size=vocab_size, **{**SHAPE, **settings, **overrides})
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     randomize_(model, seed)
     model.save_pretrained(str(directory))
@@ -81,8 +82,8 @@ def model_logits(model, token_ids: list[int], block_size: int = 16) -> torch.Ten
     kv = torch.zeros(args.num_layers, 2, num_blocks, block_size, args.num_kv_heads, args.head_dim)
     meta = AttentionMetadata.build([0], [len(token_ids)], [list(range(num_blocks))], block_size, torch.device("cpu"))
     with torch.inference_mode():
-        hidden = model.hidden_states(torch.tensor(token_ids), torch.arange(len(token_ids)), meta, kv,
-                                     torch.tensor([len(token_ids) - 1]))
+        hidden = model.hidden_states(torch.tensor(token_ids), torch.arange(len(token_ids)),
+                                     ForwardKV.uniform(kv, meta), torch.tensor([len(token_ids) - 1]))
         return model.compute_logits(hidden)[0]
 
 

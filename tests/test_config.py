@@ -67,6 +67,7 @@ ALL_CHANGED = Config(
         block_size=32,
         max_blocks=0,
         policy="lfu",
+        sliding_kv="full",
         suffix=SegmentConfig(
             enabled=True, mode="shift", recompute_ratio=0.1, head_tokens=0, guard_margin=1.0
         ),
@@ -184,7 +185,7 @@ def test_config_to_ini_writes_every_key():
     parser.read_string(config_to_ini(Config()))
     assert parser.sections() == ["server", "cache", "model", "engine", "events", "cluster", "structured"]
     assert set(parser["cache"]) == {
-        "enabled", "block_size", "max_blocks", "policy", "normalize_input", "min_match_blocks", "preset",
+        "enabled", "block_size", "max_blocks", "policy", "sliding_kv", "normalize_input", "min_match_blocks", "preset",
         "suffix.enabled", "suffix.mode", "suffix.recompute_ratio", "suffix.head_tokens",
         "suffix.guard_margin", "disk.path", "disk.max_gb", "redis.url", "redis.ttl_s", "redis.timeout_ms",
         "tier_queue_mb", "tier_secret_file", "tier_store_tokens",

@@ -1,6 +1,7 @@
 """The real Gemma 3 270M (`--model gemma3-270m`, the Q4_K_M GGUF from its PyPI package) against transformers loading
 the same file: greedy tokens of prompts shorter and longer than its 512-token window, a multi-turn chat under the
-example template, the prefix cache on and off, and segment reuse at full recompute."""
+example template, the prefix cache on and off (the pool keeping only what the windows read), a 2,000-token shared
+prefix, and segment reuse at full recompute."""
 
 from __future__ import annotations
 
@@ -31,9 +32,10 @@ def hf_gemma():
 
 @pytest.fixture(scope="module")
 def gemma() -> LLM:
-    """On the defaults a user gets (model.weights = auto: the GGUF kernel where it is built), in fp32."""
+    """On the defaults a user gets (model.weights = auto: the GGUF kernel where it is built; cache.sliding_kv = auto:
+    the pool keeps only what the windows read), in fp32. 3072 blocks of 3 layers: 512 full-layout blocks' memory."""
     return LLM(make_config(model__path="gemma3-270m", model__dtype="fp32", model__chat_template=str(TEMPLATE),
-                           engine__num_kv_blocks=512, server__max_tokens=4096))
+                           engine__num_kv_blocks=3072, server__max_tokens=4096))
 
 
 def hf_greedy(hf, token_ids: list[int], num_tokens: int = NUM_TOKENS) -> list[int]:
@@ -49,6 +51,21 @@ def test_the_architecture_is_read_from_the_file(gemma):
         ("gemma3", 18, 640, 256, 262144)
     assert args.layer_kinds.count("sliding") == 15 and args.sliding_window == 512
     assert (args.rope.theta, args.sliding_rope.theta) == (1e6, 1e4)
+    layout = gemma.engine.front_end.kv_layout
+    assert layout.is_grouped and layout.layers_per_block == 3 and len(layout.groups) == 6
+
+
+def test_a_2000_token_shared_prefix_is_cached_with_its_windows(gemma, hf_gemma):
+    """A second request sharing a 2,000-token document with the first: at least 95% of its prompt comes from the
+    cache, the window blocks before the document's end among them (the first request released them to the cache as
+    its own question went past), and its answer is transformers' own."""
+    document = gemma.tokenizer.encode(inspect.getsource(textwrap))[:2000]
+    first = document + gemma.tokenizer.encode("\nQuestion: which function wraps a paragraph? Answer:")
+    second = document + gemma.tokenizer.encode("\nQuestion: what does dedent do? Answer:")
+    gemma.generate(first, greedy(2))
+    out = gemma.generate(second, greedy(NUM_TOKENS))[0]
+    assert out.usage.cached_tokens >= 0.95 * len(second), (out.usage.cached_tokens, len(second))
+    assert out.token_ids == hf_greedy(hf_gemma, second)
 
 
 def test_greedy_tokens_equal_transformers_within_and_past_the_window(gemma, hf_gemma):

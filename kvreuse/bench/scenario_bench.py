@@ -5,7 +5,11 @@ computed), prefix (exact prefix caching), shift and blend (prefix + segment reus
 config's guard is on, and blend-warm on RAG (blend after its documents were warmed, untimed, as `POST
 /cache/warm` or `kvreuse cache warm` would, each as a query's first document: `workloads.rag_corpus`); then the
 peers: HF transformers on the same weights without reuse ("hf") and, on chat,
-with its own prefix reuse through a copied cache ("hf-prefix"). Each mode starts from an empty cache and keeps
+with its own prefix reuse through a copied cache ("hf-prefix"). On a model with sliding-window layers (Gemma 3) the
+modes run on two engines of one memory budget: no-cache and prefix where the pool keeps only what the windows read
+(`cache.sliding_kv = window`, segment reuse off), and prefix-swa-full, shift and blend where it keeps every layer's
+K/V (`full`, which segment reuse needs); each row says its layout, the pool's capacity and how many sequences of the
+scenario's mean length it holds at once. Each mode starts from an empty cache and keeps
 `concurrency` requests in flight, sent in workload order (so later requests can reuse earlier KV). Fidelity
 is measured against the no-cache run of the same requests. Keys follow `vllm bench serve` where it has one
 (mean_ttft_ms, p99_ttft_ms, request_throughput, ...); each row also carries its ratios to no-cache (TTFT,
@@ -23,7 +27,9 @@ from kvreuse.bench.fidelity import reuse_settings
 from kvreuse.bench.metrics import fidelity_metrics, reuse_metrics, serving_metrics
 from kvreuse.config import Config
 from kvreuse.engine.stats import EngineStats, peak_rss_bytes
+from kvreuse.kvcache.layout import KVLayout
 from kvreuse.llm import LLM
+from kvreuse.model.loader import load_model_info
 from kvreuse.sampling_params import SamplingParams
 
 SCENARIOS = tuple(workloads.WORKLOADS)
@@ -31,6 +37,7 @@ SCENARIOS = tuple(workloads.WORKLOADS)
 MODES = {
     "no-cache": {"enabled": False},
     "prefix": {"enabled": False},
+    "prefix-swa-full": {"enabled": False},
     "shift": {"enabled": True, "mode": "shift"},
     "blend": {"enabled": True, "mode": "blend"},
     "blend-noguard": {"enabled": True, "mode": "blend", "guard_margin": 0.0},
@@ -43,6 +50,31 @@ PEER_SCENARIOS = {"hf": SCENARIOS, "hf-prefix": ("chat",)}
 # job, submitted as a whole (16 = engine.max_num_seqs, what the engine batches); RAG queries and shared-prefix
 # groups come one at a time here, so each can reuse the ones before it.
 SCENARIO_CONCURRENCY = {"chat": 1, "eval": 16, "agent": 1, "rag": 1, "prefix": 1}
+# The pool layout each mode runs on, for a model with sliding-window layers (`layout_configs`).
+MODE_LAYOUT = {"no-cache": "window", "prefix": "window"}
+
+
+def layout_configs(config: Config) -> dict[str, Config]:
+    """The engines a scenario's modes run on, by `cache.sliding_kv`: just `config` ("full"), unless its model has
+    sliding-window layers: then also one keeping only what the windows read ("window"), segment reuse off."""
+    args = load_model_info(config.model.path or None).args
+    if not KVLayout.of(args).is_grouped:
+        return {"full": config}
+    window = config.cache.model_copy(update={"sliding_kv": "window", "suffix": config.cache.suffix.model_copy(
+        update={"enabled": False})})
+    full = config.cache.model_copy(update={"sliding_kv": "full"})
+    return {"window": config.model_copy(update={"cache": window}), "full": config.model_copy(update={"cache": full})}
+
+
+def pool_metrics(llm: LLM, outputs: list) -> dict:
+    """The pool's layout and capacity, and how many sequences of the outputs' mean length (prompt + completion) it
+    holds at once, as a decoding sequence holds them (the most a fixed memory budget runs)."""
+    front = llm.engine.front_end
+    layout, bs = front.kv_layout, front.block_size
+    mean_tokens = round(sum(o.usage.prompt_tokens + o.usage.completion_tokens for o in outputs) / len(outputs))
+    return {"kv_layout": "window" if layout.is_grouped else "full", "kv_pool_bytes": front.num_kv_blocks *
+            front.bytes_per_block, "kv_capacity_tokens": front.kv_capacity_tokens,
+            "sequences_at_budget": front.num_kv_blocks // layout.max_blocks_of(mean_tokens, bs, 1)}
 
 
 def send_all(llm: LLM, conversations: list[list[dict]], params: SamplingParams, use_cache: bool, concurrency: int,
@@ -86,6 +118,7 @@ def run_mode(llm: LLM, conversations: list[list[dict]], mode: str, max_tokens: i
                           [o.usage.completion_tokens for o in outputs], duration, reuse.prompt_tokens),
         **reuse_metrics(reuse),
         "peak_kv_bytes": engine.stats_snapshot().peak_kv_bytes_in_use, "peak_rss_bytes": peak_rss_bytes(),
+        **pool_metrics(llm, outputs),
     }
     if warm:
         result["warm_s"] = warm_s
@@ -110,8 +143,10 @@ def run(configs: dict[str, Config], num_requests: int, max_tokens: int, concurre
     report = {"suite": "scenario", "requests": num_requests, "max_tokens": max_tokens, "scenarios": {}, "configs": {}}
     hf = None
     for scenario, config in configs.items():
-        llm = LLM(config)
-        llm.wait_compiled()
+        llms = {name: LLM(c) for name, c in layout_configs(config).items()}
+        for each in llms.values():
+            each.wait_compiled()
+        llm = llms["full"]
         if peers and hf is None:
             from kvreuse.bench.peers import HFPeer
 
@@ -124,13 +159,15 @@ def run(configs: dict[str, Config], num_requests: int, max_tokens: int, concurre
                                        "suffix": config.cache.suffix.model_dump(), "concurrency": in_flight}
         conversations = workloads.WORKLOADS[scenario](num_requests)
         # One untimed request first, so no mode pays for first-call allocations and kernel selection.
-        llm.chat(conversations[0], SamplingParams(max_tokens=2), use_cache=False)
+        for each in llms.values():
+            each.chat(conversations[0], SamplingParams(max_tokens=2), use_cache=False)
         if hf is not None:
             hf.run(conversations[:1], 2)
         # With the guard on, blend-noguard shows what the guard costs and what it buys.
         noguard = ["blend-noguard"] if config.cache.suffix.guard_margin > 0 else []
         warmed = ["blend-warm"] if scenario in WARM_CORPUS else []
-        runs = ["no-cache", "prefix", "shift", "blend"] + noguard + warmed + [
+        swa_full = ["prefix-swa-full"] if "window" in llms else []
+        runs = ["no-cache", "prefix"] + swa_full + ["shift", "blend"] + noguard + warmed + [
             p for p, where in PEER_SCENARIOS.items() if hf is not None and scenario in where]
         results, exact = {}, None
         for mode in runs:
@@ -138,8 +175,9 @@ def run(configs: dict[str, Config], num_requests: int, max_tokens: int, concurre
                       disable=None) as bar:  # no bar when stderr is not a terminal
                 if mode in MODES:  # our engine
                     warm = WARM_CORPUS[scenario]() if mode == "blend-warm" else ()
-                    results[mode], outputs = run_mode(llm, conversations, mode, max_tokens, exact, in_flight, bar,
-                                                      warm)
+                    engine_llm = llms.get(MODE_LAYOUT.get(mode, "full"), llm)
+                    results[mode], outputs = run_mode(engine_llm, conversations, mode, max_tokens, exact, in_flight,
+                                                      bar, warm)
                 else:
                     # HF sees the text our engine sees (normalize_input rewrites message contents).
                     normalize = llm.engine.front_end.normalize
@@ -150,7 +188,7 @@ def run(configs: dict[str, Config], num_requests: int, max_tokens: int, concurre
                      f"prefill {results[mode]['prefill_tokens_computed']} tokens")
         add_ratios(results)
         report["scenarios"][scenario] = results
-        del llm  # one engine (and its KV pool) at a time
+        del llm, llms  # one scenario's engines (and their KV pools) at a time
     return report
 
 
@@ -167,4 +205,12 @@ def markdown(report: dict) -> str:
                          f"{r['exact_hit_rate']:.1%} | {r['approximate_hit_rate']:.1%} | "
                          f"{r['request_throughput']:.2f} | {r['throughput_vs_no_cache']:.2f} | "
                          f"{fmt(r.get('top1_agreement'), '.2f')} | {fmt(r.get('mean_kl'), '.4f')} |")
+    rows = [(scenario, mode, r) for scenario, modes in report["scenarios"].items() for mode, r in modes.items()
+            if "kv_layout" in r]
+    if any(r["kv_layout"] == "window" for _, _, r in rows):  # a sliding-window model: what each layout holds
+        lines += ["", "| scenario | mode | KV layout | exact hits | mean TTFT ms | peak KV MB | pool capacity, tokens "
+                  "| sequences at the budget |", "|---" * 8 + "|"]
+        lines += [f"| {scenario} | {mode} | {r['kv_layout']} | {r['exact_hit_rate']:.1%} | {r['mean_ttft_ms']:.0f} | "
+                  f"{r['peak_kv_bytes'] / 2**20:.1f} | {r['kv_capacity_tokens']} | {r['sequences_at_budget']} |"
+                  for scenario, mode, r in rows]
     return "\n".join(lines)

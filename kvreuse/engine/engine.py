@@ -64,9 +64,10 @@ class LLMEngine:
         decode_graph = (DecodeGraph(model, min(COMPILED_ROWS, config.engine.max_num_batched_tokens))
                         if config.engine.compile == "decode" else None)
         self.runner = ModelRunner(model, num_blocks, front.block_size, dtype, self.device,
-                                  front.tokenizer.eos_token_ids, decode_graph)
+                                  front.tokenizer.eos_token_ids, decode_graph, front.kv_layout)
         self.tiers = TieredStore.from_config(config.cache, PoolBlockIO(self.runner.kv_cache, front.fingerprint))
-        self.kv_manager = KVCacheManager.from_config(config.cache, num_blocks, front.fingerprint, tiers=self.tiers)
+        self.kv_manager = KVCacheManager.from_config(config.cache, num_blocks, front.fingerprint, tiers=self.tiers,
+                                                     layout=front.kv_layout)
         self.segment_settings = config.cache.suffix  # immutable, replaced only by set_segment_settings
         self.stats = EngineStats()
         self.scheduler = Scheduler(self.kv_manager, config.engine.max_num_seqs, config.engine.max_num_batched_tokens)
@@ -108,7 +109,10 @@ class LLMEngine:
         return events
 
     def set_segment_settings(self, settings: SegmentConfig) -> None:
-        """Segment reuse settings (`cache.suffix.*`) for the requests scheduled from now on."""
+        """Segment reuse settings (`cache.suffix.*`) for the requests scheduled from now on. ValueError where the
+        pool keeps only the sliding windows' K/V, which segment reuse cannot reuse."""
+        if settings.enabled and self.kv_manager.windows:
+            raise ValueError("segment reuse needs every layer's K/V: start with cache.sliding_kv = full")
         self.segment_settings = settings
         self.kv_manager.enable_segments = self.kv_manager.enable_caching and settings.enabled
 

@@ -19,6 +19,7 @@ from jinja2 import TemplateError
 from kvreuse.config import Config
 from kvreuse.engine.model_runner import kv_bytes_per_block
 from kvreuse.engine.sequence import Sequence
+from kvreuse.kvcache.layout import resolve_layout
 from kvreuse.kvcache.normalize import normalize_text
 from kvreuse.kvcache.request import new_cache_request
 from kvreuse.model import dtype_probe
@@ -88,7 +89,8 @@ class FrontEnd:
         self.fingerprint = ":".join([info.fingerprint, str(dtype).removeprefix("torch."), *filter(None, tags)])
         self.tokenizer = Tokenizer.load(info.path, info.fingerprint, config.model.chat_template or None)
         self.block_size = config.cache.block_size
-        self.bytes_per_block = kv_bytes_per_block(info.args, self.block_size, dtype)
+        self.kv_layout = resolve_layout(info.args, config.cache)
+        self.bytes_per_block = kv_bytes_per_block(info.args, self.kv_layout, self.block_size, dtype)
         self.num_kv_blocks = config.engine.num_kv_blocks or max(1, config.engine.kv_cache_memory_mb * 2**20
                                                                 // self.bytes_per_block)
         self.max_model_len = min(config.server.max_tokens, info.args.max_position_embeddings)
@@ -114,7 +116,20 @@ class FrontEnd:
 
     @property
     def kv_capacity_tokens(self) -> int:
-        return self.num_kv_blocks * self.block_size
+        """The longest sequence the pool holds (with a grouped layout, its window groups hold what a step writes and
+        reads, at most `engine.max_num_batched_tokens` new tokens a step)."""
+        layout, bs, step = self.kv_layout, self.block_size, self.config.engine.max_num_batched_tokens
+        fits = lambda num_blocks: layout.max_blocks_of(num_blocks * bs, bs, step) <= self.num_kv_blocks  # noqa: E731
+        low, high = 0, self.num_kv_blocks  # group 0's blocks: the most whose sequence fits is in [low, high]
+        while low < high:
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if fits(mid) else (low, mid - 1)
+        return low * bs
+
+    def describe_kv(self) -> str:
+        """The pool's shape, for the ready line: blocks and, with groups, what they hold."""
+        grouped = f"; {self.kv_layout.describe()}" if self.kv_layout.is_grouped else ""
+        return f"{self.kv_capacity_tokens} tokens ({self.num_kv_blocks} blocks x {self.block_size}{grouped})"
 
     def normalize(self, text: str) -> str:
         return normalize_text(text) if self.config.cache.normalize_input else text
@@ -240,5 +255,6 @@ class FrontEnd:
         if needed > self.kv_capacity_tokens:
             raise RequestError(
                 f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {needed} tokens does not fit "
-                f"in the KV pool of {self.kv_capacity_tokens} tokens (engine.num_kv_blocks x cache.block_size)"
+                f"in the KV pool of {self.kv_capacity_tokens} tokens (engine.num_kv_blocks x cache.block_size"
+                f"{', sliding windows kept as cache.sliding_kv says' if self.kv_layout.is_grouped else ''})"
             )

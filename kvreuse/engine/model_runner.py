@@ -14,19 +14,20 @@ import torch
 from kvreuse.config import SegmentConfig
 from kvreuse.engine.repair import RepairOutcome, forward_reusing
 from kvreuse.engine.sequence import Sequence
+from kvreuse.kvcache.layout import KVLayout
 from kvreuse.layers.attention import AttentionMetadata
 from kvreuse.layers.logits_processors import SamplingRow
 from kvreuse.layers.sampler import TokenLogprob, sample_rows
 from kvreuse.model.decode_graph import DecodeGraph
-from kvreuse.model.decoder import CausalLM
+from kvreuse.model.decoder import CausalLM, ForwardKV, layer_caches
 from kvreuse.model.loader import ModelArgs
 
 PROMPT_LOGITS_ROWS = 256  # prompt rows turned into logits at once: [256, vocab] fp32 is 48 MiB for a 48K vocabulary
 
 
-def kv_bytes_per_block(args: ModelArgs, block_size: int, dtype: torch.dtype) -> int:
-    """K and V of every layer for one block."""
-    return args.num_layers * 2 * block_size * args.num_kv_heads * args.head_dim * dtype.itemsize
+def kv_bytes_per_block(args: ModelArgs, layout: KVLayout, block_size: int, dtype: torch.dtype) -> int:
+    """K and V of the layers one block holds (every layer, unless the layout groups them)."""
+    return layout.layers_per_block * 2 * block_size * args.num_kv_heads * args.head_dim * dtype.itemsize
 
 
 Draw = tuple[int, TokenLogprob | None]  # a sampled token, and its logprob when asked for
@@ -44,14 +45,18 @@ class StepOutput:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
-                 eos_token_ids: frozenset[int] = frozenset(), decode_graph: DecodeGraph | None = None):
+                 eos_token_ids: frozenset[int] = frozenset(), decode_graph: DecodeGraph | None = None,
+                 layout: KVLayout | None = None):
         args = model.args
         self.model, self.block_size, self.device = model, block_size, device
+        self.layout = layout or KVLayout.full(args.num_layers)
         self.decode_graph = decode_graph  # the compiled decode step, used once it is ready
         self.eos_token_ids = eos_token_ids  # masked, with stop_token_ids, until min_tokens
-        # [num_layers, K/V, num_blocks, block_size, num_kv_heads, head_dim]
-        self.kv_cache = torch.zeros(args.num_layers, 2, num_blocks, block_size, args.num_kv_heads, args.head_dim,
-                                    dtype=dtype, device=device)
+        # [layers_per_block, K/V, num_blocks, block_size, num_kv_heads, head_dim]
+        self.kv_cache = torch.zeros(self.layout.layers_per_block, 2, num_blocks, block_size, args.num_kv_heads,
+                                    args.head_dim, dtype=dtype, device=device)
+        slots = layer_caches(self.kv_cache)
+        self.layer_caches = [slots[j] for j in self.layout.slot_of]  # each model layer's (k_cache, v_cache) views
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], segments: SegmentConfig) -> StepOutput:
@@ -71,17 +76,20 @@ class ModelRunner:
                        if s.kv.prompt_logprobs is not None and a < s.num_prompt_tokens - 1}
         rows = sorted({*sample_rows, *(offsets[i] + r - starts[i] for i, rs in prompt_rows.items() for r in rs)})
         rows_t = torch.tensor(rows, dtype=torch.long)                                  # [R] ascending
-        meta = AttentionMetadata.build(starts, lens, [s.kv.block_table for s in seqs], self.block_size, self.device)
+        metas = [AttentionMetadata.build(starts, lens, [s.kv.block_tables[g] for s in seqs], self.block_size,
+                                         self.device) for g in range(len(self.layout.groups))]
+        kv = ForwardKV(self.layer_caches, [metas[g] for g in self.layout.group_of])
         out = StepOutput([None] * len(seqs))
         if any(s.kv.segment_plan is not None for s in seqs):
-            hidden, out.outcomes = forward_reusing(self.model, self.kv_cache, seqs, input_ids, positions, meta,
+            assert not self.layout.is_grouped, "segment reuse runs on a pool of one group"
+            hidden, out.outcomes = forward_reusing(self.model, self.kv_cache, seqs, input_ids, positions, metas[0],
                                                    rows_t, segments)
         elif not prompt_rows and self.decode_graph is not None and self.decode_graph.can_run(len(input_ids)):
-            hidden = self.decode_graph.run(input_ids, positions.to(self.device), meta, self.kv_cache)  # [T, hidden]
+            hidden = self.decode_graph.run(input_ids, positions.to(self.device), kv)  # [T, hidden]
             if len(rows) < len(input_ids):
                 hidden = hidden[rows_t.to(self.device)]                                # [R, hidden]
         else:
-            hidden = self.model.hidden_states(input_ids, positions.to(self.device), meta, self.kv_cache,
+            hidden = self.model.hidden_states(input_ids, positions.to(self.device), kv,
                                               rows_t.to(self.device))                  # [R, hidden]
         index_of = {row: k for k, row in enumerate(rows)}
         for i, scored in prompt_rows.items():
@@ -139,6 +147,6 @@ class ModelRunner:
 
     @torch.inference_mode()
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Copy the K/V of every layer from block `source` to block `destination`, for each pair (copy on write)."""
+        """Copy the K/V a block holds from block `source` to block `destination`, for each pair (copy on write)."""
         for source, destination in copies:
             self.kv_cache[:, :, destination] = self.kv_cache[:, :, source]

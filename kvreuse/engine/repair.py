@@ -30,7 +30,7 @@ from kvreuse.kvcache.accounting import ReuseRecord
 from kvreuse.kvcache.request import CacheRequest
 from kvreuse.kvcache.segment import SegmentPlan
 from kvreuse.layers.attention import AttentionMetadata
-from kvreuse.model.decoder import CausalLM
+from kvreuse.model.decoder import CausalLM, ForwardKV
 
 SELECT_LAYER = 1  # rows are ranked by their deviation here: the first layer whose K/V depend on context
 
@@ -178,7 +178,7 @@ def forward_reusing(model: CausalLM, kv_cache: torch.Tensor, seqs: list[Sequence
     if settings.mode == "shift":
         batch.kept = (~batch.reused).nonzero().flatten()
         hidden = model.hidden_states(input_ids[batch.kept.to(device)], positions[batch.kept].to(device),
-                                     batch.metadata_for(batch.kept), kv_cache,
+                                     ForwardKV.uniform(kv_cache, batch.metadata_for(batch.kept)),
                                      torch.searchsorted(batch.kept, rows).to(device))
     else:
         hidden = model.forward_selective(input_ids, positions.to(device), meta, kv_cache, rows.to(device),
@@ -211,5 +211,5 @@ def _forward_exact(model: CausalLM, kv_cache: torch.Tensor, seq: Sequence, input
     n = len(input_ids)
     meta = AttentionMetadata.build([seq.num_computed_tokens], [n], [seq.kv.block_table], kv_cache.shape[3],
                                    kv_cache.device)
-    return model.hidden_states(input_ids, positions.to(kv_cache.device), meta, kv_cache,
+    return model.hidden_states(input_ids, positions.to(kv_cache.device), ForwardKV.uniform(kv_cache, meta),
                                torch.tensor([n - 1], device=kv_cache.device))[0]

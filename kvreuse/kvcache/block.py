@@ -17,8 +17,9 @@ class KVCacheBlock:
     last_access: int = 0                      # pool tick of the last allocate / hit / free (LRU among equals)
     position: int = 0                         # absolute position of its first token when it was computed
     extra_key: bytes = b""                    # fingerprint, block size, salt of the request that computed it
+    group: int = 0                            # the layout group whose K/V it holds (kvcache/layout.py), once published
 
     def reset(self) -> None:
         self.block_key = self.token_ids = self.uid = self.parent_uid = None
-        self.num_hits = self.position = 0
+        self.num_hits = self.position = self.group = 0
         self.extra_key = b""

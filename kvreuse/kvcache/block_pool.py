@@ -2,9 +2,10 @@
 
 Every block is in exactly one state:
 - in use:  ref_cnt > 0 (it may also hold a key: a cached block that requests share);
-- cached:  ref_cnt == 0 with a key, evictable, tracked by the eviction policy;
+- cached:  ref_cnt == 0 with a key, evictable, tracked by the eviction policy, or in `cold`;
 - free:    ref_cnt == 0 without a key, in `free_block_ids`.
-Requests always win over the cache: `allocate` takes free blocks first, then evicts cached ones.
+Requests always win over the cache: `allocate` takes free blocks first, then evicts cached ones: the `cold` ones
+first (released with `cold`, oldest first: sliding-window blocks no likely hit needs), then the policy's victim.
 `max_cached_blocks` bounds the cached (unreferenced) blocks retained; the pool size bounds the rest.
 """
 
@@ -25,6 +26,7 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_ids: deque[int] = deque(range(num_blocks))
         self.evictable = make_policy(policy)  # by `cache.policy` name, or an instance (a replay's offline MIN)
+        self.cold: dict[int, KVCacheBlock] = {}  # cached blocks evicted before the policy's, by block id, oldest first
         self.key_to_block: dict[bytes, KVCacheBlock] = {}
         self.uid_to_block: dict[int, KVCacheBlock] = {}  # published blocks by identity: whose parent still exists
         self.num_evictions = 0
@@ -38,11 +40,11 @@ class BlockPool:
     @property
     def num_free_blocks(self) -> int:
         """Blocks a request can get now: free ones plus cached ones that can be evicted."""
-        return len(self.free_block_ids) + len(self.evictable)
+        return len(self.free_block_ids) + self.num_cached_blocks
 
     @property
     def num_cached_blocks(self) -> int:
-        return len(self.evictable)
+        return len(self.evictable) + len(self.cold)
 
     @property
     def num_used_blocks(self) -> int:
@@ -69,12 +71,14 @@ class BlockPool:
         for block_id in block_ids:
             block = self.blocks[block_id]
             if block.ref_cnt == 0:
-                self.evictable.remove(block)
+                self._uncache(block)
             block.ref_cnt += 1
             block.num_hits += 1
             block.last_access = tick
 
-    def free(self, block_ids: Sequence[int]) -> None:
+    def free(self, block_ids: Sequence[int], cold: bool = False) -> None:
+        """Release one reference to each block. `cold`: those that become unreferenced are evicted before any other
+        cached block, unless a hit has reused them already (they proved useful)."""
         # Released tail first, so under LRU a sequence's last blocks are evicted before its first ones
         # (a prefix is only usable up to its first missing block).
         for block_id in reversed(block_ids):
@@ -86,12 +90,32 @@ class BlockPool:
             block.last_access = next(self._tick)
             if block.block_key is None:
                 self.free_block_ids.append(block_id)
+            elif cold and block.num_hits <= 1:
+                self.cold[block_id] = block
             else:
                 self.evictable.add(block)
-        while len(self.evictable) > self.max_cached_blocks:
+        while self.num_cached_blocks > self.max_cached_blocks:
             self.free_block_ids.append(self._evict().block_id)
 
+    def discard(self, block_ids: Sequence[int]) -> None:
+        """Release one reference to each block; those left unreferenced are unpublished and freed (not cached)."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            assert block.ref_cnt > 0, f"double free of block {block_id}"
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                if block.block_key is not None:
+                    self._drop(block, count=False)
+                self.free_block_ids.append(block_id)
+
+    def _uncache(self, block: KVCacheBlock) -> None:
+        """Take an unreferenced cached block out of `cold` or the policy."""
+        if self.cold.pop(block.block_id, None) is None:
+            self.evictable.remove(block)
+
     def _evict(self, count: bool = True) -> KVCacheBlock:
+        if self.cold:
+            return self._drop(self.cold.pop(next(iter(self.cold))), count)
         return self._drop(self.evictable.pop(), count)
 
     def _drop(self, block: KVCacheBlock, count: bool = True) -> KVCacheBlock:
@@ -114,20 +138,21 @@ class BlockPool:
         return block
 
     def register(self, block_id: int, key: bytes, token_ids: Sequence[int], parent_uid: int | None,
-                 position: int = 0, extra_key: bytes = b"") -> int | None:
+                 position: int = 0, extra_key: bytes = b"", group: int = 0) -> int | None:
         """Publish an exactly computed block under `key`. Returns its uid, or None if the key is already
-        taken (the same block computed twice concurrently, or a hash collision): it stays private."""
+        taken (the same block computed twice concurrently, or a hash collision): it stays private. A block of a
+        sliding-window group (`group` > 0) names as its parent the full-attention block of the same position."""
         block = self.blocks[block_id]
         assert block.ref_cnt > 0 and block.block_key is None, f"block {block_id} cannot be registered"
         taken = self.key_to_block.get(key)
         if taken is not None and self._is_orphan(taken) and taken.ref_cnt == 0:
             # No lookup reaches it (its predecessor was evicted), yet it would keep this chain private from here on.
-            self.evictable.remove(taken)
+            self._uncache(taken)
             self.free_block_ids.append(self._drop(taken).block_id)
         elif taken is not None:
             return None
         block.block_key, block.token_ids, block.parent_uid = key, tuple(token_ids), parent_uid
-        block.position, block.extra_key = position, extra_key
+        block.position, block.extra_key, block.group = position, extra_key, group
         block.uid = next(self._uids)
         self.uid_to_block[block.uid] = block
         block.num_hits = 1
@@ -143,8 +168,8 @@ class BlockPool:
 
     def reset_cache(self) -> int:
         """Drop every cached block nobody holds; returns how many."""
-        dropped = len(self.evictable)
-        while len(self.evictable):
+        dropped = self.num_cached_blocks
+        while self.num_cached_blocks:
             self.free_block_ids.append(self._evict(count=False).block_id)
         return dropped
 
@@ -154,7 +179,10 @@ class BlockPool:
         in_use = cached = 0
         for block in self.blocks:
             assert block.ref_cnt >= 0, f"block {block.block_id} has ref_cnt {block.ref_cnt}"
-            is_free, is_cached = block.block_id in free, block in self.evictable
+            is_free, is_cold, is_cached = block.block_id in free, block.block_id in self.cold, block in self.evictable
+            assert not (is_cold and is_cached), f"block {block.block_id} is both cold and in the policy"
+            assert not is_cold or self.cold[block.block_id] is block, f"cold block {block.block_id} is stale"
+            is_cached |= is_cold
             assert not (is_free and is_cached), f"block {block.block_id} is both free and cached"
             if block.ref_cnt > 0:
                 assert not is_free and not is_cached, f"block {block.block_id} is in use and evictable"
@@ -170,5 +198,5 @@ class BlockPool:
         assert len(self.key_to_block) == sum(b.block_key is not None for b in self.blocks), "stale keys in index"
         assert len(self.uid_to_block) == len(self.key_to_block), "published uids and keys differ"
         assert all(self.uid_to_block[b.uid] is b for b in self.key_to_block.values()), "uid index is stale"
-        assert len(self.evictable) <= self.max_cached_blocks, "more cached blocks than max_cached_blocks"
+        assert self.num_cached_blocks <= self.max_cached_blocks, "more cached blocks than max_cached_blocks"
         self.evictable.check_integrity()

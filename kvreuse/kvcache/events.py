@@ -150,6 +150,8 @@ class KVEventPublisher:
         pool.on_evict.append(self._on_evict)
 
     def _on_register(self, block: KVCacheBlock) -> None:
+        if block.group:
+            return  # a sliding-window group's block (kvcache/layout.py): the chain's keys are group 0's
         parent = None
         if block.parent_uid is not None:
             parent = self._keys.get(block.parent_uid)

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from concurrent.futures import TimeoutError as FutureTimeout  # the builtin from 3.11, not on 3.10
+from typing import Literal
 
 from kvreuse.config import CacheConfig
 from kvreuse.kvcache.block_pool import BlockPool
 from kvreuse.kvcache.copy_jobs import CopyJobs
 from kvreuse.kvcache.eviction import EvictionPolicy
 from kvreuse.kvcache.hashing import BlockHashFn, extend_chain, sha256_block_key
+from kvreuse.kvcache.layout import RELEASED, KVLayout, first_window_block
 from kvreuse.kvcache.match import NO_MATCH, Match
 from kvreuse.kvcache.prompt_logprobs import PromptLogprobStore
 from kvreuse.kvcache.request import CacheRequest, ReuseScope, new_cache_request
@@ -19,18 +21,34 @@ from kvreuse.kvcache.segment import SegmentIndex, SegmentPlan
 from kvreuse.kvcache.tiers.store import LoadedBlock, StoredBlock, TieredStore
 from kvreuse.kvcache.tokens import common_prefix_length
 
+# What becomes of the window blocks a running sequence's window has passed (kvcache/layout.py): "cold" cached, evicted
+# before anything else unless a hit has reused them (the default); "policy": cached like any block; "end": freed, so
+# only the windows a sequence holds when it ends (and those other requests hold) stay cached. bench/window_retention.py
+# measures the three.
+WindowRetention = Literal["cold", "policy", "end"]
+
 
 class KVCacheManager:
     """Invariants: a running request's `block_table` covers its computed tokens, and each block in it holds one
     reference from that request (a waiting request holds none). Only exactly computed blocks (their whole prefix
     computed in this request, an exact hit, or loaded from a lower tier) are ever registered under chain keys, and
-only registered blocks are written to the lower tiers."""
+only registered blocks are written to the lower tiers.
+
+Under a grouped layout (kvcache/layout.py) `block_table` is the full-attention group's and each sliding-window group
+has a table beside it (`window_tables`): its blocks are allocated with group 0's, published under the same chain
+key tagged with the group, and released as soon as the window has passed them (to the cache, evicted first). A
+prefix hit of n blocks then also needs, in every window group, the blocks its window reads before position n."""
 
     def __init__(self, num_blocks: int, block_size: int, *, enable_caching: bool = True,
                  max_cached_blocks: int | None = None, policy: str | EvictionPolicy = "lru", min_match_blocks: int = 1,
                  fingerprint: str = "", hash_fn: BlockHashFn = sha256_block_key, enable_segments: bool = False,
-                 tiers: TieredStore | None = None):
+                 tiers: TieredStore | None = None, layout: KVLayout | None = None,
+                 window_retention: WindowRetention = "cold"):
         self.block_size = block_size
+        self.layout = layout or KVLayout.full(1)
+        self.windows = [g.window for g in self.layout.window_groups]  # of each sliding-window group (1, 2, ...)
+        self.window_retention = window_retention
+        assert not (self.windows and (enable_segments or tiers)), "segment reuse and tiers need a one-group layout"
         self.enable_caching = enable_caching
         self.enable_segments = enable_caching and enable_segments
         self.min_match_blocks = min_match_blocks
@@ -40,22 +58,23 @@ only registered blocks are written to the lower tiers."""
         self.segments = SegmentIndex(block_size)
         self.tiers = tiers if enable_caching else None  # disk / Redis under the pool
         self.prompt_logprobs = PromptLogprobStore(self.pool, block_size)
-        # Indexed whenever caching is on, so segment reuse can be switched on for a running engine.
-        if enable_caching:
+        # Indexed whenever caching is on, so segment reuse can be switched on for a running engine (one group only).
+        self.indexes_segments = enable_caching and not self.windows
+        if self.indexes_segments:
             self.pool.on_register.append(self.segments.add)
             self.pool.on_evict.append(self.segments.remove)
 
     @classmethod
     def from_config(cls, cache: CacheConfig, num_blocks: int, fingerprint: str, *,
                     enable_segments: bool | None = None, tiers: TieredStore | None = None,
-                    policy: EvictionPolicy | None = None) -> KVCacheManager:
+                    policy: EvictionPolicy | None = None, layout: KVLayout | None = None) -> KVCacheManager:
         """The `[cache]` section's manager; `enable_segments` overrides `cache.suffix.enabled`, `policy` (a policy
         object: a replay's offline MIN) `cache.policy`. The tiers are built by the caller, who owns the K/V they copy
         (`TieredStore.from_config`)."""
         segments = cache.suffix.enabled if enable_segments is None else enable_segments
         return cls(num_blocks, cache.block_size, enable_caching=cache.enabled, max_cached_blocks=cache.max_blocks,
                    policy=cache.policy if policy is None else policy, min_match_blocks=cache.min_match_blocks,
-                   fingerprint=fingerprint, enable_segments=segments, tiers=tiers)
+                   fingerprint=fingerprint, enable_segments=segments, tiers=tiers, layout=layout)
 
     def new_request(self, token_ids: list[int], cache_salt: str | None = None, use_cache: bool = True,
                     prompt_logprobs: int | None = None) -> CacheRequest:
@@ -79,6 +98,9 @@ only registered blocks are written to the lower tiers."""
         if not self.caches(req):
             return NO_MATCH
         hits = self.match_prefix(req)
+        if self.windows:
+            hits, windows = self._window_run(req, hits)
+            return Match(tuple(hits), num_cached_tokens=len(hits) * self.block_size, windows=windows)
         if req.scope is ReuseScope.SCORED:
             return Match(tuple(hits), num_cached_tokens=len(hits) * self.block_size)
         last_block = self._match_last_block(req, hits)
@@ -111,6 +133,44 @@ only registered blocks are written to the lower tiers."""
         parent_uid = self.pool.blocks[hits[-1]].uid if hits else None
         block = self.pool.lookup(self._key(req, len(hits)), req.token_ids[-bs:], parent_uid)
         return None if block is None else block.block_id
+
+    def _window_run(self, req: CacheRequest, hits: list[int]) -> tuple[list[int], tuple[tuple[int, ...], ...]]:
+        """The longest leading part of `hits` (group 0's prefix hits) whose every window group holds the blocks its
+        window reads before the hit's end, with those blocks per window group; ([], ()) if shorter than
+        `min_match_blocks`. Each position is looked up once, from the end backwards: a missing window block at i cuts
+        the hit to i blocks. (Where windows differ, every group is asked for the widest one's blocks.)"""
+        bs, need = self.block_size, max(1, self.min_match_blocks)
+        found: dict[int, list[int]] = {}
+        n, i = len(hits), len(hits) - 1
+        while n >= need and i >= self._first_window_block(n * bs):
+            blocks = self._window_blocks(req, i, self.pool.blocks[hits[i]].uid)
+            if blocks is None:
+                n = i
+            else:
+                found[i] = blocks
+            i -= 1
+        if n < need:
+            return [], ()
+        first = self._first_window_block(n * bs)
+        return hits[:n], tuple(tuple(found[i][g] for i in range(first, n)) for g in range(len(self.windows)))
+
+    def _first_window_block(self, num_computed_tokens: int) -> int:
+        return min(first_window_block(num_computed_tokens, w, self.block_size) for w in self.windows)
+
+    def _window_key(self, req: CacheRequest, index: int, group: int) -> bytes:
+        return self._key(req, index) + bytes([group])
+
+    def _window_blocks(self, req: CacheRequest, index: int, anchor_uid: int | None) -> list[int] | None:
+        """Block `index` of every window group, as the pool holds it after the full-attention block `anchor_uid`, or
+        None if a group lacks it."""
+        bs, blocks = self.block_size, []
+        for g in range(1, len(self.windows) + 1):
+            block = self.pool.lookup(self._window_key(req, index, g), req.token_ids[index * bs:(index + 1) * bs],
+                                     anchor_uid)
+            if block is None:
+                return None
+            blocks.append(block.block_id)
+        return blocks
 
     def _num_logprob_blocks(self, req: CacheRequest, num_blocks: int) -> int:
         """How many of `req`'s first `num_blocks` blocks, in a row, have prompt logprobs stored as rich as it asks."""
@@ -251,7 +311,7 @@ only registered blocks are written to the lower tiers."""
         # Hits and copy sources that sit unreferenced in the cache stop being available once held.
         num_held = sum(self.pool.blocks[b].ref_cnt == 0 for b in match.held_block_ids)
         num_blocks = -(-(match.num_cached_tokens + num_new_tokens) // self.block_size) - len(match.hits)
-        return self.pool.can_allocate(num_blocks + num_held)
+        return self.pool.can_allocate(num_blocks * len(self.layout.groups) + num_held)
 
     def admit(self, req: CacheRequest, match: Match, num_new_tokens: int) -> CopyJobs:
         """Give a waiting request the blocks of `match` and new ones for `num_new_tokens` beyond it: it holds its
@@ -274,7 +334,9 @@ only registered blocks are written to the lower tiers."""
         if match.last_block is not None:
             self.pool.hold([match.last_block])
             req.last_block_source = match.last_block
-        req.block_table.extend(self.pool.allocate(self.num_new_blocks(req, match.num_cached_tokens + num_new_tokens)))
+        if self.windows:
+            self._admit_windows(req, match)
+        self.allocate(req, match.num_cached_tokens + num_new_tokens)
         jobs = CopyJobs()
         if match.last_block is not None:
             jobs.copies.append((match.last_block, req.block_table[len(match.hits)]))
@@ -283,12 +345,24 @@ only registered blocks are written to the lower tiers."""
         req.tier_load = None
         return jobs
 
+    def _admit_windows(self, req: CacheRequest, match: Match) -> None:
+        """Window tables for a request admitted with `match`: released before the window, its hits' window blocks
+        held."""
+        first = len(match.hits) - (len(match.windows[0]) if match.windows else 0)
+        req.window_tables = [[RELEASED] * first + list(w) for w in match.windows or [()] * len(self.windows)]
+        for table in req.window_tables:
+            self.pool.hold(table[first:])
+        req.window_starts = [first] * len(self.windows)
+        req.num_window_published = len(match.hits)
+
     def can_allocate(self, req: CacheRequest, num_tokens: int) -> bool:
-        """A running request's table can grow to cover `num_tokens` tokens."""
-        return self.pool.can_allocate(self.num_new_blocks(req, num_tokens))
+        """A running request's tables can grow to cover `num_tokens` tokens."""
+        return self.pool.can_allocate(self.num_new_blocks(req, num_tokens) * len(self.layout.groups))
 
     def allocate(self, req: CacheRequest, num_tokens: int) -> None:
-        req.block_table.extend(self.pool.allocate(self.num_new_blocks(req, num_tokens)))
+        num_blocks = self.num_new_blocks(req, num_tokens)
+        for table in req.block_tables:
+            table.extend(self.pool.allocate(num_blocks))
 
     def _fill(self, req: CacheRequest, first: int, loads: Sequence[LoadedBlock], jobs: CopyJobs) -> None:
         """Put loaded K/V into the request's blocks `first`, ... (a job) and publish them. A block from a farther tier
@@ -316,9 +390,42 @@ only registered blocks are written to the lower tiers."""
         jobs = CopyJobs()
         if self.caches(req):
             self._publish(req, num_computed_tokens, self.tiers.tier_names if self.tiers else [], jobs)
+        if self.windows:
+            if self.caches(req):
+                self._publish_windows(req)
+            self._release_windows(req, num_computed_tokens)
         if req.prompt_logprobs is not None:
             self.prompt_logprobs.add(req, *(prompt_logprobs or (0, ())), publishes=self.caches(req))
         return jobs
+
+    def _publish_windows(self, req: CacheRequest) -> None:
+        """Register each window group's block at every position whose full-attention block got published since
+        (after it: a window block is found only through the full-attention block of its position)."""
+        bs = self.block_size
+        for i in range(req.num_window_published, len(req.block_uids)):
+            anchor_uid = req.block_uids[i]
+            if anchor_uid is None:
+                continue  # a private full-attention block: its window blocks stay private too
+            token_ids = req.token_ids[i * bs:(i + 1) * bs]
+            for g, table in enumerate(req.window_tables, start=1):
+                block_id, key = table[i], self._window_key(req, i, g)
+                if block_id != RELEASED and self.pool.blocks[block_id].uid is None and \
+                        self.pool.lookup(key, token_ids, anchor_uid) is None:
+                    self.pool.register(block_id, key, token_ids, anchor_uid, i * bs, req.extra_key, group=g)
+        req.num_window_published = len(req.block_uids)
+
+    def _release_windows(self, req: CacheRequest, num_computed_tokens: int) -> None:
+        """Let go of the window blocks that no later token of `req` reads, as `window_retention` says."""
+        for g, (table, window) in enumerate(zip(req.window_tables, self.windows, strict=True)):
+            first = min(first_window_block(num_computed_tokens, window, self.block_size), len(table))
+            start = req.window_starts[g]
+            if first > start:
+                if self.window_retention == "end":
+                    self.pool.discard(table[start:first])
+                else:
+                    self.pool.free(table[start:first], cold=self.window_retention == "cold")
+                table[start:first] = [RELEASED] * (first - start)
+                req.window_starts[g] = first
 
     def _release_sources(self, req: CacheRequest) -> None:
         if req.segment_plan is not None:
@@ -355,8 +462,8 @@ only registered blocks are written to the lower tiers."""
 
     # --- n > 1: choices forked from one prompt ---------------------------------------------------------
     def can_fork(self, req: CacheRequest, num_computed_tokens: int) -> bool:
-        """A block is free for the copy of `req`'s partial last block, if it has one."""
-        return self.pool.can_allocate(int(num_computed_tokens % self.block_size > 0))
+        """Blocks are free for the copy of `req`'s partial last block (in every group), if it has one."""
+        return self.pool.can_allocate(int(num_computed_tokens % self.block_size > 0) * len(self.layout.groups))
 
     def fork(self, parent: CacheRequest, child: CacheRequest, num_computed_tokens: int) -> CopyJobs:
         """Give `child` (a request with the parent's tokens and no blocks) the parent's K/V for its first
@@ -364,25 +471,47 @@ only registered blocks are written to the lower tiers."""
         write (a job)."""
         assert not child.block_table and child.token_ids[:num_computed_tokens] == parent.token_ids[:num_computed_tokens]
         num_full = num_computed_tokens // self.block_size
-        shared = parent.block_table[:num_full]
-        self.pool.hold(shared)
-        child.block_table = list(shared)
+        child.window_tables = [[] for _ in self.windows]
+        child.window_starts = list(parent.window_starts)
+        child.num_window_published = min(parent.num_window_published, num_full)
+        jobs = CopyJobs()
+        for parent_table, child_table in zip(parent.block_tables, child.block_tables, strict=True):
+            shared = parent_table[:num_full]
+            self.pool.hold([b for b in shared if b != RELEASED])
+            child_table += shared
+            if num_computed_tokens % self.block_size:
+                child_table += self.pool.allocate(1)
+                jobs.copies.append((parent_table[num_full], child_table[-1]))
         child.block_keys = parent.block_keys[:num_full]
         child.block_uids = parent.block_uids[:num_full]
         child.num_exact_tokens = parent.num_exact_tokens
-        jobs = CopyJobs()
-        if num_computed_tokens % self.block_size:
-            child.block_table += self.pool.allocate(1)
-            jobs.copies.append((parent.block_table[num_full], child.block_table[-1]))
         return jobs
 
     def free(self, req: CacheRequest) -> None:
         self._release_sources(req)
         req.tier_load = None
         self.pool.free(req.block_table)
-        req.block_table = []
+        for g, table in enumerate(req.window_tables):
+            self.pool.free(table[req.window_starts[g]:])  # the blocks a next turn's hit reads: kept as the rest
+        req.block_table, req.window_tables, req.window_starts = [], [], []
         req.block_uids = []
+        req.num_window_published = 0
         req.num_exact_tokens = None
+
+    def _check_windows(self, req: CacheRequest) -> list[int]:
+        """Assert `req`'s window tables match its full-attention table; the window blocks it holds."""
+        assert len(req.window_tables) == len(self.windows) == len(req.window_starts), "window tables missing"
+        held = []
+        for g, (table, start) in enumerate(zip(req.window_tables, req.window_starts, strict=True), start=1):
+            assert len(table) == len(req.block_table), f"window group {g}'s table is not as long as group 0's"
+            assert all(b == RELEASED for b in table[:start]), f"window group {g} holds a block before its window"
+            assert RELEASED not in table[start:], f"window group {g} released a block inside its window"
+            for i, block_id in enumerate(table[start:], start=start):
+                block = self.pool.blocks[block_id]
+                assert block.block_key is None or (block.group == g and block.position == i * self.block_size), \
+                    f"window group {g}'s block {block_id} was published for another group or place"
+            held += table[start:]
+        return held
 
     # --- reporting -----------------------------------------------------------------------------------
     @property
@@ -398,10 +527,10 @@ only registered blocks are written to the lower tiers."""
             sources = req.segment_plan.source_block_ids if req.segment_plan else []
             sources = sources + ([req.last_block_source] if req.last_block_source is not None else [])
             assert len(req.block_uids) <= len(req.block_table), "more published blocks than blocks"
-            for block_id in req.block_table + sources:
+            for block_id in req.block_table + sources + self._check_windows(req):
                 held[block_id] = held.get(block_id, 0) + 1
         for block_id, count in held.items():
             assert self.pool.blocks[block_id].ref_cnt == count, f"block {block_id} held {count}x, ref_cnt differs"
-        if self.enable_caching:
+        if self.indexes_segments:
             self.segments.check_integrity(self.pool.blocks)
         self.prompt_logprobs.check_integrity()

@@ -16,6 +16,9 @@ class Match:
     last_block: int | None = None          # the pool's copy of a fully cached block-aligned prompt's last block
     plan: SegmentPlan | None = None        # cached segments beyond the exact prefix
     num_cached_tokens: int = 0             # tokens the exact prefix gives: hits, loads and the last block's copy
+    # A grouped layout's sliding-window groups: the pool blocks of each one's window before the first computed token
+    # (the hits' last blocks, as many as the window reads), in order.
+    windows: tuple[tuple[int, ...], ...] = ()
 
     @property
     def num_cached_blocks(self) -> int:
@@ -26,7 +29,8 @@ class Match:
     def held_block_ids(self) -> set[int]:
         """Pool blocks the request holds besides its own new ones once admitted: hits and copy sources."""
         sources = self.plan.source_block_ids if self.plan else ()
-        return {*self.hits, *sources, *((self.last_block,) if self.last_block is not None else ())}
+        last = (self.last_block,) if self.last_block is not None else ()
+        return {*self.hits, *sources, *last, *(b for window in self.windows for b in window)}
 
 
 NO_MATCH = Match()

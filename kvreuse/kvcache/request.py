@@ -29,6 +29,12 @@ class CacheRequest:
     block_keys: list[bytes] = field(default_factory=list)  # chain keys of the full blocks, computed as needed
     # Identity (pool uid) of each published full block, in order; None: private (not published, or its chain broke).
     block_uids: list[int | None] = field(default_factory=list)
+    # A grouped layout's sliding-window groups (kvcache/layout.py): each one's block table, as long as `block_table`,
+    # RELEASED before its window (from `window_starts[g]` on, every block is held); and how many of the leading
+    # blocks were offered for publishing.
+    window_tables: list[list[int]] = field(default_factory=list)
+    window_starts: list[int] = field(default_factory=list)
+    num_window_published: int = 0
     # What the last admission took: tokens from the exact prefix cache (pool, tiers, last block), and of those, how
     # many each lower tier ("disk", "redis") loaded and how long its read took; tokens from cached segments.
     num_cached_tokens: int = 0
@@ -49,6 +55,11 @@ class CacheRequest:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def block_tables(self) -> list[list[int]]:
+        """Every group's block table, group 0's (full attention) first."""
+        return [self.block_table, *self.window_tables]
 
     @property
     def use_cache(self) -> bool:

@@ -1,8 +1,8 @@
 """The cache's own simulator: prompts admitted one after another through a KVCacheManager's own admission pair and
 post-forward update (`match`, `can_admit` / `admit`, `update`, `free`: the calls the engine's scheduler makes), with
-no model run. So its hit rates are what the engine would measure for those prompts in that order, generated tokens
-aside (they are never cached here). `kvreuse analyze`, the bench's block-size sweep and `kvreuse bench trace` use
-it."""
+no model run, over the engine's pool layout (a sliding-window model's layer groups included). So its hit rates are
+what the engine would measure for those prompts in that order, generated tokens aside (they are never cached here).
+`kvreuse analyze`, the bench's block-size sweep and `kvreuse bench trace` use it."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from kvreuse.config import CacheConfig
 from kvreuse.kvcache.accounting import ReuseRecord
 from kvreuse.kvcache.eviction import EvictionPolicy
+from kvreuse.kvcache.layout import KVLayout
 from kvreuse.kvcache.manager import KVCacheManager
 from kvreuse.kvcache.match import NO_MATCH
 
@@ -20,9 +21,9 @@ class CacheSimulator:
     overrides `cache.suffix.enabled`, `policy` `cache.policy`: an offline MIN needs a policy object)."""
 
     def __init__(self, cache: CacheConfig, fingerprint: str, num_blocks: int, *, enable_segments: bool | None = None,
-                 policy: EvictionPolicy | None = None):
+                 policy: EvictionPolicy | None = None, layout: KVLayout | None = None):
         self.manager = KVCacheManager.from_config(cache, num_blocks, fingerprint, enable_segments=enable_segments,
-                                                  policy=policy)
+                                                  policy=policy, layout=layout)
         self.num_skipped = 0
 
     def run(self, token_ids: list[int]) -> ReuseRecord:
@@ -46,9 +47,10 @@ class CacheSimulator:
 
 
 def simulate(token_lists: Iterable[list[int]], cache: CacheConfig, fingerprint: str, num_blocks: int, *,
-             enable_segments: bool | None = None) -> ReuseRecord:
-    """Every prompt in turn through one `CacheSimulator`; the summed reuse record."""
-    simulator = CacheSimulator(cache, fingerprint, num_blocks, enable_segments=enable_segments)
+             enable_segments: bool | None = None, layout: KVLayout | None = None) -> ReuseRecord:
+    """Every prompt in turn through one `CacheSimulator` (over `layout`'s groups: a sliding-window model's hits need
+    their windows); the summed reuse record."""
+    simulator = CacheSimulator(cache, fingerprint, num_blocks, enable_segments=enable_segments, layout=layout)
     total = ReuseRecord()
     for token_ids in token_lists:
         total += simulator.run(token_ids)

@@ -42,7 +42,8 @@ class AttentionMetadata:
         device: torch.device,
     ) -> AttentionMetadata:
         """Sequence b computes positions [start_positions[b], start_positions[b] + query_lens[b]) and
-        attends causally to every position before and including each query."""
+        attends causally to every position before and including each query. A table entry RELEASED
+        (kvcache/layout.py: a block its sliding window no longer reads) reads block 0 under the window's mask."""
         if all(n == 1 for n in query_lens):
             return cls.for_decode([s + 1 for s in start_positions], block_tables, block_size, device)
         queries = [torch.arange(s, s + n) for s, n in zip(start_positions, query_lens, strict=True)]
@@ -58,7 +59,7 @@ class AttentionMetadata:
         The same metadata `for_queries` builds for that case, with fewer ops (it is built every decode step)."""
         num_seqs, max_context_len = len(context_lens), max(context_lens)
         max_blocks = max(len(t) for t in block_tables)
-        tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in block_tables])  # [B, max_blocks]
+        tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in block_tables]).clamp_min_(0)  # [B, blocks]
         lens = torch.tensor(context_lens)                                              # [B]
         key_pos = torch.arange(max_context_len)                                        # [K]
         context_slots = tables[:, key_pos // block_size] * block_size + key_pos % block_size  # [B, K]
@@ -103,6 +104,7 @@ class AttentionMetadata:
         tables = torch.zeros(num_seqs, max_blocks, dtype=torch.long)
         for b, table in enumerate(block_tables):
             tables[b, : len(table)] = torch.tensor(table, dtype=torch.long)
+        tables.clamp_min_(0)                                                           # RELEASED: below
 
         key_pos = torch.arange(max_context_len)                                        # [K]
         key_blocks = tables[:, torch.div(key_pos, block_size, rounding_mode="floor")]  # [B, K]

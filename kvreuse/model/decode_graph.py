@@ -29,25 +29,18 @@ import time
 import types
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from kvreuse.layers.attention import AttentionMetadata, store_and_attend
-from kvreuse.model.decoder import CausalLM, layer_caches
+from kvreuse.model.decoder import CausalLM, ForwardKV
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class _Step:
-    caches: list[tuple[torch.Tensor, torch.Tensor]]   # each layer's (k_cache, v_cache) views of the pool
-    meta: AttentionMetadata
-
-
 ROW_GRID = (1, 16, 64)  # the top row count of each compiled graph (row_buckets)
 COMPILED_ROWS = ROW_GRID[-1]  # steps of up to this many rows run compiled: decode batches, a chat turn's new tokens
-_current = threading.local()  # .value: the _Step of the forward this thread runs
+_current = threading.local()  # .value: the ForwardKV of the forward this thread runs
 _compiling: weakref.WeakSet[DecodeGraph] = weakref.WeakSet()  # graphs whose compile thread may still run
 
 
@@ -69,8 +62,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_in
     """`store_and_attend` for layer `layer_index` of the current thread's step (`window` 0: full attention). It
     writes the pool, which the compiler does not see: each layer's output feeds the next, so the calls keep their
     order."""
-    step: _Step = _current.value
-    return store_and_attend(q, k, v, *step.caches[layer_index], step.meta, scale, window or None)
+    kv: ForwardKV = _current.value
+    return store_and_attend(q, k, v, *kv.caches[layer_index], kv.metas[layer_index], scale, window or None)
 
 
 @decode_attention.register_fake
@@ -177,18 +170,17 @@ class DecodeGraph:
         return self.state == "ready" and 1 <= num_rows <= self.max_rows
 
     @torch.inference_mode()
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-            kv_cache: torch.Tensor) -> torch.Tensor:
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: ForwardKV) -> torch.Tensor:
         """The final hidden states [T, hidden] of every row of a step of T rows (input_ids, positions: [T])."""
         assert self.can_run(len(input_ids)), "not a step the compiled graphs run"
         self.num_steps += 1
         # Only the guards that tell the two graphs apart (the batch size) are evaluated: the model's parameters and
         # attributes the others check never change after the compile. 0.8 ms of a ~10 ms step at batch 1.
         with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-            return self._call(self._run_only, input_ids, positions, meta, kv_cache)
+            return self._call(self._run_only, input_ids, positions, kv)
 
-    def _call(self, fn, input_ids, positions, meta, kv_cache) -> torch.Tensor:
-        _current.value = _Step(layer_caches(kv_cache), meta)
+    def _call(self, fn, input_ids, positions, kv) -> torch.Tensor:
+        _current.value = kv
         try:
             return fn(self.model, input_ids, positions)
         finally:
@@ -228,7 +220,7 @@ class DecodeGraph:
                         torch._dynamo.mark_dynamic(t, 0, min=low, max=high)
                 # A decode batch of `high` sequences of one token each (any meta runs the same graph).
                 meta = AttentionMetadata.for_decode([1] * high, [[b] for b in range(high)], 1, param.device)
-                self._call(compiled, ids, positions, meta, scratch)
+                self._call(compiled, ids, positions, ForwardKV.uniform(scratch, meta))
         except Exception as exc:  # a compiler error of any kind: the eager step serves instead
             self._fail(f"{type(exc).__name__}: {exc}")
         else:

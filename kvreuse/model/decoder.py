@@ -4,7 +4,8 @@ gemma3.py) says what its layer adds (biases, q/k norms, norm placement, activati
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
 import torch
@@ -84,6 +85,20 @@ def layer_caches(kv_cache: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tenso
     rather than three per layer."""
     k_caches, v_caches = kv_cache.unbind(1)                               # [num_layers, num_blocks, ...] each
     return list(zip(k_caches.unbind(0), v_caches.unbind(0), strict=True))
+
+
+@dataclass
+class ForwardKV:
+    """Where each layer of one forward stores and reads its K/V: its (k_cache, v_cache) views of the pool and the
+    attention metadata of its layer group (kvcache/layout.py; the layers of a group share one)."""
+    caches: Sequence[tuple[torch.Tensor, torch.Tensor]]  # per model layer
+    metas: Sequence[AttentionMetadata]                    # per model layer
+
+    @classmethod
+    def uniform(cls, kv_cache: torch.Tensor, meta: AttentionMetadata) -> ForwardKV:
+        """A pool of one group, [num_layers, 2, num_blocks, block_size, Hkv, D]: layer i in slot i, one metadata."""
+        caches = layer_caches(kv_cache)
+        return cls(caches, [meta] * len(caches))
 
 
 class CausalLM(nn.Module):
@@ -188,15 +203,14 @@ class CausalLM(nn.Module):
             x = layer.mlp(x, paged_attention(q, k_cache, v_cache, meta, layer.scale, layer.window))
         return self.norm(x[rows])
 
-    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                      kv_cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions: [T]; kv_cache: [num_layers, 2, num_blocks, block_size, Hkv, D]. The final (normed)
-        hidden states [S, hidden] of `rows` [S], the rows of the batch to produce logits for (`compute_logits`)."""
-        caches = layer_caches(kv_cache)
-
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: ForwardKV,
+                      rows: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [T]; `kv` says where each layer's K/V go. The final (normed) hidden states [S, hidden]
+        of `rows` [S], the rows of the batch to produce logits for (`compute_logits`)."""
         def attend(layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             layer = self.layers[layer_index]
-            return store_and_attend(q, k, v, *caches[layer_index], meta, layer.scale, layer.window)
+            return store_and_attend(q, k, v, *kv.caches[layer_index], kv.metas[layer_index], layer.scale,
+                                    layer.window)
 
         return self.run_layers(input_ids, positions, rows, attend)
 

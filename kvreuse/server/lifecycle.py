@@ -40,7 +40,7 @@ def describe(config: Config, front: FrontEnd, model_name: str, api_keys: dict | 
     """What the ready line says after the URL (`cluster`: what a cluster adds, after the per-replica pool)."""
     quantized = f" quantization={config.model.quantization}" if config.model.quantization != "none" else ""
     return (f"model={model_name} dtype={front.dtype_description}{quantized} max_model_len={front.max_model_len} "
-            f"kv_capacity={front.kv_capacity_tokens} tokens ({front.num_kv_blocks} blocks x {front.block_size})"
+            f"kv_capacity={front.describe_kv()}"
             f"{' ' + cluster if cluster else ''} prefix_caching={'on' if config.cache.enabled else 'off'} "
             f"auth={'api-keys' if api_keys else 'off'}")
 
