@@ -253,3 +253,82 @@ def test_the_simulator_predicts_the_engines_hits_under_groups(gemma_dir):
     predicted = simulate(prompts, config.cache, front.fingerprint, 100, layout=front.kv_layout)
     assert sum(measured) > 0 and evicted_windows
     assert predicted.cached_tokens == sum(measured)
+
+
+# --- which window blocks stay (the manager alone, no model) ---------------------------------------------
+
+
+def manager(retention: str = "cold", num_blocks: int = 400):
+    from kvreuse.kvcache.manager import KVCacheManager
+
+    layout = KVLayout.of(gemma_args(6, pattern=3, window=WINDOW))
+    return KVCacheManager(num_blocks, BLOCK, layout=layout, window_retention=retention)
+
+
+def admit_and_finish(mgr, token_ids: list[int], num_computed: int | None = None) -> int:
+    """One request through admission, a forward to `num_computed` tokens (all of them) and free; its cached tokens."""
+    req = mgr.new_request(list(token_ids))
+    match = mgr.match(req)
+    mgr.admit(req, match, req.num_tokens - match.num_cached_tokens)
+    mgr.update(req, req.num_tokens if num_computed is None else num_computed)
+    mgr.check_integrity([req])
+    mgr.free(req)
+    mgr.check_integrity()
+    return match.num_cached_tokens
+
+
+@pytest.mark.parametrize("retention", ["cold", "policy", "end"])
+@pytest.mark.parametrize("tail", range(BLOCK))
+def test_the_next_turn_and_a_prompt_diverging_in_the_last_block_hit_under_every_retention(retention, tail):
+    """Whatever becomes of passed window blocks, a request keeps the windows of hits at its last two block boundaries
+    and at the last two before its prompt's end: the next turn, a prompt diverging in its last block, and a retry
+    after it generated (its completion computed) all hit up to there."""
+    first = tokens(8 * BLOCK + tail, 40)
+    mgr = manager(retention)
+    admit_and_finish(mgr, first)
+    assert admit_and_finish(mgr, first + tokens(9, 41)) == len(first) // BLOCK * BLOCK
+    assert admit_and_finish(mgr, first[:-3] + tokens(9, 42)) == (len(first) - 3) // BLOCK * BLOCK
+    answered = manager(retention)
+    prompt = first[:-2 * BLOCK]
+    req = answered.new_request(list(prompt))
+    answered.admit(req, answered.match(req), req.num_tokens)
+    answered.update(req, req.num_tokens)
+    req.token_ids += tokens(2 * BLOCK, 43)  # its completion, computed
+    answered.allocate(req, req.num_tokens)
+    answered.update(req, req.num_tokens - 1)
+    answered.free(req)
+    assert admit_and_finish(answered, prompt[:-3] + tokens(9, 44)) == (len(prompt) - 3) // BLOCK * BLOCK
+
+
+def test_end_keeps_window_blocks_another_request_left_cached():
+    shared = tokens(3 * WINDOW, 45)
+    mgr = manager("end")
+    admit_and_finish(mgr, shared + tokens(5, 46))          # leaves its end windows cached
+    admit_and_finish(mgr, shared + tokens(5, 46) + tokens(4 * WINDOW, 47))  # hits them, then passes them
+    assert admit_and_finish(mgr, shared + tokens(5, 46) + tokens(9, 48)) == (len(shared) + 5) // BLOCK * BLOCK
+
+
+def test_a_finished_requests_window_blocks_are_evicted_before_the_block_they_are_found_through():
+    mgr = manager("policy")
+    admit_and_finish(mgr, tokens(10 * BLOCK, 49))
+    evicted = []  # (group, position), in eviction order
+    mgr.pool.on_evict.append(lambda block: evicted.append((block.group, block.position)))
+    while mgr.pool.num_cached_blocks:
+        mgr.pool.free_block_ids.append(mgr.pool._evict().block_id)
+        mgr.pool.check_integrity()
+    assert len(evicted) == 10 * 3 and len(set(evicted)) == len(evicted)
+    for k, (group, position) in enumerate(evicted):
+        if group == 0:
+            assert all((g, position) in evicted[:k] for g in (1, 2)), evicted
+
+
+def test_window_blocks_go_with_the_block_they_are_found_through():
+    mgr = manager("policy")
+    admit_and_finish(mgr, tokens(10 * BLOCK, 50))
+    anchor = next(b for b in mgr.pool.blocks if b.group == 0 and b.position == 9 * BLOCK)
+    windows = [b for b in mgr.pool.blocks if b.group and b.parent_uid == anchor.uid]
+    assert len(windows) == 2
+    mgr.pool._uncache(anchor)
+    mgr.pool.free_block_ids.append(mgr.pool._drop(anchor).block_id)
+    assert all(b.block_key is None and b.block_id in mgr.pool.free_block_ids for b in windows)
+    mgr.check_integrity()

@@ -4,9 +4,11 @@ the cache manager over a sliding-window model's grouped pool (kvcache/layout.py)
 `--swa-full`).
 
 The retentions decide what becomes of the window blocks a running sequence's window has passed:
-- "cold" (the default): cached, but evicted before anything the eviction policy holds, unless a hit reused them;
-- "policy": cached like any other block, under `cache.policy`;
-- "end": freed at once, so only the windows a sequence holds when it ends stay cached.
+- "policy" (the default, as this bench measured it best): cached like any other block, under `cache.policy`;
+- "cold": cached, but evicted before anything the eviction policy holds, unless a hit reused them;
+- "end": freed at once, unless a hit reused them, so only the windows a sequence holds when it ends stay cached.
+Under all three a request keeps the windows of hits at its last two block boundaries and at the last two before its
+prompt's end, and window blocks go as soon as the full-attention block they are found through goes.
 "swa-full" is the reference: every layer's K/V kept for the whole sequence, in blocks holding every layer, so the same
 memory holds `capacity x layout.layers_per_block // num_layers` of them (capacity // 6 on Gemma 3 270M, whose grouped
 blocks hold 3 of its 18 layers).

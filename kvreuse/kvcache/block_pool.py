@@ -29,6 +29,9 @@ class BlockPool:
         self.cold: dict[int, KVCacheBlock] = {}  # cached blocks evicted before the policy's, by block id, oldest first
         self.key_to_block: dict[bytes, KVCacheBlock] = {}
         self.uid_to_block: dict[int, KVCacheBlock] = {}  # published blocks by identity: whose parent still exists
+        # Published sliding-window blocks (group > 0) by the uid of the full-attention block they are found through:
+        # they go when it goes, as no lookup can reach them after.
+        self.windows_of: dict[int, set[int]] = {}
         self.num_evictions = 0
         self._tick = itertools.count(1)
         self._uids = itertools.count(1)
@@ -90,6 +93,8 @@ class BlockPool:
             block.last_access = next(self._tick)
             if block.block_key is None:
                 self.free_block_ids.append(block_id)
+            elif block.group and block.parent_uid not in self.uid_to_block:  # its anchor went while it was held
+                self.free_block_ids.append(self._drop(block).block_id)
             elif cold and block.num_hits <= 1:
                 self.cold[block_id] = block
             else:
@@ -98,15 +103,19 @@ class BlockPool:
             self.free_block_ids.append(self._evict().block_id)
 
     def discard(self, block_ids: Sequence[int]) -> None:
-        """Release one reference to each block; those left unreferenced are unpublished and freed (not cached)."""
+        """Release one reference to each block; those left unreferenced that no hit has reused are unpublished and
+        freed, the others cached as `free` caches them."""
+        kept = []
         for block_id in block_ids:
             block = self.blocks[block_id]
-            assert block.ref_cnt > 0, f"double free of block {block_id}"
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
+            if block.ref_cnt == 1 and block.num_hits <= 1:
+                block.ref_cnt = 0
                 if block.block_key is not None:
                     self._drop(block, count=False)
                 self.free_block_ids.append(block_id)
+            else:
+                kept.append(block_id)
+        self.free(kept)
 
     def _uncache(self, block: KVCacheBlock) -> None:
         """Take an unreferenced cached block out of `cold` or the policy."""
@@ -119,13 +128,25 @@ class BlockPool:
         return self._drop(self.evictable.pop(), count)
 
     def _drop(self, block: KVCacheBlock, count: bool = True) -> KVCacheBlock:
-        """Unpublish an unreferenced cached block (already out of `evictable`)."""
+        """Unpublish an unreferenced cached block (already out of `evictable`), and free the unreferenced window
+        blocks found through it."""
         del self.key_to_block[block.block_key]
         del self.uid_to_block[block.uid]
         for listener in self.on_evict:
             listener(block)
+        if block.group:
+            anchored = self.windows_of[block.parent_uid]
+            anchored.discard(block.block_id)
+            if not anchored:
+                del self.windows_of[block.parent_uid]
+        uid = block.uid
         block.reset()
         self.num_evictions += count
+        for window_id in sorted(self.windows_of.get(uid, ())):  # a held one goes when it is freed
+            window = self.blocks[window_id]
+            if window.ref_cnt == 0:
+                self._uncache(window)
+                self.free_block_ids.append(self._drop(window, count).block_id)
         return block
 
     # --- the cache index -----------------------------------------------------------------------------
@@ -155,6 +176,8 @@ class BlockPool:
         block.position, block.extra_key, block.group = position, extra_key, group
         block.uid = next(self._uids)
         self.uid_to_block[block.uid] = block
+        if group:
+            self.windows_of.setdefault(parent_uid, set()).add(block_id)
         block.num_hits = 1
         self.key_to_block[key] = block
         self.evictable.publish(block, None if parent_uid is None else self.uid_to_block.get(parent_uid))
@@ -198,5 +221,9 @@ class BlockPool:
         assert len(self.key_to_block) == sum(b.block_key is not None for b in self.blocks), "stale keys in index"
         assert len(self.uid_to_block) == len(self.key_to_block), "published uids and keys differ"
         assert all(self.uid_to_block[b.uid] is b for b in self.key_to_block.values()), "uid index is stale"
+        windows = {(b.parent_uid, b.block_id) for b in self.key_to_block.values() if b.group}
+        assert windows == {(uid, i) for uid, ids in self.windows_of.items() for i in ids}, "window index is stale"
+        assert all(self.blocks[i].ref_cnt > 0 for uid, ids in self.windows_of.items() if uid not in self.uid_to_block
+                   for i in ids), "a cached window block outlived the block it is found through"
         assert self.num_cached_blocks <= self.max_cached_blocks, "more cached blocks than max_cached_blocks"
         self.evictable.check_integrity()

@@ -51,6 +51,10 @@ class CacheRequest:
     # admission or computed; and how many leading blocks have theirs in the store.
     prompt_logprob_records: list = field(default_factory=list)
     num_logprob_blocks_stored: int = 0
+    num_prompt_tokens: int = 0        # set from `token_ids` when made
+
+    def __post_init__(self):
+        self.num_prompt_tokens = self.num_prompt_tokens or len(self.token_ids)
 
     @property
     def num_tokens(self) -> int:
