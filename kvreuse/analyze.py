@@ -36,6 +36,16 @@ DYNAMIC_FIELDS = {
 }
 
 
+def tokenize(tokenizer: Tokenizer, prompt: str | list[dict], normalize: bool) -> list[int]:
+    """A prompt's tokens as the engine makes them: a text as a completion's, a conversation as chat's (whose template
+    writes its own BOS: nothing added)."""
+    if isinstance(prompt, str):
+        return tokenizer.encode(render(tokenizer, prompt, normalize))
+    fix = normalize_text if normalize else (lambda text: text)
+    return tokenizer.encode_chat(tokenizer.render_chat([{**m, "content": fix(m.get("content") or "")}
+                                                        for m in prompt]))
+
+
 def render(tokenizer: Tokenizer, prompt: str | list[dict], normalize: bool) -> str:
     fix = normalize_text if normalize else (lambda text: text)
     if isinstance(prompt, str):
@@ -99,12 +109,11 @@ def analyze(prompts: list[str | list[dict]], config: Config) -> dict:
     tokenizer, fingerprint = load_tokenizer(config)
     normalize = config.cache.normalize_input
     texts = [render(tokenizer, p, normalize) for p in prompts]
-    token_lists = [tokenizer.encode(t) for t in texts]
+    token_lists = [tokenize(tokenizer, p, normalize) for p in prompts]
     args = load_model_info(config.model.path or None).args
     as_configured = replay(token_lists, config, fingerprint, segments=config.cache.suffix.enabled, args=args)
     with_segments = replay(token_lists, config, fingerprint, segments=True, args=args)
-    other_texts = [render(tokenizer, p, not normalize) for p in prompts]
-    other = replay([tokenizer.encode(t) for t in other_texts], config, fingerprint,
+    other = replay([tokenize(tokenizer, p, not normalize) for p in prompts], config, fingerprint,
                    segments=config.cache.suffix.enabled, args=args)
     normalized, raw = (as_configured, other) if normalize else (other, as_configured)
     fields = find_dynamic_fields(texts)

@@ -94,6 +94,16 @@ def test_a_multi_turn_chat_with_a_template_file(gemma, hf_gemma):
         messages.append({"role": "assistant", "content": gemma.tokenizer.decode(out.token_ids)})
 
 
+def test_the_simulators_tokenize_chat_as_the_engine_does(gemma):
+    """`kvreuse analyze`, the block-size sweep and `bench scenario-trace` tokenize a conversation as a chat request
+    is: one <bos>, the template's."""
+    from kvreuse.analyze import tokenize
+
+    messages = [{"role": "user", "content": "Hello there"}]
+    token_ids = tokenize(gemma.tokenizer, messages, False)
+    assert token_ids == gemma.engine.front_end.tokenize_chat(messages) and token_ids.count(2) == 1
+
+
 def test_segment_reuse_at_full_recompute_is_exact(gemma, hf_gemma):
     llm = LLM(make_config(model__path="gemma3-270m", model__dtype="fp32", engine__num_kv_blocks=256,
                           cache__suffix__enabled="true", cache__suffix__recompute_ratio="1.0",

@@ -201,6 +201,12 @@ def test_bench_scenario_trace_writes_a_trace_bench_trace_reads(tmp_path, monkeyp
         def encode(self, text):
             return [ord(c) for c in text]
 
+        def render_chat(self, messages):
+            return self.apply_chat_template(messages)
+
+        def encode_chat(self, text):
+            return self.encode(text)
+
     import kvreuse.analyze
 
     monkeypatch.setattr(kvreuse.analyze, "load_tokenizer", lambda config: (FakeTokenizer(), "fp"))

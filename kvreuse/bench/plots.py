@@ -15,7 +15,7 @@ from pathlib import Path
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from kvreuse.analyze import load_tokenizer, render
+from kvreuse.analyze import load_tokenizer, tokenize
 from kvreuse.bench import workloads
 from kvreuse.config import Config
 from kvreuse.kvcache.simulate import simulate
@@ -110,7 +110,7 @@ def block_size_sweep(scenarios: list[str], block_sizes: list[int], num_requests:
     cached_tokens = config.cache.max_blocks * config.cache.block_size
     sweep = {"requests": num_requests, "block_sizes": list(block_sizes), "scenarios": {}}
     for name in scenarios:
-        token_lists = [tokenizer.encode(render(tokenizer, p, config.cache.normalize_input))
+        token_lists = [tokenize(tokenizer, p, config.cache.normalize_input)
                        for p in workloads.WORKLOADS[name](num_requests)]
         rates: dict[str, list[float]] = {"exact": [], "segment": [], "with_segments": []}
         for block_size in block_sizes:

@@ -89,14 +89,14 @@ def add_scenario_trace(suites) -> None:
 
 def cmd_bench_scenario_trace(args: argparse.Namespace) -> int:
     """Tokenize the sessions with the default model's chat template and write the trace."""
-    from kvreuse.analyze import load_tokenizer, render
+    from kvreuse.analyze import load_tokenizer, tokenize
     from kvreuse.bench.trace import write_trace
     from kvreuse.bench.trace_export import SessionMix, scenario_trace
     from kvreuse.config import Config
 
     tokenizer, _ = load_tokenizer(Config())
     requests = scenario_trace(SessionMix(num_sessions=args.sessions, seed=args.seed),
-                              lambda messages: tokenizer.encode(render(tokenizer, messages, False)),
+                              lambda messages: tokenize(tokenizer, messages, False),
                               args.hash_block_tokens)
     path = write_trace(args.out_file, requests)
     blocks = sum(len(r.hash_ids) for r in requests)
