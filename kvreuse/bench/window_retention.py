@@ -1,7 +1,7 @@
 """`kvreuse bench windows`: which sliding-window blocks should the cache keep? The scenario workloads replayed through
-the cache manager over a sliding-window model's grouped pool (kvcache/layout.py), once per `window_retention`
-(kvcache/manager.py) and pool size, beside the same memory under the full layout (`cache.sliding_kv = full`, llama.cpp's
-`--swa-full`).
+the cache manager over a sliding-window model's grouped pool (kvcache/layout.py), once per window retention
+(kvcache/window_groups.py) and pool size, beside the same memory under the full layout (`cache.sliding_kv = full`,
+llama.cpp's `--swa-full`).
 
 The retentions decide what becomes of the window blocks a running sequence's window has passed:
 - "policy" (the default, as this bench measured it best): cached like any other block, under `cache.policy`;
@@ -38,8 +38,8 @@ from kvreuse.bench import workloads
 from kvreuse.config import CacheConfig
 from kvreuse.kvcache.accounting import ReuseRecord
 from kvreuse.kvcache.layout import KVLayout
-from kvreuse.kvcache.manager import WindowRetention
 from kvreuse.kvcache.simulate import CacheSimulator
+from kvreuse.kvcache.window_groups import WindowRetention
 from kvreuse.model.args import ModelArgs
 
 RETENTIONS: tuple[WindowRetention, ...] = ("cold", "policy", "end")
@@ -108,12 +108,13 @@ def default_capacities(token_lists: Sequence[list[int]], layout: KVLayout, block
 
 
 def replay(token_lists: Sequence[list[int]], cache: CacheConfig, fingerprint: str, num_blocks: int,
-           layout: KVLayout, retention: WindowRetention = "cold") -> dict:
+           layout: KVLayout, retention: WindowRetention = "policy") -> dict:
     """The prompts in order through one simulator of `num_blocks` blocks of `layout` (no cap on cached blocks beyond
-    the pool) under `retention`; the counts."""
+    the pool) under `retention` (a layout without window groups has nothing to retain); the counts."""
     simulator = CacheSimulator(cache.with_changes(max_blocks=num_blocks), fingerprint, num_blocks,
                                enable_segments=False, layout=layout)
-    simulator.manager.window_retention = retention
+    if simulator.manager.window_groups is not None:
+        simulator.manager.window_groups.retention = retention
     total = ReuseRecord()
     for token_ids in token_lists:
         total += simulator.run(token_ids)

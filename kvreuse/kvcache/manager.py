@@ -6,26 +6,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from concurrent.futures import TimeoutError as FutureTimeout  # the builtin from 3.11, not on 3.10
-from typing import Literal
 
 from kvreuse.config import CacheConfig
 from kvreuse.kvcache.block_pool import BlockPool
 from kvreuse.kvcache.copy_jobs import CopyJobs
 from kvreuse.kvcache.eviction import EvictionPolicy
 from kvreuse.kvcache.hashing import BlockHashFn, extend_chain, sha256_block_key
-from kvreuse.kvcache.layout import RELEASED, KVLayout, first_window_block
+from kvreuse.kvcache.layout import RELEASED, KVLayout
 from kvreuse.kvcache.match import NO_MATCH, Match
 from kvreuse.kvcache.prompt_logprobs import PromptLogprobStore
 from kvreuse.kvcache.request import CacheRequest, ReuseScope, new_cache_request
 from kvreuse.kvcache.segment import SegmentIndex, SegmentPlan
 from kvreuse.kvcache.tiers.store import LoadedBlock, StoredBlock, TieredStore
 from kvreuse.kvcache.tokens import common_prefix_length
-
-# What becomes of the window blocks a running sequence's window has passed (kvcache/layout.py), beyond the windows of
-# hits at its last block boundaries, which it keeps: "policy" cached like any block (the default: kvreuse bench
-# windows measured it at or above the others on every scenario); "cold" cached but evicted before anything else unless
-# a hit has reused them; "end" freed unless a hit has reused them.
-WindowRetention = Literal["cold", "policy", "end"]
+from kvreuse.kvcache.window_groups import WindowGroups, WindowRetention
 
 
 class KVCacheManager:
@@ -35,9 +29,9 @@ class KVCacheManager:
 only registered blocks are written to the lower tiers.
 
 Under a grouped layout (kvcache/layout.py) `block_table` is the full-attention group's and each sliding-window group
-has a table beside it (`window_tables`): its blocks are allocated with group 0's, published under the same chain
-key tagged with the group, and released as soon as the window has passed them (to the cache, evicted first). A
-prefix hit of n blocks then also needs, in every window group, the blocks its window reads before position n."""
+has a table beside it (`window_tables`, kept by window_groups.py): allocated with group 0's, published under the
+same chain keys tagged with the group, and released once the window has passed them. A prefix hit of n blocks then
+also needs, in every window group, the blocks its window reads before position n."""
 
     def __init__(self, num_blocks: int, block_size: int, *, enable_caching: bool = True,
                  max_cached_blocks: int | None = None, policy: str | EvictionPolicy = "lru", min_match_blocks: int = 1,
@@ -47,7 +41,6 @@ prefix hit of n blocks then also needs, in every window group, the blocks its wi
         self.block_size = block_size
         self.layout = layout or KVLayout.full(1)
         self.windows = [g.window for g in self.layout.window_groups]  # of each sliding-window group (1, 2, ...)
-        self.window_retention = window_retention
         assert not (self.windows and (enable_segments or tiers)), "segment reuse and tiers need a one-group layout"
         self.enable_caching = enable_caching
         self.enable_segments = enable_caching and enable_segments
@@ -55,6 +48,8 @@ prefix hit of n blocks then also needs, in every window group, the blocks its wi
         self.fingerprint = fingerprint
         self.hash_fn = hash_fn  # a test can swap in a constant to prove hits are confirmed, not trusted
         self.pool = BlockPool(num_blocks, max_cached_blocks if enable_caching else 0, policy)
+        self.window_groups = (WindowGroups(self.pool, self.windows, block_size, self._key, window_retention)
+                              if self.windows else None)
         self.segments = SegmentIndex(block_size)
         self.tiers = tiers if enable_caching else None  # disk / Redis under the pool
         self.prompt_logprobs = PromptLogprobStore(self.pool, block_size)
@@ -98,8 +93,8 @@ prefix hit of n blocks then also needs, in every window group, the blocks its wi
         if not self.caches(req):
             return NO_MATCH
         hits = self.match_prefix(req)
-        if self.windows:
-            hits, windows = self._window_run(req, hits)
+        if self.window_groups is not None:
+            hits, windows = self.window_groups.run(req, hits, max(1, self.min_match_blocks))
             return Match(tuple(hits), num_cached_tokens=len(hits) * self.block_size, windows=windows)
         if req.scope is ReuseScope.SCORED:
             return Match(tuple(hits), num_cached_tokens=len(hits) * self.block_size)
@@ -133,44 +128,6 @@ prefix hit of n blocks then also needs, in every window group, the blocks its wi
         parent_uid = self.pool.blocks[hits[-1]].uid if hits else None
         block = self.pool.lookup(self._key(req, len(hits)), req.token_ids[-bs:], parent_uid)
         return None if block is None else block.block_id
-
-    def _window_run(self, req: CacheRequest, hits: list[int]) -> tuple[list[int], tuple[tuple[int, ...], ...]]:
-        """The longest leading part of `hits` (group 0's prefix hits) whose every window group holds the blocks its
-        window reads before the hit's end, with those blocks per window group; ([], ()) if shorter than
-        `min_match_blocks`. Each position is looked up once, from the end backwards: a missing window block at i cuts
-        the hit to i blocks. (Where windows differ, every group is asked for the widest one's blocks.)"""
-        bs, need = self.block_size, max(1, self.min_match_blocks)
-        found: dict[int, list[int]] = {}
-        n, i = len(hits), len(hits) - 1
-        while n >= need and i >= self._first_window_block(n * bs):
-            blocks = self._window_blocks(req, i, self.pool.blocks[hits[i]].uid)
-            if blocks is None:
-                n = i
-            else:
-                found[i] = blocks
-            i -= 1
-        if n < need:
-            return [], ()
-        first = self._first_window_block(n * bs)
-        return hits[:n], tuple(tuple(found[i][g] for i in range(first, n)) for g in range(len(self.windows)))
-
-    def _first_window_block(self, num_computed_tokens: int) -> int:
-        return min(first_window_block(num_computed_tokens, w, self.block_size) for w in self.windows)
-
-    def _window_key(self, req: CacheRequest, index: int, group: int) -> bytes:
-        return self._key(req, index) + bytes([group])
-
-    def _window_blocks(self, req: CacheRequest, index: int, anchor_uid: int | None) -> list[int] | None:
-        """Block `index` of every window group, as the pool holds it after the full-attention block `anchor_uid`, or
-        None if a group lacks it."""
-        bs, blocks = self.block_size, []
-        for g in range(1, len(self.windows) + 1):
-            block = self.pool.lookup(self._window_key(req, index, g), req.token_ids[index * bs:(index + 1) * bs],
-                                     anchor_uid)
-            if block is None:
-                return None
-            blocks.append(block.block_id)
-        return blocks
 
     def _num_logprob_blocks(self, req: CacheRequest, num_blocks: int) -> int:
         """How many of `req`'s first `num_blocks` blocks, in a row, have prompt logprobs stored as rich as it asks."""
@@ -334,8 +291,8 @@ prefix hit of n blocks then also needs, in every window group, the blocks its wi
         if match.last_block is not None:
             self.pool.hold([match.last_block])
             req.last_block_source = match.last_block
-        if self.windows:
-            self._admit_windows(req, match)
+        if self.window_groups is not None:
+            self.window_groups.admit(req, match)
         self.allocate(req, match.num_cached_tokens + num_new_tokens)
         jobs = CopyJobs()
         if match.last_block is not None:
@@ -344,16 +301,6 @@ prefix hit of n blocks then also needs, in every window group, the blocks its wi
             self._fill(req, len(match.hits), match.loads, jobs)
         req.tier_load = None
         return jobs
-
-    def _admit_windows(self, req: CacheRequest, match: Match) -> None:
-        """Window tables for a request admitted with `match`: released before the window, its hits' window blocks
-        held."""
-        first = len(match.hits) - (len(match.windows[0]) if match.windows else 0)
-        req.window_tables = [[RELEASED] * first + list(w) for w in match.windows or [()] * len(self.windows)]
-        for table in req.window_tables:
-            self.pool.hold(table[first:])
-        req.window_starts = [first] * len(self.windows)
-        req.num_window_published = len(match.hits)
 
     def can_allocate(self, req: CacheRequest, num_tokens: int) -> bool:
         """A running request's tables can grow to cover `num_tokens` tokens."""
@@ -390,51 +337,13 @@ prefix hit of n blocks then also needs, in every window group, the blocks its wi
         jobs = CopyJobs()
         if self.caches(req):
             self._publish(req, num_computed_tokens, self.tiers.tier_names if self.tiers else [], jobs)
-        if self.windows:
+        if self.window_groups is not None:
             if self.caches(req):
-                self._publish_windows(req)
-            self._release_windows(req, num_computed_tokens)
+                self.window_groups.publish(req)
+            self.window_groups.release(req, num_computed_tokens)
         if req.prompt_logprobs is not None:
             self.prompt_logprobs.add(req, *(prompt_logprobs or (0, ())), publishes=self.caches(req))
         return jobs
-
-    def _publish_windows(self, req: CacheRequest) -> None:
-        """Register each window group's block at every position whose full-attention block got published since
-        (after it: a window block is found only through the full-attention block of its position)."""
-        bs = self.block_size
-        for i in range(req.num_window_published, len(req.block_uids)):
-            anchor_uid = req.block_uids[i]
-            if anchor_uid is None:
-                continue  # a private full-attention block: its window blocks stay private too
-            token_ids = req.token_ids[i * bs:(i + 1) * bs]
-            for g, table in enumerate(req.window_tables, start=1):
-                block_id, key = table[i], self._window_key(req, i, g)
-                if block_id != RELEASED and self.pool.blocks[block_id].uid is None and \
-                        self.pool.lookup(key, token_ids, anchor_uid) is None:
-                    self.pool.register(block_id, key, token_ids, anchor_uid, i * bs, req.extra_key, group=g)
-        req.num_window_published = len(req.block_uids)
-
-    def _release_windows(self, req: CacheRequest, num_computed_tokens: int) -> None:
-        """Let go of the window blocks that neither a later token of `req` nor a hit at its last two block boundaries
-        reads (a prompt that diverges inside the last block of this one hits at the boundary before). Those a hit at
-        the last two boundaries before the prompt's end reads are cached like any block (an edited last message, a
-        retry); the others as `window_retention` says."""
-        bs = self.block_size
-        kept_boundary = max(0, (num_computed_tokens // bs - 1) * bs)
-        prompt_end = req.num_prompt_tokens // bs
-        for g, (table, window) in enumerate(zip(req.window_tables, self.windows, strict=True)):
-            first, start = min(first_window_block(kept_boundary, window, bs), len(table)), req.window_starts[g]
-            if first <= start:
-                continue
-            checkpoint = range(first_window_block(max(0, prompt_end - 1) * bs, window, bs), prompt_end)
-            self.pool.free([table[i] for i in range(start, first) if i in checkpoint])
-            passed = [table[i] for i in range(start, first) if i not in checkpoint]
-            if self.window_retention == "end":
-                self.pool.discard(passed)
-            else:
-                self.pool.free(passed, cold=self.window_retention == "cold")
-            table[start:first] = [RELEASED] * (first - start)
-            req.window_starts[g] = first
 
     def _release_sources(self, req: CacheRequest) -> None:
         if req.segment_plan is not None:
@@ -480,9 +389,8 @@ prefix hit of n blocks then also needs, in every window group, the blocks its wi
         write (a job)."""
         assert not child.block_table and child.token_ids[:num_computed_tokens] == parent.token_ids[:num_computed_tokens]
         num_full = num_computed_tokens // self.block_size
-        child.window_tables = [[] for _ in self.windows]
-        child.window_starts = list(parent.window_starts)
-        child.num_window_published = min(parent.num_window_published, num_full)
+        if self.window_groups is not None:
+            self.window_groups.fork(parent, child, num_full)
         jobs = CopyJobs()
         for parent_table, child_table in zip(parent.block_tables, child.block_tables, strict=True):
             shared = parent_table[:num_full]
@@ -499,34 +407,11 @@ prefix hit of n blocks then also needs, in every window group, the blocks its wi
     def free(self, req: CacheRequest) -> None:
         self._release_sources(req)
         req.tier_load = None
-        # Position by position, each window group's block after the full-attention one it is found through: evicted
-        # tail first under LRU, a position's window blocks before their anchor, so a shorter hit stays whole.
-        order = req.block_table
-        if req.window_tables:
-            order = []
-            for i, block_id in enumerate(req.block_table):
-                order += [block_id] + [t[i] for t, start in zip(req.window_tables, req.window_starts, strict=True)
-                                       if i >= start]
-        self.pool.free(order)
+        self.pool.free(req.block_table if self.window_groups is None else self.window_groups.release_order(req))
         req.block_table, req.window_tables, req.window_starts = [], [], []
         req.block_uids = []
         req.num_window_published = 0
         req.num_exact_tokens = None
-
-    def _check_windows(self, req: CacheRequest) -> list[int]:
-        """Assert `req`'s window tables match its full-attention table; the window blocks it holds."""
-        assert len(req.window_tables) == len(self.windows) == len(req.window_starts), "window tables missing"
-        held = []
-        for g, (table, start) in enumerate(zip(req.window_tables, req.window_starts, strict=True), start=1):
-            assert len(table) == len(req.block_table), f"window group {g}'s table is not as long as group 0's"
-            assert all(b == RELEASED for b in table[:start]), f"window group {g} holds a block before its window"
-            assert RELEASED not in table[start:], f"window group {g} released a block inside its window"
-            for i, block_id in enumerate(table[start:], start=start):
-                block = self.pool.blocks[block_id]
-                assert block.block_key is None or (block.group == g and block.position == i * self.block_size), \
-                    f"window group {g}'s block {block_id} was published for another group or place"
-            held += table[start:]
-        return held
 
     # --- reporting -----------------------------------------------------------------------------------
     @property
@@ -542,7 +427,9 @@ prefix hit of n blocks then also needs, in every window group, the blocks its wi
             sources = req.segment_plan.source_block_ids if req.segment_plan else []
             sources = sources + ([req.last_block_source] if req.last_block_source is not None else [])
             assert len(req.block_uids) <= len(req.block_table), "more published blocks than blocks"
-            for block_id in req.block_table + sources + self._check_windows(req):
+            windows = self.window_groups.check(req) if self.window_groups is not None else []
+            assert self.window_groups is not None or not req.window_tables, "window tables on a one-group layout"
+            for block_id in req.block_table + sources + windows:
                 held[block_id] = held.get(block_id, 0) + 1
         for block_id, count in held.items():
             assert self.pool.blocks[block_id].ref_cnt == count, f"block {block_id} held {count}x, ref_cnt differs"
