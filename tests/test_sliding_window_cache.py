@@ -134,6 +134,17 @@ def test_a_prompt_diverging_inside_the_last_block_hits_up_to_that_block(gemma_di
     assert out.token_ids == want
 
 
+def test_a_fully_cached_block_aligned_prompt_computes_only_its_last_token(gemma_dir):
+    """Its last block is copied in every group (the window groups' too), so the step computes one token."""
+    prompt = tokens(7 * BLOCK, 14)
+    want = engine(gemma_dir, cache__enabled="false").generate(prompt, greedy(6))[0].token_ids
+    llm = engine(gemma_dir)
+    llm.generate(prompt, greedy(2))
+    out = llm.generate(prompt, greedy(6))[0]
+    assert out.usage.computed_prompt_tokens == 1 and out.token_ids == want
+    llm.engine.scheduler.check_integrity()
+
+
 def test_a_hit_deep_inside_an_earlier_prompt_needs_its_window_and_finds_it(gemma_dir):
     """A shared document followed by different questions, each longer than the window: the window blocks before the
     document's end were released by the first request (to the cache), and the second finds them."""

@@ -6,6 +6,7 @@ engine."""
 from __future__ import annotations
 
 import statistics
+from collections.abc import Sequence
 
 from kvreuse.bench.engine_bench import synthetic_prompt
 from kvreuse.config import load_config
@@ -17,9 +18,12 @@ SHARED_LEN = 1984
 FLOOR_STEPS = 8  # decode steps of the fully cached request, timed for the floor
 
 
-def run(repeats: int = 5, progress=print) -> dict:
+def run(repeats: int = 5, progress=print, model: str | None = None, sets: Sequence[str] = ()) -> dict:
+    """`model`: a path or name (default: the embedded model); `sets`: further `section.key=value` overrides
+    (`cache.sliding_kv=full`, say)."""
     llm = LLM(load_config(None, ["model.dtype=fp32", "server.max_tokens=4096", "engine.max_num_batched_tokens=2048",
-                                 "engine.kv_cache_memory_mb=1024"]))
+                                 "engine.kv_cache_memory_mb=1024", *([f"model.path={model}"] if model else []),
+                                 *sets]))
     llm.wait_compiled()
     params = SamplingParams(max_tokens=1)
     cold, warm, cached, full, step = [], [], [], [], []
@@ -43,7 +47,10 @@ def run(repeats: int = 5, progress=print) -> dict:
                  f"fully cached {third.ttft_s * 1000:.0f} ms (decode step {third_step * 1000:.0f} ms)")
     cold_ms, warm_ms = statistics.median(cold) * 1000, statistics.median(warm) * 1000
     full_ms, step_ms = statistics.median(full) * 1000, statistics.median(step) * 1000
-    return {"suite": "prefix", "repeats": repeats, "prompt_tokens": PROMPT_LEN, "shared_tokens": SHARED_LEN,
+    front = llm.engine.front_end
+    return {"suite": "prefix", "model": model or "SmolLM2-135M-Instruct (embedded GGUF)", "sets": list(sets),
+            "kv_layout": front.kv_layout.describe(), "repeats": repeats, "prompt_tokens": PROMPT_LEN,
+            "shared_tokens": SHARED_LEN,
             "cached_tokens": statistics.median(cached), "median_ttft_ms_cold": cold_ms,
             "median_ttft_ms_warm": warm_ms, "warm_over_cold": warm_ms / cold_ms,
             "median_ttft_ms_full": full_ms, "median_decode_step_ms": step_ms, "full_over_step": full_ms / step_ms,
@@ -52,7 +59,8 @@ def run(repeats: int = 5, progress=print) -> dict:
 
 
 def markdown(report: dict) -> str:
-    return (f"| prompt | shared | cached | cold TTFT (ms) | warm TTFT (ms) | warm/cold |\n|---|---|---|---|---|---|\n"
+    return (f"{report['model']}, KV pool: {report['kv_layout']}\n\n"
+            f"| prompt | shared | cached | cold TTFT (ms) | warm TTFT (ms) | warm/cold |\n|---|---|---|---|---|---|\n"
             f"| {report['prompt_tokens']} | {report['shared_tokens']} | {report['cached_tokens']:.0f} | "
             f"{report['median_ttft_ms_cold']:.0f} | {report['median_ttft_ms_warm']:.0f} | "
             f"{report['warm_over_cold']:.3f} |\n\n"

@@ -87,6 +87,9 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
 def _add_prefix(suites) -> None:
     prefix = suites.add_parser("prefix", help="cold vs warm TTFT of a 2048-token prompt sharing 1984 tokens")
     repeats_flag(prefix)
+    prefix.add_argument("--model", help="gemma3-270m, or a .gguf file or Hugging Face directory (default: embedded)")
+    prefix.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override one config key (cache.sliding_kv=full, say); repeatable")
     out_flag(prefix, "prefix")
     log_level_flag(prefix)
     prefix.set_defaults(func=cmd_bench_prefix)
@@ -96,7 +99,7 @@ def cmd_bench_prefix(args: argparse.Namespace) -> int:
     """Cold against warm TTFT of a prompt sharing a long prefix."""
     from kvreuse.bench import prefix_bench
 
-    report = prefix_bench.run(repeats=args.repeats, progress=progress)
+    report = prefix_bench.run(repeats=args.repeats, progress=progress, model=args.model, sets=args.set)
     return publish("prefix", report, prefix_bench.markdown(report), args.out)
 
 

@@ -95,12 +95,14 @@ also needs, in every window group, the blocks its window reads before position n
         hits = self.match_prefix(req)
         if self.window_groups is not None:
             hits, windows = self.window_groups.run(req, hits, max(1, self.min_match_blocks))
-            return Match(tuple(hits), num_cached_tokens=len(hits) * self.block_size, windows=windows)
+            last_blocks = self._match_last_block(req, hits) if req.scope is ReuseScope.ANY else ()
+            return Match(tuple(hits), last_blocks=last_blocks, windows=windows,
+                         num_cached_tokens=req.num_tokens - 1 if last_blocks else len(hits) * self.block_size)
         if req.scope is ReuseScope.SCORED:
             return Match(tuple(hits), num_cached_tokens=len(hits) * self.block_size)
-        last_block = self._match_last_block(req, hits)
-        if last_block is not None:
-            return Match(tuple(hits), last_block=last_block, num_cached_tokens=req.num_tokens - 1)
+        last_blocks = self._match_last_block(req, hits)
+        if last_blocks:
+            return Match(tuple(hits), last_blocks=last_blocks, num_cached_tokens=req.num_tokens - 1)
         loads = self._match_loads(req, hits)
         num_cached_blocks = len(hits) + len(loads)
         return Match(tuple(hits), tuple(loads), plan=self._match_segments(req, num_cached_blocks),
@@ -118,16 +120,22 @@ also needs, in every window group, the blocks its window reads before position n
             hits = hits[:max(0, self._num_logprob_blocks(req, len(hits)) - 1)]
         return hits if len(hits) >= max(1, self.min_match_blocks) else []
 
-    def _match_last_block(self, req: CacheRequest, hits: Sequence[int]) -> int | None:
+    def _match_last_block(self, req: CacheRequest, hits: Sequence[int]) -> tuple[int, ...]:
         """For a block-aligned prompt whose every block but the last is a hit (`hits`): the pool's copy of its last
-        block, if it holds one, else None. Its last token must be computed again (its logits are needed); a copy of the
-        block brings the other tokens' K/V, so the step computes one token instead of a block's worth."""
+        block in every group, if it holds them all, else (). Its last token must be computed again (its logits are
+        needed); a copy of the block brings the other tokens' K/V, so the step computes one token instead of a block's
+        worth."""
         bs, num_blocks = self.block_size, len(hits) + 1
         if req.num_tokens != num_blocks * bs or num_blocks < self.min_match_blocks:
-            return None
+            return ()
         parent_uid = self.pool.blocks[hits[-1]].uid if hits else None
         block = self.pool.lookup(self._key(req, len(hits)), req.token_ids[-bs:], parent_uid)
-        return None if block is None else block.block_id
+        if block is None:
+            return ()
+        if self.window_groups is None:
+            return (block.block_id,)
+        windows = self.window_groups.blocks_at(req, len(hits), block.uid)
+        return () if windows is None else (block.block_id, *windows)
 
     def _num_logprob_blocks(self, req: CacheRequest, num_blocks: int) -> int:
         """How many of `req`'s first `num_blocks` blocks, in a row, have prompt logprobs stored as rich as it asks."""
@@ -288,15 +296,15 @@ also needs, in every window group, the blocks its window reads before position n
             self.pool.hold(plan.source_block_ids)
             req.segment_plan = plan
             req.num_exact_tokens = plan.runs[0].start
-        if match.last_block is not None:
-            self.pool.hold([match.last_block])
-            req.last_block_source = match.last_block
+        if match.last_blocks:
+            self.pool.hold(match.last_blocks)
+            req.last_block_sources = list(match.last_blocks)
         if self.window_groups is not None:
             self.window_groups.admit(req, match)
         self.allocate(req, match.num_cached_tokens + num_new_tokens)
         jobs = CopyJobs()
-        if match.last_block is not None:
-            jobs.copies.append((match.last_block, req.block_table[len(match.hits)]))
+        jobs.copies += [(source, table[len(match.hits)])
+                        for source, table in zip(match.last_blocks, req.block_tables, strict=False)]
         if match.loads:
             self._fill(req, len(match.hits), match.loads, jobs)
         req.tier_load = None
@@ -349,9 +357,9 @@ also needs, in every window group, the blocks its window reads before position n
         if req.segment_plan is not None:
             self.pool.free(req.segment_plan.source_block_ids)
             req.segment_plan = None
-        if req.last_block_source is not None:
-            self.pool.free([req.last_block_source])
-            req.last_block_source = None
+        if req.last_block_sources:
+            self.pool.free(req.last_block_sources)
+            req.last_block_sources = []
 
     def _publish(self, req: CacheRequest, num_computed_tokens: int, tiers: Sequence[str], jobs: CopyJobs) -> None:
         """Register the exact full blocks not yet registered, and queue those that got a new identity (not a twin's)
@@ -425,7 +433,7 @@ also needs, in every window group, the blocks its window reads before position n
         held: dict[int, int] = {}
         for req in holders:
             sources = req.segment_plan.source_block_ids if req.segment_plan else []
-            sources = sources + ([req.last_block_source] if req.last_block_source is not None else [])
+            sources = sources + req.last_block_sources
             assert len(req.block_uids) <= len(req.block_table), "more published blocks than blocks"
             windows = self.window_groups.check(req) if self.window_groups is not None else []
             assert self.window_groups is not None or not req.window_tables, "window tables on a one-group layout"

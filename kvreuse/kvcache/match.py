@@ -13,7 +13,8 @@ from kvreuse.kvcache.tiers.store import LoadedBlock
 class Match:
     hits: tuple[int, ...] = ()             # pool blocks of the exact prefix, in order
     loads: tuple[LoadedBlock, ...] = ()    # the prefix's continuation, read from a lower tier
-    last_block: int | None = None          # the pool's copy of a fully cached block-aligned prompt's last block
+    # The pool's copy of a fully cached block-aligned prompt's last block, in every group (group 0 first); () if none.
+    last_blocks: tuple[int, ...] = ()
     plan: SegmentPlan | None = None        # cached segments beyond the exact prefix
     num_cached_tokens: int = 0             # tokens the exact prefix gives: hits, loads and the last block's copy
     # A grouped layout's sliding-window groups: the pool blocks of each one's window before the first computed token
@@ -29,8 +30,7 @@ class Match:
     def held_block_ids(self) -> set[int]:
         """Pool blocks the request holds besides its own new ones once admitted: hits and copy sources."""
         sources = self.plan.source_block_ids if self.plan else ()
-        last = (self.last_block,) if self.last_block is not None else ()
-        return {*self.hits, *sources, *last, *(b for window in self.windows for b in window)}
+        return {*self.hits, *sources, *self.last_blocks, *(b for window in self.windows for b in window)}
 
 
 NO_MATCH = Match()

@@ -43,7 +43,8 @@ class CacheRequest:
     num_reused_tokens: int = 0
     num_shifted_tokens: int = 0
     segment_plan: SegmentPlan | None = None  # cached segments to copy in, held until the step after admission
-    last_block_source: int | None = None     # a fully cached aligned prompt's cached last block, held likewise
+    last_block_sources: list[int] = field(default_factory=list)  # a fully cached aligned prompt's cached last
+    # block, in every group, held likewise
     # K/V from this position on attended to reused (approximate) K/V and are never published; None: all exact.
     num_exact_tokens: int | None = None
     tier_load: Future | None = None   # the lower tiers' read of its prefix chain (a TierLoad), until admission

@@ -52,7 +52,7 @@ class WindowGroups:
         found: dict[int, list[int]] = {}
         n, i = len(hits), len(hits) - 1
         while n >= need and i >= self.first_block(n * self.block_size):
-            blocks = self._blocks_at(req, i, self.pool.blocks[hits[i]].uid)
+            blocks = self.blocks_at(req, i, self.pool.blocks[hits[i]].uid)
             if blocks is None:
                 n = i
             else:
@@ -63,7 +63,7 @@ class WindowGroups:
         first = self.first_block(n * self.block_size)
         return hits[:n], tuple(tuple(found[i][g] for i in range(first, n)) for g in range(self.num_groups))
 
-    def _blocks_at(self, req: CacheRequest, index: int, anchor_uid: int | None) -> list[int] | None:
+    def blocks_at(self, req: CacheRequest, index: int, anchor_uid: int | None) -> list[int] | None:
         """Block `index` of every window group, as the pool holds it after the full-attention block `anchor_uid`, or
         None if a group lacks it."""
         bs, blocks = self.block_size, []
