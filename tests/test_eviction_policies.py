@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvreuse.kvcache.block import KVCacheBlock
+from kvreuse.kvcache.block_pool import BlockPool
 from kvreuse.kvcache.eviction import POLICIES, ChainPolicy, S3FIFOPolicy
 
 
@@ -315,3 +316,19 @@ def test_chain_a_parent_whose_children_were_all_evicted_is_a_leaf_again():
     again = published(policy, 1, b"c2", 3, parent=parent)
     assert policy.is_proven(again)
     policy.check_integrity()
+
+
+def test_s3fifo_finds_the_small_queues_victim_when_every_main_block_is_held():
+    """Held blocks stay in S3-FIFO's main queue; with the main queue over its share and all of it held, the one
+    evictable block sits in the small queue, and pop must reach it (it used to rotate the main queue forever)."""
+    pool = BlockPool(12, None, "s3fifo")
+    ids = pool.allocate(12)
+    for i in ids:
+        pool.register(i, bytes([i]), (i,), None)
+    pool.free(ids)
+    pool.hold(ids[:11])
+    new = pool.allocate(1)  # evicts the one unheld block; the 11 held ones pass to the main queue
+    pool.register(new[0], b"new", (99,), None)
+    pool.free(new)
+    assert pool.allocate(1) == new
+    pool.check_integrity()

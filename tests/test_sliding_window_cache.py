@@ -343,3 +343,13 @@ def test_window_blocks_go_with_the_block_they_are_found_through():
     mgr.pool.free_block_ids.append(mgr.pool._drop(anchor).block_id)
     assert all(b.block_key is None and b.block_id in mgr.pool.free_block_ids for b in windows)
     mgr.check_integrity()
+
+
+def test_a_request_whose_tables_a_failed_step_left_uneven_is_still_freed():
+    mgr = manager()
+    req = mgr.new_request(tokens(5 * BLOCK, 51))
+    mgr.admit(req, mgr.match(req), req.num_tokens)
+    req.block_table += mgr.pool.allocate(1)  # group 0 grew, the window groups did not
+    mgr.free(req)
+    assert mgr.pool.num_used_blocks == 0
+    mgr.check_integrity()

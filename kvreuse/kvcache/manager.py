@@ -316,8 +316,9 @@ also needs, in every window group, the blocks its window reads before position n
 
     def allocate(self, req: CacheRequest, num_tokens: int) -> None:
         num_blocks = self.num_new_blocks(req, num_tokens)
-        for table in req.block_tables:
-            table.extend(self.pool.allocate(num_blocks))
+        blocks = self.pool.allocate(num_blocks * len(self.layout.groups))  # every group's, or none
+        for g, table in enumerate(req.block_tables):
+            table.extend(blocks[g * num_blocks:(g + 1) * num_blocks])
 
     def _fill(self, req: CacheRequest, first: int, loads: Sequence[LoadedBlock], jobs: CopyJobs) -> None:
         """Put loaded K/V into the request's blocks `first`, ... (a job) and publish them. A block from a farther tier

@@ -134,10 +134,10 @@ class WindowGroups:
         """Every block `req` holds, in the order to free them: position by position, each window group's block after
         the full-attention one it is found through. So LRU evicts tail first and a position's window blocks before
         their anchor: a shorter hit stays whole."""
+        starts = [0, *req.window_starts] if req.window_tables else [0]
         order = []
-        for i, block_id in enumerate(req.block_table):
-            order += [block_id] + [t[i] for t, start in zip(req.window_tables, req.window_starts, strict=True)
-                                   if i >= start]
+        for i in range(max(map(len, req.block_tables))):  # (a failed step may leave the tables uneven)
+            order += [t[i] for t, start in zip(req.block_tables, starts, strict=True) if start <= i < len(t)]
         return order
 
     def check(self, req: CacheRequest) -> list[int]:

@@ -70,10 +70,14 @@ class S3FIFOPolicy:
     def pop(self) -> KVCacheBlock:
         if not self._evictable:
             raise IndexError("pop from an empty S3-FIFO policy")
+        # Held blocks stay in the main queue and come round again: once main has gone round with nothing to evict
+        # (every entry's frequency spent), the victim is in the small queue, whatever the share says.
+        misses, limit = 0, (MAX_FREQ + 1) * (len(self._main) + 1)
         while True:
             tracked = self._num_small + self._num_main
-            victim = self._step_main() if self._num_main > (1 - SMALL_SHARE) * tracked or not self._num_small \
-                else self._step_small()
+            from_main = self._num_main > (1 - SMALL_SHARE) * tracked and misses < limit or not self._num_small
+            victim = self._step_main() if from_main else self._step_small()
+            misses += from_main and victim is None
             if victim is not None:
                 self._evictable.remove(victim.block_id)
                 del self._entries[victim.block_id]
