@@ -178,7 +178,9 @@ def test_generate_and_analyze_report_the_same_bad_line(command, tmp_path, capsys
                 "--decode-batches", "1", "4", "--decode-tokens", "8"],
      {"repeats": 3, "include_bf16": True, "target": Target("m", "cpu", Sizes((64,), 128, 8, (1, 4))),
       "systems": ["hf-fp32", "kvreuse-fp32"]}),
-    ("prefix", [], {"repeats": 3}),
+    ("prefix", [], {"repeats": 3, "model": None, "sets": []}),
+    ("prefix", ["--model", "gemma3-270m", "--set", "cache.sliding_kv=full"],
+     {"repeats": 3, "model": "gemma3-270m", "sets": ["cache.sliding_kv=full"]}),
 ])
 def test_bench_suite_runs_and_writes_its_report(suite, argv, expected_kwargs, monkeypatch, tmp_path, capsys):
     import importlib
