@@ -114,7 +114,7 @@ class FrontEnd:
                                                 "weights": weights, "chat_template": template})
         return cls(config.model_copy(update={"model": model}), info, dtype, why, compiles_grammars=False)
 
-    @property
+    @functools.cached_property
     def kv_capacity_tokens(self) -> int:
         """The longest sequence the pool holds (with a grouped layout, its window groups hold what a step writes and
         reads, at most `engine.max_num_batched_tokens` new tokens a step)."""
