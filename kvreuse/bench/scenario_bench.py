@@ -118,7 +118,6 @@ def run_mode(llm: LLM, conversations: list[list[dict]], mode: str, max_tokens: i
                           [o.usage.completion_tokens for o in outputs], duration, reuse.prompt_tokens),
         **reuse_metrics(reuse),
         "peak_kv_bytes": engine.stats_snapshot().peak_kv_bytes_in_use, "peak_rss_bytes": peak_rss_bytes(),
-        **pool_metrics(llm, outputs),
     }
     if warm:
         result["warm_s"] = warm_s
@@ -178,6 +177,7 @@ def run(configs: dict[str, Config], num_requests: int, max_tokens: int, concurre
                     engine_llm = llms.get(MODE_LAYOUT.get(mode, "full"), llm)
                     results[mode], outputs = run_mode(engine_llm, conversations, mode, max_tokens, exact, in_flight,
                                                       bar, warm)
+                    results[mode]["pool"] = pool_metrics(engine_llm, outputs)  # the engine's own: no peer has one
                 else:
                     # HF sees the text our engine sees (normalize_input rewrites message contents).
                     normalize = llm.engine.front_end.normalize
@@ -206,11 +206,12 @@ def markdown(report: dict) -> str:
                          f"{r['request_throughput']:.2f} | {r['throughput_vs_no_cache']:.2f} | "
                          f"{fmt(r.get('top1_agreement'), '.2f')} | {fmt(r.get('mean_kl'), '.4f')} |")
     rows = [(scenario, mode, r) for scenario, modes in report["scenarios"].items() for mode, r in modes.items()
-            if "kv_layout" in r]
-    if any(r["kv_layout"] == "window" for _, _, r in rows):  # a sliding-window model: what each layout holds
+            if "pool" in r]
+    if any(r["pool"]["kv_layout"] == "window" for _, _, r in rows):  # a sliding-window model: what each layout holds
         lines += ["", "| scenario | mode | KV layout | exact hits | mean TTFT ms | peak KV MB | pool capacity, tokens "
                   "| sequences at the budget |", "|---" * 8 + "|"]
-        lines += [f"| {scenario} | {mode} | {r['kv_layout']} | {r['exact_hit_rate']:.1%} | {r['mean_ttft_ms']:.0f} | "
-                  f"{r['peak_kv_bytes'] / 2**20:.1f} | {r['kv_capacity_tokens']} | {r['sequences_at_budget']} |"
+        lines += [f"| {scenario} | {mode} | {r['pool']['kv_layout']} | {r['exact_hit_rate']:.1%} | "
+                  f"{r['mean_ttft_ms']:.0f} | {r['peak_kv_bytes'] / 2**20:.1f} | {r['pool']['kv_capacity_tokens']} | "
+                  f"{r['pool']['sequences_at_budget']} |"
                   for scenario, mode, r in rows]
     return "\n".join(lines)
