@@ -5,6 +5,11 @@ inputs that are not 64-byte aligned, and scales that fp16 cannot hold (the fp32 
 
 from __future__ import annotations
 
+import fcntl
+import subprocess
+import sys
+import textwrap
+
 import numpy as np
 import pytest
 import torch
@@ -106,3 +111,37 @@ def test_the_build_is_kept_per_source_and_torch():
     assert directory.name.startswith("kvreuse_cpu-")
     if STATUS.isa:
         assert any(directory.glob("*.so")), "the built extension is not where the next process looks"
+
+
+@pytest.mark.skipif(not STATUS.loaded, reason=f"no extension here: {STATUS.reason}")
+def test_a_killed_builds_lock_file_does_not_hang_the_next_start():
+    # torch's file baton, as a build killed mid-compile leaves it: without the builder lock every later load waits
+    # on it forever.
+    directory = kernels.build_dir()
+    (directory / "lock").touch()
+    done = subprocess.run([sys.executable, "-m", "kvreuse.kernels.build"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "loaded" in done.stdout and "left by a build that did not finish" in done.stderr
+    assert not (directory / "lock").exists()
+
+
+def test_the_builder_lock_excludes_other_processes_and_dies_with_its_holder(tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys, time
+        from pathlib import Path
+        from kvreuse.kernels.build import builder_lock
+        with builder_lock(Path({str(tmp_path)!r})):
+            print("held", flush=True)
+            time.sleep(60)
+        """)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with open(tmp_path / "builder.lock", "w") as handle:
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            holder.kill()
+            holder.wait(timeout=10)
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a killed holder's lock is gone with it
+    finally:
+        holder.kill()
+        holder.wait(timeout=10)

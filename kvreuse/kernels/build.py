@@ -7,10 +7,14 @@ runs the widest instruction set both this CPU and torch's dispatch allow: torch'
 it lowers torch's own kernels (`avx2` runs the AVX2 variant on an AVX-512 CPU, `default` none). The attention kernel
 is plain C++ and runs on any CPU. `KVREUSE_CPU_KERNELS=0` loads nothing: every op then runs in pure torch, the
 reference the kernels are tested against. A build failure is a `KernelStatus` with its reason, never an exception.
+Builders take an OS lock on the build directory (`builder_lock`), which dies with its process: torch's own lock file,
+which a killed build leaves behind and every later build then waits on forever, is cleared under it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -81,13 +85,31 @@ def build_dir() -> Path:
     return cache_root() / "kernels" / f"kvreuse_cpu-{digest.hexdigest()[:16]}"
 
 
+@contextlib.contextmanager
+def builder_lock(directory: Path):
+    """Hold `directory` for one builder across processes. The lock is the kernel's (flock), so a killed holder frees
+    it; while it is held no other builder runs, so a torch lock file found then was left by a killed build."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / "builder.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            stale = directory / "lock"  # torch.utils.file_baton's
+            if stale.exists():
+                logger.warning("removing %s, left by a build that did not finish", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def _build() -> None:
     from torch.utils.cpp_extension import load as load_extension
 
     directory = build_dir()
-    directory.mkdir(parents=True, exist_ok=True)
-    load_extension(name="kvreuse_cpu", sources=[str(s) for s in SOURCES], extra_cflags=list(CFLAGS),
-                   extra_ldflags=["-fopenmp"], build_directory=str(directory), is_python_module=False, verbose=False)
+    with builder_lock(directory):
+        load_extension(name="kvreuse_cpu", sources=[str(s) for s in SOURCES], extra_cflags=list(CFLAGS),
+                       extra_ldflags=["-fopenmp"], build_directory=str(directory), is_python_module=False,
+                       verbose=False)
 
     @torch.library.register_fake("kvreuse_cpu::gguf_linear")
     def _(x, packed, out_features, bits, half_scales, isa):
