@@ -66,15 +66,24 @@ async def resolve_model(client: httpx.AsyncClient, root: str, model: str | None)
         raise RuntimeError(f"GET {root}/v1/models named no model: {response.text[:300]}") from exc
 
 
+def stream_body(model: str, max_tokens: int, **fields) -> dict:
+    """A greedy, ignore_eos, streaming request body of exactly `max_tokens` tokens that asks for usage."""
+    return {"model": model, **fields, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, "ignore_eos": True}
+
+
 async def send(client: httpx.AsyncClient, root: str, model: str, messages: list[dict],
                max_tokens: int) -> RequestResult:
-    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}, "ignore_eos": True}
+    return await stream(client, f"{root}/v1/chat/completions", stream_body(model, max_tokens, messages=messages))
+
+
+async def stream(client: httpx.AsyncClient, url: str, body: dict) -> RequestResult:
+    """POST the streaming `body` to `url` (chat or plain completions) and time its chunks; failures in `error`."""
     result = RequestResult()
     usage, content_chunks, last = None, 0, None
     start = time.perf_counter()
     try:
-        async with client.stream("POST", f"{root}/v1/chat/completions", json=body) as response:
+        async with client.stream("POST", url, json=body) as response:
             if response.status_code != 200:
                 text = (await response.aread()).decode(errors="replace")
                 result.error = f"HTTP {response.status_code}: {text[:300]}"
@@ -96,8 +105,9 @@ async def send(client: httpx.AsyncClient, root: str, model: str, messages: list[
                 if chunk.get("usage"):
                     usage = chunk["usage"]
                 choices = chunk.get("choices") or []
-                delta = (choices[0].get("delta") or {}) if choices else {}
-                # Reasoning models stream their thinking as reasoning_content (vLLM, llama.cpp): tokens all the same.
+                # A plain completion streams `text`; a chat streams a delta, and reasoning models their thinking as
+                # reasoning_content (vLLM, llama.cpp): tokens all the same.
+                delta = ((choices[0].get("delta") or {"content": choices[0].get("text")}) if choices else {})
                 result.text += delta.get("content") or ""
                 if delta.get("content") or delta.get("reasoning_content"):
                     if last is None:
@@ -136,15 +146,20 @@ def sessions_of(conversations: list[list[dict]]) -> list[list[int]]:
     return sessions
 
 
+def http_client(concurrency: int | None, api_key: str) -> httpx.AsyncClient:
+    """The replay's client: no proxy, the bearer token, and one connection per allowed in-flight request, so no
+    request waits for a pooled connection while timed."""
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    timeout = httpx.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S, pool=None)
+    return httpx.AsyncClient(trust_env=False, timeout=timeout, limits=limits,
+                             headers={"Authorization": f"Bearer {api_key}"})
+
+
 async def replay(root: str, conversations: list[list[dict]], model: str | None, max_tokens: int,
                  concurrency: int | None, request_rate: float, api_key: str, seed: int,
                  progress: Callable[[int], None] | None, sessions: bool = False
                  ) -> tuple[str, list[RequestResult], float]:
-    # One connection per allowed in-flight request, so no request waits for a pooled connection while timed.
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    timeout = httpx.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S, pool=None)
-    headers = {"Authorization": f"Bearer {api_key}"}
-    async with httpx.AsyncClient(trust_env=False, timeout=timeout, limits=limits, headers=headers) as client:
+    async with http_client(concurrency, api_key) as client:
         model = await resolve_model(client, root, model)
         semaphore = asyncio.Semaphore(concurrency) if concurrency is not None else None
         rng = random.Random(seed)
@@ -225,12 +240,7 @@ def run(url: str, conversations: list[list[dict]], *, model: str | None = None, 
     if not ok:
         raise RuntimeError(f"no request to {root} succeeded ({len(errors)} failed); first error: {errors[0]}")
 
-    prompts = [r.prompt_tokens for r in ok if r.prompt_tokens is not None]
-    total_in = sum(prompts) if prompts else None
-    # The hit rate is over the requests that reported cached tokens, so a partial report stays a true ratio.
-    cached_pairs = [(r.cached_tokens, r.prompt_tokens or 0) for r in ok if r.cached_tokens is not None]
-    cached = sum(c for c, _ in cached_pairs) if cached_pairs else None
-    cached_of = sum(p for _, p in cached_pairs)
+    total_in, cached, hit_rate = cache_totals(ok)
     return {
         "url": root, "model": model, "concurrency": concurrency,
         "request_rate": "inf" if math.isinf(request_rate) else request_rate,
@@ -238,11 +248,21 @@ def run(url: str, conversations: list[list[dict]], *, model: str | None = None, 
         **serving_metrics([r.ttft for r in ok], [r.latency for r in ok], [r.output_tokens for r in ok], duration,
                           total_in),
         **summary_ms("itl", [gap for r in ok for gap in r.itl]),
-        "cached_tokens": cached,
-        "exact_hit_rate": cached / cached_of if cached is not None and cached_of else None,
+        "cached_tokens": cached, "exact_hit_rate": hit_rate,
         "sessions": sessions, "session_affinity": session_affinity(conversations, results),
         "replicas": sorted({r.replica for r in ok if r.replica}),
     }
+
+
+def cache_totals(ok: list[RequestResult]) -> tuple[int | None, int | None, float | None]:
+    """Prompt tokens, cached tokens and their ratio over successful requests, from the server's usage (None where it
+    reported none); the rate is over the requests that reported cached tokens, so a partial report stays a ratio."""
+    prompts = [r.prompt_tokens for r in ok if r.prompt_tokens is not None]
+    cached_pairs = [(r.cached_tokens, r.prompt_tokens or 0) for r in ok if r.cached_tokens is not None]
+    cached = sum(c for c, _ in cached_pairs) if cached_pairs else None
+    cached_of = sum(p for _, p in cached_pairs)
+    return (sum(prompts) if prompts else None, cached,
+            cached / cached_of if cached is not None and cached_of else None)
 
 
 def session_affinity(conversations: list[list[dict]], results: list[RequestResult]) -> float | None:

@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 
 from kvreuse.bench.workloads import WORKLOADS
+from kvreuse.cli.bench_live_trace import TRACE_ONLY_FLAGS, GivenFlag, add_trace_flags, cmd_replay_trace
 from kvreuse.cli.common import (
     InputError,
     common_flags,
@@ -113,11 +114,12 @@ def add_replay(suites) -> None:
                                            "`vllm bench serve` names them.")
     replay.add_argument("url", metavar="URL", help="the server's root URL (with or without /v1)")
     _scenario_names(replay)
-    replay.add_argument("--requests", type=positive_int, default=24, help="requests per scenario (default 24)")
-    replay.add_argument("--max-tokens", type=positive_int, default=16,
+    replay.add_argument("--requests", type=positive_int, default=24, action=GivenFlag,
+                        help="requests per scenario (default 24)")
+    replay.add_argument("--max-tokens", type=positive_int, default=16, action=GivenFlag,
                         help="completion tokens per request (default 16)")
     replay.add_argument("--concurrency", type=positive_int, help="requests in flight (default: no cap)")
-    replay.add_argument("--request-rate", type=float, default=float("inf"),
+    replay.add_argument("--request-rate", type=float, default=float("inf"), action=GivenFlag,
                         help="Poisson arrivals per second (default inf: all at once)")
     replay.add_argument("--served-model", help="model name to send (default: the first of GET /v1/models)")
     replay.add_argument("--api-key", default="EMPTY", help="bearer token")
@@ -125,15 +127,21 @@ def add_replay(suites) -> None:
                         help="send each chat session's turns in order (each after the previous reply), the sessions "
                              "side by side, as vLLM's multi-turn benchmark clients do")
     replay.add_argument("--turns", type=positive_int, help="turns per chat session (default 8)")
-    out_flag(replay, "replay")
+    add_trace_flags(replay)
+    out_flag(replay, "replay", " (with --trace: live-trace.json and live-trace.md)")
     log_level_flag(replay)
     replay.set_defaults(func=cmd_bench_replay)
 
 
 def cmd_bench_replay(args: argparse.Namespace) -> int:
-    """Replay the chosen scenarios against the server at URL, print the table."""
+    """Replay the chosen scenarios (or, with --trace, the trace) against the server at URL, print the table."""
     from kvreuse.bench import replay
 
+    if args.trace is not None:
+        return cmd_replay_trace(args)
+    given = [flag for flag, dest in TRACE_ONLY_FLAGS.items() if getattr(args, dest) is not None]
+    if given:
+        raise InputError(f"{', '.join(given)} need --trace")
     try:
         report = replay.run_scenarios(args.url, _chosen_scenarios(args.scenarios), args.requests, args.max_tokens,
                                       model=args.served_model, concurrency=args.concurrency,
