@@ -196,7 +196,7 @@ class CacheConfig(_Section):
         "K/V of a model's sliding-window layers (Gemma 3): `window` keeps only what each window still reads, in "
         "layer groups with their own block tables (a fraction of the memory at long contexts; a prefix hit also "
         "needs the window before its end); `full` keeps all of it, like llama.cpp's `--swa-full`; `auto` is "
-        "`window` unless segment reuse or a tier is on, which need `full` (docs/features/sliding-window.md)."))
+        "`window` unless segment reuse is on, which needs `full` (docs/features/sliding-window.md)."))
     suffix: SegmentConfig = Field(default_factory=SegmentConfig, description="Segment reuse (the `suffix.*` keys).")
     normalize_input: bool = Field(False, description=(
         "Canonicalise each message's text before tokenizing (NFKC, line endings, runs of spaces), so prompts that "

@@ -214,3 +214,28 @@ def redis_url(redis_server) -> str:
     finally:
         client.close()
     return redis_server.url
+
+
+# --- a tiny Gemma 3 on a grouped pool (kvcache/layout.py) ----------------------------------------------------------
+GROUPED_GEMMA_WINDOW = 20  # no multiple of the block sizes the tests use
+GROUPED_GEMMA_LAYERS = ["sliding_attention", "sliding_attention", "full_attention"] * 2  # 2 full, 4 sliding: 3 groups
+
+
+@pytest.fixture(scope="session")
+def grouped_gemma_dir(tmp_path_factory, real_tokenizer) -> str:
+    """A random-weight Gemma 3 whose pool has 3 layer groups of 2 (window 20), with the real tokenizer."""
+    from .test_architectures import build
+
+    return str(build("gemma3", tmp_path_factory.mktemp("gemma3-grouped"), len(real_tokenizer.hf), real_tokenizer,
+                     num_hidden_layers=len(GROUPED_GEMMA_LAYERS), layer_types=GROUPED_GEMMA_LAYERS,
+                     sliding_window=GROUPED_GEMMA_WINDOW))
+
+
+@pytest.fixture
+def zmq_context():
+    """A ZMQ context of the test's own, destroyed (linger 0) at its end."""
+    import zmq
+
+    context = zmq.Context()
+    yield context
+    context.destroy(linger=0)

@@ -84,18 +84,11 @@ def make_publisher():
         publisher.close()
 
 
-@pytest.fixture
-def ctx():
-    context = zmq.Context()
-    yield context
-    context.destroy(linger=0)
-
-
 class Subscriber:
     """A SUB socket that follows one publisher, checks seq numbers and keeps the view a router would."""
 
-    def __init__(self, ctx: zmq.Context, publisher: KVEventPublisher, topic: str = "kv-events"):
-        self.sock = ctx.socket(zmq.SUB)
+    def __init__(self, zmq_context: zmq.Context, publisher: KVEventPublisher, topic: str = "kv-events"):
+        self.sock = zmq_context.socket(zmq.SUB)
         self.sock.setsockopt_string(zmq.SUBSCRIBE, topic)
         self.sock.connect(publisher.endpoint)
         self.publisher, self.topic = publisher, topic.encode()
@@ -157,11 +150,11 @@ def stored(keys: list[bytes], parent: bytes | None, tokens: list[int]) -> BlockS
 # --------------------------------------------------------------------------------------------------------
 
 
-def test_manager_blocks_are_stored_chained_and_removed(make_publisher, ctx):
+def test_manager_blocks_are_stored_chained_and_removed(make_publisher, zmq_context):
     mgr = KVCacheManager(8, BS)
     publisher = make_publisher()
     publisher.attach(mgr.pool)
-    sub = Subscriber(ctx, publisher)
+    sub = Subscriber(zmq_context, publisher)
     sub.sync()
 
     first = admit_and_compute(mgr, range(1, 14))               # 13 tokens: 3 full blocks
@@ -201,13 +194,13 @@ def test_manager_blocks_are_stored_chained_and_removed(make_publisher, ctx):
                                     "events_dropped": 0, "events_queued": 0}
 
 
-def test_unreachable_blocks_are_not_announced(make_publisher, ctx):
+def test_unreachable_blocks_are_not_announced(make_publisher, zmq_context):
     """A block that continues a concurrent twin's chain after the twin was evicted can never be found by a prefix
     lookup: it is not announced, nor is its removal."""
     mgr = KVCacheManager(32, BS)
     publisher = make_publisher()
     publisher.attach(mgr.pool)
-    sub = Subscriber(ctx, publisher)
+    sub = Subscriber(zmq_context, publisher)
     sub.sync()
     s1, s2 = mgr.new_request(list(range(1, 10))), mgr.new_request(list(range(1, 10)))
     for req in (s1, s2):
@@ -229,11 +222,11 @@ def test_unreachable_blocks_are_not_announced(make_publisher, ctx):
     assert sub.receive() == [] and not mgr.pool.key_to_block
 
 
-def test_seq_numbers_and_replay(make_publisher, ctx):
+def test_seq_numbers_and_replay(make_publisher, zmq_context):
     publisher = make_publisher()
     pool = BlockPool(8)
     publisher.attach(pool)
-    live = Subscriber(ctx, publisher)
+    live = Subscriber(zmq_context, publisher)
     live.sync()
     for i, block_id in enumerate(pool.allocate(5)):             # one batch per block
         pool.register(block_id, bytes([i]) * 32, [i] * BS, None)
@@ -241,7 +234,7 @@ def test_seq_numbers_and_replay(make_publisher, ctx):
     total = publisher.num_batches
     assert live.last_seq == total - 1 and len(live.payloads) >= 5
 
-    late = ctx.socket(zmq.DEALER)
+    late = zmq_context.socket(zmq.DEALER)
     late.connect(publisher.replay_endpoint)
 
     def replay(start: int) -> list[tuple[int, bytes]]:
@@ -267,19 +260,19 @@ def test_seq_numbers_and_replay(make_publisher, ctx):
     assert replay(total) == []
 
     # A REQ socket (as vLLM's example subscriber uses) sends the same request; it takes the first reply only.
-    req = ctx.socket(zmq.REQ)
+    req = zmq_context.socket(zmq.REQ)
     req.connect(publisher.replay_endpoint)
     req.send((total - 1).to_bytes(8, "big"))
     assert req.poll(WAIT_MS) and req.recv_multipart() == [(total - 1).to_bytes(8, "big"), live.payloads[total - 1]]
 
 
-def test_replay_keeps_the_last_buffer_steps_batches(make_publisher, ctx):
+def test_replay_keeps_the_last_buffer_steps_batches(make_publisher, zmq_context):
     publisher = make_publisher(buffer_steps=3)
     for _ in range(6):
         publisher.all_cleared()
         assert publisher.flush()
     assert publisher.num_batches == 6
-    late = ctx.socket(zmq.DEALER)
+    late = zmq_context.socket(zmq.DEALER)
     late.connect(publisher.replay_endpoint)
     late.send_multipart([b"", (0).to_bytes(8, "big")])
     seqs = []
@@ -310,11 +303,11 @@ def test_engine_thread_never_waits_and_drops_are_counted(make_publisher):
     assert publisher.num_dropped == 19_992 and publisher.num_batches == 1
 
 
-def test_drops_end_in_all_blocks_cleared(make_publisher, ctx):
+def test_drops_end_in_all_blocks_cleared(make_publisher, zmq_context):
     publisher = make_publisher(replay=False, max_queue_events=3, flush_interval_s=60)
     pool = BlockPool(10)
     publisher.attach(pool)
-    sub = Subscriber(ctx, publisher)
+    sub = Subscriber(zmq_context, publisher)
     sub.sync()
     ids = pool.allocate(10)
     for i, block_id in enumerate(ids[:5]):
@@ -327,11 +320,11 @@ def test_drops_end_in_all_blocks_cleared(make_publisher, ctx):
     assert sub.receive() == [stored([bytes([5]) * 32], None, [5] * BS)]
 
 
-def test_topic_filtering(make_publisher, ctx):
+def test_topic_filtering(make_publisher, zmq_context):
     publisher = make_publisher(topic="replica-a")
-    right = Subscriber(ctx, publisher, "replica-a")
-    wrong = Subscriber(ctx, publisher, "replica-b")
-    everything = ctx.socket(zmq.SUB)
+    right = Subscriber(zmq_context, publisher, "replica-a")
+    wrong = Subscriber(zmq_context, publisher, "replica-b")
+    everything = zmq_context.socket(zmq.SUB)
     everything.setsockopt(zmq.SUBSCRIBE, b"")
     everything.connect(publisher.endpoint)
     time.sleep(0.2)                                              # the three subscriptions travel together
@@ -342,7 +335,7 @@ def test_topic_filtering(make_publisher, ctx):
     assert not wrong.sock.poll(300)
 
 
-def test_int_hashes_and_attach(make_publisher, ctx):
+def test_int_hashes_and_attach(make_publisher, zmq_context):
     """`int_hashes` sends vLLM's default int hashes, which the older integer-only schema decodes; `attach` announces
     the blocks already cached, parents first."""
     pool = BlockPool(4)
@@ -352,7 +345,7 @@ def test_int_hashes_and_attach(make_publisher, ctx):
     for block_id, key, n in zip(ids, keys, range(3), strict=True):
         uid = pool.register(block_id, key, [n] * BS, uid)
     publisher = make_publisher(int_hashes=True, flush_interval_s=60)  # a batch goes out on flush only
-    sub = Subscriber(ctx, publisher)
+    sub = Subscriber(zmq_context, publisher)
     sub.sync()
     publisher.attach(pool)
     h = [low64(key) for key in keys]
@@ -364,7 +357,7 @@ def test_int_hashes_and_attach(make_publisher, ctx):
     assert [e.block_hashes for e in batch.events] == [[h[0]], [h[1]], [h[2]]]
 
 
-def test_an_engine_publishes_its_pool(tiny_model_dir, ctx):
+def test_an_engine_publishes_its_pool(tiny_model_dir, zmq_context):
     """The engine with `[events] endpoint`: a subscriber's view is the pool's registered keys, chained as computed."""
     from kvreuse.sampling_params import SamplingParams
 
@@ -374,7 +367,7 @@ def test_an_engine_publishes_its_pool(tiny_model_dir, ctx):
                    events__endpoint="tcp://127.0.0.1:*", events__replay_endpoint="tcp://127.0.0.1:*")
     publisher = llm.engine.events
     try:
-        sub = Subscriber(ctx, publisher)
+        sub = Subscriber(zmq_context, publisher)
         sub.sync()
         prompt = "Every harbour keeps a log of the ships that enter and the cargo they carry. " * 6
         llm.generate(prompt, SamplingParams(max_tokens=4))

@@ -16,17 +16,11 @@ from kvreuse.kvcache.layout import KVLayout
 from kvreuse.model.args import ModelArgs, Rope
 from kvreuse.sampling_params import SamplingParams
 
+from .conftest import GROUPED_GEMMA_WINDOW
 from .helpers import greedy, tiny_llm
 from .test_architectures import build
 
-WINDOW, BLOCK = 20, 8  # a window that is not a multiple of the block size
-PATTERN = ["sliding_attention", "sliding_attention", "full_attention"] * 2  # 2 full layers, 4 sliding: 3 groups of 2
-
-
-@pytest.fixture(scope="module")
-def gemma_dir(tmp_path_factory, real_tokenizer) -> str:
-    return str(build("gemma3", tmp_path_factory.mktemp("gemma3-grouped"), len(real_tokenizer.hf), real_tokenizer,
-                     num_hidden_layers=len(PATTERN), layer_types=PATTERN, sliding_window=WINDOW))
+WINDOW, BLOCK = GROUPED_GEMMA_WINDOW, 8  # a window that is not a multiple of the block size
 
 
 def engine(path: str, **sets):
@@ -70,22 +64,21 @@ def test_models_without_both_kinds_and_sliding_kv_full_keep_one_group():
     assert not KVLayout.of(gemma_args(6, pattern=1)).is_grouped     # every layer is full
 
 
-def test_the_engine_groups_the_pool_and_says_so(gemma_dir):
-    llm = engine(gemma_dir)
+def test_the_engine_groups_the_pool_and_says_so(grouped_gemma_dir):
+    llm = engine(grouped_gemma_dir)
     front = llm.engine.front_end
     assert front.kv_layout.is_grouped and llm.engine.runner.kv_cache.shape[0] == 2
     assert "3 groups of 2 layers per block" in front.describe_kv()
-    assert not engine(gemma_dir, cache__sliding_kv="full").engine.front_end.kv_layout.is_grouped
+    assert not engine(grouped_gemma_dir, cache__sliding_kv="full").engine.front_end.kv_layout.is_grouped
 
 
-def test_window_with_segment_reuse_or_a_tier_is_refused_by_name(gemma_dir, tmp_path):
+def test_window_with_segment_reuse_is_refused_by_name_and_a_tier_keeps_the_groups(grouped_gemma_dir, tmp_path):
     with pytest.raises(ConfigError, match=r"cache.sliding_kv = window .*cache.suffix.enabled"):
-        engine(gemma_dir, cache__sliding_kv="window", cache__suffix__enabled="true")
-    with pytest.raises(ConfigError, match=r"cache.disk.path"):
-        engine(gemma_dir, cache__sliding_kv="window", cache__disk__path=str(tmp_path))
-    auto = engine(gemma_dir, cache__suffix__enabled="true")  # auto: every layer's K/V, for segment reuse
+        engine(grouped_gemma_dir, cache__sliding_kv="window", cache__suffix__enabled="true")
+    assert engine(grouped_gemma_dir, cache__disk__path=str(tmp_path)).engine.front_end.kv_layout.is_grouped
+    auto = engine(grouped_gemma_dir, cache__suffix__enabled="true")  # auto: every layer's K/V, for segment reuse
     assert not auto.engine.front_end.kv_layout.is_grouped
-    grouped = engine(gemma_dir)
+    grouped = engine(grouped_gemma_dir)
     with pytest.raises(ValueError, match="cache.sliding_kv = full"):
         grouped.engine.set_segment_settings(grouped.engine.segment_settings.with_changes(enabled=True))
 
@@ -106,10 +99,10 @@ def chat(llm, turns: list[list[int]], num_tokens: int = 6) -> tuple[list[list[in
     return answers, cached
 
 
-def test_a_chat_several_windows_long_equals_the_cache_off_and_hits_every_turn(gemma_dir):
+def test_a_chat_several_windows_long_equals_the_cache_off_and_hits_every_turn(grouped_gemma_dir):
     turns = [tokens(n, seed) for seed, n in enumerate((45, 13, 30, 7, 52))]
-    want, _ = chat(engine(gemma_dir, cache__enabled="false"), turns)
-    llm = engine(gemma_dir)
+    want, _ = chat(engine(grouped_gemma_dir, cache__enabled="false"), turns)
+    llm = engine(grouped_gemma_dir)
     got, cached = chat(llm, turns)
     assert got == want
     # Each later turn reuses every full block of the previous turn's prompt and answer, its last token excepted.
@@ -121,44 +114,44 @@ def test_a_chat_several_windows_long_equals_the_cache_off_and_hits_every_turn(ge
     llm.engine.scheduler.check_integrity()
 
 
-def test_a_prompt_diverging_inside_the_last_block_hits_up_to_that_block(gemma_dir):
+def test_a_prompt_diverging_inside_the_last_block_hits_up_to_that_block(grouped_gemma_dir):
     """vLLM #57610: the second prompt shares the first up to 3 tokens before its end; it reuses every block before the
     one it diverges in."""
     first = tokens(8 * BLOCK + 5, 1)
     second = first[:-3] + tokens(9, 2)
-    want = engine(gemma_dir, cache__enabled="false").generate(second, greedy(8))[0].token_ids
-    llm = engine(gemma_dir)
+    want = engine(grouped_gemma_dir, cache__enabled="false").generate(second, greedy(8))[0].token_ids
+    llm = engine(grouped_gemma_dir)
     llm.generate(first, greedy(4))
     out = llm.generate(second, greedy(8))[0]
     assert out.usage.cached_tokens == (len(first) - 3) // BLOCK * BLOCK
     assert out.token_ids == want
 
 
-def test_a_fully_cached_block_aligned_prompt_computes_only_its_last_token(gemma_dir):
+def test_a_fully_cached_block_aligned_prompt_computes_only_its_last_token(grouped_gemma_dir):
     """Its last block is copied in every group (the window groups' too), so the step computes one token."""
     prompt = tokens(7 * BLOCK, 14)
-    want = engine(gemma_dir, cache__enabled="false").generate(prompt, greedy(6))[0].token_ids
-    llm = engine(gemma_dir)
+    want = engine(grouped_gemma_dir, cache__enabled="false").generate(prompt, greedy(6))[0].token_ids
+    llm = engine(grouped_gemma_dir)
     llm.generate(prompt, greedy(2))
     out = llm.generate(prompt, greedy(6))[0]
     assert out.usage.computed_prompt_tokens == 1 and out.token_ids == want
     llm.engine.scheduler.check_integrity()
 
 
-def test_a_hit_deep_inside_an_earlier_prompt_needs_its_window_and_finds_it(gemma_dir):
+def test_a_hit_deep_inside_an_earlier_prompt_needs_its_window_and_finds_it(grouped_gemma_dir):
     """A shared document followed by different questions, each longer than the window: the window blocks before the
     document's end were released by the first request (to the cache), and the second finds them."""
     doc = tokens(6 * BLOCK, 3)
     a, b = doc + tokens(50, 4), doc + tokens(41, 5)
-    want = engine(gemma_dir, cache__enabled="false").generate(b, greedy(6))[0].token_ids
-    llm = engine(gemma_dir)
+    want = engine(grouped_gemma_dir, cache__enabled="false").generate(b, greedy(6))[0].token_ids
+    llm = engine(grouped_gemma_dir)
     llm.generate(a, greedy(2))
     out = llm.generate(b, greedy(6))[0]
     assert out.usage.cached_tokens == len(doc) and out.token_ids == want
 
 
-def test_a_hit_whose_window_was_evicted_is_cut_to_where_the_window_is_whole(gemma_dir):
-    llm = engine(gemma_dir)
+def test_a_hit_whose_window_was_evicted_is_cut_to_where_the_window_is_whole(grouped_gemma_dir):
+    llm = engine(grouped_gemma_dir)
     doc = tokens(6 * BLOCK, 6)
     llm.generate(doc + tokens(50, 7), greedy(2))
     manager = llm.engine.kv_manager
@@ -176,26 +169,26 @@ def run_batch(llm, prompts: list[list[int]], params: SamplingParams) -> list[lis
     return [o.token_ids for o in llm.generate(prompts, params)]
 
 
-def test_preemption_and_eviction_pressure_leave_outputs_equal(gemma_dir):
+def test_preemption_and_eviction_pressure_leave_outputs_equal(grouped_gemma_dir):
     """Eight requests sharing prefixes in a pool that holds about two of them at once: sequences are preempted and
     recomputed, cached blocks evicted, and every answer equals the cache-off engine's."""
     shared = tokens(40, 9)
     prompts = [shared[:random.Random(i).randrange(10, 40)] + tokens(30 + 7 * i, 10 + i) for i in range(8)]
-    want = run_batch(engine(gemma_dir, cache__enabled="false"), prompts, greedy(24))
-    llm = engine(gemma_dir, engine__num_kv_blocks=60, engine__max_num_seqs=8, engine__max_num_batched_tokens=48)
+    want = run_batch(engine(grouped_gemma_dir, cache__enabled="false"), prompts, greedy(24))
+    llm = engine(grouped_gemma_dir, engine__num_kv_blocks=60, engine__max_num_seqs=8, engine__max_num_batched_tokens=48)
     assert run_batch(llm, prompts, greedy(24)) == want
     assert run_batch(llm, prompts, greedy(24)) == want  # again, from what the cache kept
     assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.kv_manager.pool.num_evictions > 0
     llm.engine.scheduler.check_integrity()
 
 
-def test_forks_and_prompt_scoring_match_the_full_layout(gemma_dir):
+def test_forks_and_prompt_scoring_match_the_full_layout(grouped_gemma_dir):
     prompt = tokens(3 * WINDOW + 3, 11)
     params = SamplingParams(max_tokens=10, n=3, temperature=1.0, seed=5)
     scoring = SamplingParams(max_tokens=2, prompt_logprobs=2)
     outs = {}
     for mode in ("window", "full"):
-        llm = engine(gemma_dir, cache__sliding_kv=mode)
+        llm = engine(grouped_gemma_dir, cache__sliding_kv=mode)
         llm.generate(prompt[:40], greedy(2))
         forked = llm.generate(prompt, params)[0]
         scored = [llm.generate(prompt, scoring)[0] for _ in range(2)]  # the second from the cache
@@ -234,9 +227,9 @@ def test_kv_bytes_per_token_at_8k_are_under_a_third_of_the_full_layout(tmp_path,
 
 
 @pytest.mark.parametrize("mode", ["window", "full"])
-def test_the_reported_capacity_fits(gemma_dir, mode):
+def test_the_reported_capacity_fits(grouped_gemma_dir, mode):
     """kv_capacity is the longest sequence the pool takes: one of that length runs, one block more is refused."""
-    llm = engine(gemma_dir, cache__sliding_kv=mode, engine__num_kv_blocks=40, engine__max_num_batched_tokens=32,
+    llm = engine(grouped_gemma_dir, cache__sliding_kv=mode, engine__num_kv_blocks=40, engine__max_num_batched_tokens=32,
                  server__max_tokens=4096)
     capacity = llm.engine.front_end.kv_capacity_tokens
     assert capacity >= 40 * BLOCK // 3
@@ -249,14 +242,14 @@ def test_the_reported_capacity_fits(gemma_dir, mode):
 # --- the simulator --------------------------------------------------------------------------------------
 
 
-def test_the_simulator_predicts_the_engines_hits_under_groups(gemma_dir):
+def test_the_simulator_predicts_the_engines_hits_under_groups(grouped_gemma_dir):
     """`kvreuse analyze` and the trace replay run the manager without a model: over the engine's layout they count
     the hits the engine counts, windows and their evictions included, on a pool small enough to evict."""
     from kvreuse.kvcache.simulate import simulate
 
     docs = [tokens(5 * BLOCK + 3, 20 + i) for i in range(3)]
     prompts = [docs[i % 3][:len(docs[0]) - (i % 4)] + tokens(30 + 3 * i, 30 + i) for i in range(12)]
-    llm = engine(gemma_dir, engine__num_kv_blocks=100)
+    llm = engine(grouped_gemma_dir, engine__num_kv_blocks=100)
     evicted_windows = []
     llm.engine.kv_manager.pool.on_evict.append(lambda block: block.group and evicted_windows.append(block))
     measured = [llm.generate(p, greedy(1))[0].usage.cached_tokens for p in prompts]

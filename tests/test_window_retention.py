@@ -15,11 +15,8 @@ from kvreuse.config import CacheConfig
 from kvreuse.kvcache.layout import KVLayout
 from kvreuse.model.args import ModelArgs, Rope
 
-from .test_architectures import build
-
 WINDOW, BLOCK = 64, 16
 CACHE = CacheConfig(block_size=BLOCK)
-PATTERN = ["sliding_attention", "sliding_attention", "full_attention"] * 2  # the tiny HF model: 3 groups of 2
 
 
 def gemma_args(num_layers: int, pattern: int = 6, window: int = WINDOW) -> ModelArgs:
@@ -140,16 +137,10 @@ def test_the_tables_mark_the_best_mode_and_the_plot_is_a_png(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.fixture(scope="module")
-def gemma_dir(tmp_path_factory, real_tokenizer) -> str:
-    return str(build("gemma3", tmp_path_factory.mktemp("gemma3-windows"), len(real_tokenizer.hf), real_tokenizer,
-                     num_hidden_layers=len(PATTERN), layer_types=PATTERN, sliding_window=20))
-
-
-def test_bench_windows_prints_the_table_and_writes_the_report(gemma_dir, tmp_path, capsys):
+def test_bench_windows_prints_the_table_and_writes_the_report(grouped_gemma_dir, tmp_path, capsys):
     out = tmp_path / "out"
-    assert main(["bench", "windows", "--model", gemma_dir, "--quick", "--scenarios", "chat", "rag", "--block-size",
-                 "8", "--out", str(out)]) == 0
+    assert main(["bench", "windows", "--model", grouped_gemma_dir, "--quick", "--scenarios", "chat", "rag",
+                 "--block-size", "8", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "| chat | " in printed and "| rag | " in printed and "no pressure" in printed
     report = json.loads((out / "window-retention.json").read_text())

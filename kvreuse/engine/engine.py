@@ -41,6 +41,10 @@ from kvreuse.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+# Steps in a row whose scheduling may raise while weighing the same waiting request before it is failed: a fault that
+# passes spares it, one of its own must not hold the queue behind it.
+MAX_ADMISSION_FAULTS = 3
+
 
 class LLMEngine:
     """The model, its KV pool, the cache and the scheduler, with the front end that prepares their requests."""
@@ -65,7 +69,8 @@ class LLMEngine:
                         if config.engine.compile == "decode" else None)
         self.runner = ModelRunner(model, num_blocks, front.block_size, dtype, self.device,
                                   front.tokenizer.eos_token_ids, decode_graph, front.kv_layout)
-        self.tiers = TieredStore.from_config(config.cache, PoolBlockIO(self.runner.kv_cache, front.fingerprint))
+        self.tiers = TieredStore.from_config(config.cache, PoolBlockIO(self.runner.kv_cache, front.fingerprint,
+                                                                         front.kv_layout))
         self.kv_manager = KVCacheManager.from_config(config.cache, num_blocks, front.fingerprint, tiers=self.tiers,
                                                      layout=front.kv_layout)
         self.segment_settings = config.cache.suffix  # immutable, replaced only by set_segment_settings
@@ -103,7 +108,8 @@ class LLMEngine:
         replica's previous life."""
         if not config.events.endpoint:
             return None
-        events = KVEventPublisher(config.events, self.block_size, "GPU" if self.device.type == "cuda" else "CPU")
+        events = KVEventPublisher(config.events, self.block_size, "GPU" if self.device.type == "cuda" else "CPU",
+                                  windows=tuple(g.window for g in self.front_end.kv_layout.groups))
         events.all_cleared()
         events.attach(self.kv_manager.pool)
         return events
@@ -166,9 +172,17 @@ class LLMEngine:
             else:
                 self.scheduler.wait_for_head(timeout=0.05)
         except Exception as exc:
-            # Scheduling itself failed: every sequence it may have touched (all but those still waiting) is the step's.
+            # Scheduling itself failed: every sequence it may have touched (all but those still waiting) is the step's,
+            # and the queue's head too once weighing it has raised MAX_ADMISSION_FAULTS times: a fault of its own,
+            # which would otherwise hold the queue behind it forever.
             waiting = {id(s) for s in self.scheduler.waiting}
             touched = batch.seqs if batch is not None else [s for s in self.sequences.values() if id(s) not in waiting]
+            head = self.scheduler.considering
+            if head is not None and id(head) in waiting:
+                head.num_admission_faults += 1
+                if head.num_admission_faults >= MAX_ADMISSION_FAULTS:
+                    touched.append(head)
+            self.scheduler.considering = None
             updated += [s for s in self._fail(touched, exc) if all(s is not u for u in updated)]
         return updated
 
@@ -206,12 +220,12 @@ class LLMEngine:
         """Every tensor copy the cache asks for, in its order: tier payloads into the pool, pool blocks into pool
         blocks, pool blocks out to the tiers' write queue."""
         if jobs.writes:
-            block_ids, payloads = zip(*jobs.writes, strict=True)
-            self.tiers.io.write(block_ids, payloads)
+            positions, payloads = zip(*jobs.writes, strict=True)
+            self.tiers.io.write(positions, payloads)
         if jobs.copies:
             self.runner.copy_blocks(jobs.copies)
         for job in jobs.stores:
-            self.tiers.store(job.blocks, job.block_ids, job.tiers)
+            self.tiers.store(job.blocks, job.positions, job.tiers)
 
     def _append(self, seq: Sequence, token_id: int, logprob: TokenLogprob | None, now: float) -> None:
         seq.token_ids.append(token_id)

@@ -12,7 +12,7 @@ from kvreuse.kvcache.tiers.store import StoredBlock
 class StoreJob:
     """Published blocks to queue for the lower tiers named in `tiers`."""
     blocks: tuple[StoredBlock, ...]
-    block_ids: tuple[int, ...]
+    positions: tuple[tuple[int, ...], ...]  # each block's pool block in every layer group, group 0 first
     tiers: tuple[str, ...]
 
 
@@ -20,7 +20,8 @@ class StoreJob:
 class CopyJobs:
     """Run in this order, before the pool is written again: bytes loaded from a lower tier into pool blocks, pool
     blocks into pool blocks (every layer: a cached last block, a forked partial block), pool blocks out to tiers."""
-    writes: list[tuple[int, memoryview]] = field(default_factory=list)  # (block id, payload)
+    # (a position's pool block in every layer group, its payload)
+    writes: list[tuple[tuple[int, ...], memoryview]] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)         # (source block, destination block)
     stores: list[StoreJob] = field(default_factory=list)
 
@@ -30,6 +31,7 @@ class CopyJobs:
         self.stores += other.stores
         return self
 
-    def store(self, blocks: Sequence[StoredBlock], block_ids: Sequence[int], tiers: Sequence[str]) -> None:
+    def store(self, blocks: Sequence[StoredBlock], positions: Sequence[tuple[int, ...]], tiers: Sequence[str]
+              ) -> None:
         if blocks and tiers:
-            self.stores.append(StoreJob(tuple(blocks), tuple(block_ids), tuple(tiers)))
+            self.stores.append(StoreJob(tuple(blocks), tuple(positions), tuple(tiers)))

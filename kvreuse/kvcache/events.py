@@ -5,7 +5,14 @@ Wire format. A PUB socket bound at ``[events] endpoint`` sends one multipart mes
 ``[topic, seq, payload]``: topic is ``[events] topic`` in UTF-8, seq an 8-byte big-endian counter from 0 (+1 per batch),
 payload a msgpack ``KVEventBatch``, an array ``[ts, [event, ...]]`` whose events are arrays tagged by class name:
 ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium]``,
-``["BlockRemoved", block_hashes, medium]`` and ``["AllBlocksCleared"]``. A hash is the block's 32-byte sha256 chain
+``["BlockRemoved", block_hashes, medium]`` and ``["AllBlocksCleared"]``. On a grouped pool (a sliding-window model
+with ``cache.sliding_kv = window``) every event also names its layer group, in vLLM's later fields:
+``BlockStored`` gains ``lora_name`` (None), ``extra_keys`` (None), ``group_idx``, ``kv_cache_spec_kind``
+("full_attention" or "sliding_window") and ``kv_cache_spec_sliding_window`` (the window, or None), and
+``BlockRemoved`` gains ``group_idx``. A sliding-window block carries its position's chain key and parent, as the
+full-attention block there does: it is that block's window K/V, announced after it and removed no later. A subscriber
+that reads only the first fields sees it as a second announcement of that key, so it should keep group 0's keys
+(``group_idx`` absent or 0) for routing. A hash is the block's 32-byte sha256 chain
 key (bytes; with ``int_hashes``, its low 64 bits as an int, as vLLM sends by default): it covers the block's tokens,
 every token before it, the model fingerprint, the block size and the cache salt. ``parent_block_hash`` is the key of
 the block before it (None: the first block of a sequence). ``medium`` is "GPU" or "CPU" for the pool.
@@ -86,6 +93,20 @@ class BlockRemoved(KVCacheEvent):
     medium: str | None
 
 
+# A grouped pool's events: the same tags with vLLM's later fields (msgspec writes an array-like struct's defaults, so a
+# one-group pool keeps the shorter structs above and its wire format).
+class GroupBlockStored(BlockStored, tag="BlockStored"):
+    lora_name: str | None = None
+    extra_keys: list | None = None
+    group_idx: int = 0
+    kv_cache_spec_kind: str = "full_attention"  # or "sliding_window"
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class GroupBlockRemoved(BlockRemoved, tag="BlockRemoved"):
+    group_idx: int = 0
+
+
 class AllBlocksCleared(KVCacheEvent):
     pass
 
@@ -101,14 +122,17 @@ def low64(key: bytes) -> int:
 
 class KVEventPublisher:
     def __init__(self, config: EventsConfig, block_size: int, medium: str, *, flush_interval_s: float = 0.01,
-                 max_queue_events: int = 100_000, hwm: int = 100_000, int_hashes: bool = False):
+                 max_queue_events: int = 100_000, hwm: int = 100_000, int_hashes: bool = False,
+                 windows: tuple[int | None, ...] = (None,)):
         self.block_size, self.medium = block_size, medium
+        self.windows = windows  # of each layer group (None: full attention); one group sends no group fields
         self.flush_interval_s, self.max_queue_events = flush_interval_s, max_queue_events
         self._hash = low64 if int_hashes else bytes
         self.num_batches = self.num_events = self.num_dropped = 0
         self._topic = config.topic.encode()
         self._pending: deque[KVCacheEvent] = deque()        # engine threads append, the publisher pops
-        self._keys: dict[int, bytes] = {}                    # uid -> key of the blocks announced and not evicted
+        # uid -> chain key and parent key of the blocks announced and not evicted
+        self._keys: dict[int, tuple[bytes, bytes | None]] = {}
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)  # (seq, payload) for replay
         self._seq = 0
         self._drop_lock = threading.Lock()
@@ -151,21 +175,37 @@ class KVEventPublisher:
 
     def _on_register(self, block: KVCacheBlock) -> None:
         if block.group:
-            return  # a sliding-window group's block (kvcache/layout.py): the chain's keys are group 0's
-        parent = None
-        if block.parent_uid is not None:
-            parent = self._keys.get(block.parent_uid)
-            if parent is None:
-                # Its predecessor was evicted before it was published (it continued a concurrent twin's chain): no
-                # prefix lookup can reach it, so it is not announced (nor its removal, nor its successors).
+            # A sliding-window group's block, found through the full-attention block of its position (its parent):
+            # announced under that block's keys, with its group.
+            anchor = self._keys.get(block.parent_uid)
+            if anchor is None:
                 return
-        self._keys[block.uid] = block.block_key
-        self._put(BlockStored([self._hash(block.block_key)], None if parent is None else self._hash(parent),
-                              list(block.token_ids), self.block_size, None, self.medium))
+            key, parent = anchor
+        else:
+            key, parent = block.block_key, None
+            if block.parent_uid is not None:
+                parent = self._keys.get(block.parent_uid, (None,))[0]
+                if parent is None:
+                    # Its predecessor was evicted before it was published (it continued a concurrent twin's chain): no
+                    # prefix lookup can reach it, so it is not announced (nor its removal, nor its successors).
+                    return
+        self._keys[block.uid] = key, parent
+        parent_hash = None if parent is None else self._hash(parent)
+        fields = ([self._hash(key)], parent_hash, list(block.token_ids), self.block_size, None, self.medium)
+        if len(self.windows) == 1:
+            self._put(BlockStored(*fields))
+            return
+        window = self.windows[block.group]
+        self._put(GroupBlockStored(*fields, group_idx=block.group, kv_cache_spec_sliding_window=window,
+                                   kv_cache_spec_kind="full_attention" if window is None else "sliding_window"))
 
     def _on_evict(self, block: KVCacheBlock) -> None:
-        if self._keys.pop(block.uid, None) is not None:
-            self._put(BlockRemoved([self._hash(block.block_key)], self.medium))
+        announced = self._keys.pop(block.uid, None)
+        if announced is None:
+            return
+        fields = ([self._hash(announced[0])], self.medium)
+        grouped = len(self.windows) > 1
+        self._put(GroupBlockRemoved(*fields, group_idx=block.group) if grouped else BlockRemoved(*fields))
 
     def all_cleared(self) -> None:
         """Tell subscribers to forget every block of this replica (engine start)."""

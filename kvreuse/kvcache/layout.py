@@ -102,14 +102,11 @@ def first_window_block(num_computed_tokens: int, window: int, block_size: int) -
 
 def resolve_layout(args: ModelArgs, cache: CacheConfig) -> KVLayout:
     """The pool layout `cache.sliding_kv` asks for on a model of `args`. ConfigError where `window` meets segment
-    reuse or a tier, which need every layer's K/V."""
-    needs_full = [key for key, on in (("cache.suffix.enabled", cache.suffix.enabled),
-                                      ("cache.disk.path", bool(cache.disk.path)),
-                                      ("cache.redis.url", bool(cache.redis.url))) if on]
-    layout = KVLayout.of(args, keep_window_kv=cache.sliding_kv == "full" or bool(needs_full))
-    if cache.sliding_kv == "window" and needs_full and KVLayout.of(args).is_grouped:
-        raise ConfigError(f"cache.sliding_kv = window cannot be combined with {', '.join(needs_full)}: segment reuse "
-                          f"and the tiers need every layer's K/V; use cache.sliding_kv = full or auto")
-    if cache.sliding_kv == "auto" and needs_full and KVLayout.of(args).is_grouped:
-        logger.info("cache.sliding_kv = auto: full, as %s needs every layer's K/V", " and ".join(needs_full))
+    reuse, which needs every layer's K/V."""
+    layout = KVLayout.of(args, keep_window_kv=cache.sliding_kv == "full" or cache.suffix.enabled)
+    if cache.suffix.enabled and cache.sliding_kv != "full" and KVLayout.of(args).is_grouped:
+        if cache.sliding_kv == "window":
+            raise ConfigError("cache.sliding_kv = window cannot be combined with cache.suffix.enabled: segment reuse "
+                              "needs every layer's K/V; use cache.sliding_kv = full or auto")
+        logger.info("cache.sliding_kv = auto: full, as cache.suffix.enabled needs every layer's K/V")
     return layout

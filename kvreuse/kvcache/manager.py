@@ -41,7 +41,7 @@ also needs, in every window group, the blocks its window reads before position n
         self.block_size = block_size
         self.layout = layout or KVLayout.full(1)
         self.windows = [g.window for g in self.layout.window_groups]  # of each sliding-window group (1, 2, ...)
-        assert not (self.windows and (enable_segments or tiers)), "segment reuse and tiers need a one-group layout"
+        assert not (self.windows and enable_segments), "segment reuse needs a one-group layout"
         self.enable_caching = enable_caching
         self.enable_segments = enable_caching and enable_segments
         self.min_match_blocks = min_match_blocks
@@ -94,10 +94,7 @@ also needs, in every window group, the blocks its window reads before position n
             return NO_MATCH
         hits = self.match_prefix(req)
         if self.window_groups is not None:
-            hits, windows = self.window_groups.run(req, hits, max(1, self.min_match_blocks))
-            last_blocks = self._match_last_block(req, hits) if req.scope is ReuseScope.ANY else ()
-            return Match(tuple(hits), last_blocks=last_blocks, windows=windows,
-                         num_cached_tokens=req.num_tokens - 1 if last_blocks else len(hits) * self.block_size)
+            return self._match_windowed(req, hits)
         if req.scope is ReuseScope.SCORED:
             return Match(tuple(hits), num_cached_tokens=len(hits) * self.block_size)
         last_blocks = self._match_last_block(req, hits)
@@ -107,6 +104,25 @@ also needs, in every window group, the blocks its window reads before position n
         num_cached_blocks = len(hits) + len(loads)
         return Match(tuple(hits), tuple(loads), plan=self._match_segments(req, num_cached_blocks),
                      num_cached_tokens=num_cached_blocks * self.block_size)
+
+    def _match_windowed(self, req: CacheRequest, hits: list[int]) -> Match:
+        """`match` on a grouped layout: the hits whose windows are cached, or their continuation loaded from the tiers
+        (an entry holds every layer, so the loaded part brings its own windows) where the pool holds the windows the
+        loaded end reads before it; or a fully cached aligned prompt's last block."""
+        need = max(1, self.min_match_blocks)
+        loads = self._match_loads(req, hits)
+        if loads:
+            num_blocks = len(hits) + len(loads)
+            first = min(self.window_groups.first_block(num_blocks * self.block_size), len(hits))
+            found = [self.window_groups.blocks_at(req, i, self.pool.blocks[hits[i]].uid)
+                     for i in range(first, len(hits))]
+            if None not in found:
+                windows = tuple(tuple(blocks[g] for blocks in found) for g in range(self.window_groups.num_groups))
+                return Match(tuple(hits), tuple(loads), windows=windows, num_cached_tokens=num_blocks * self.block_size)
+        hits, windows = self.window_groups.run(req, hits, need)
+        last_blocks = self._match_last_block(req, hits) if req.scope is ReuseScope.ANY else ()
+        return Match(tuple(hits), last_blocks=last_blocks, windows=windows,
+                     num_cached_tokens=req.num_tokens - 1 if last_blocks else len(hits) * self.block_size)
 
     def match_prefix(self, req: CacheRequest) -> list[int]:
         """Block ids of the longest cached exact prefix of `req` (confirmed token by token), capped so the
@@ -324,7 +340,7 @@ also needs, in every window group, the blocks its window reads before position n
         """Put loaded K/V into the request's blocks `first`, ... (a job) and publish them. A block from a farther tier
         is also written to the nearer ones (a Redis hit lands on the local disk)."""
         bs = self.block_size
-        jobs.writes += zip(req.block_table[first:first + len(loads)], [b.payload for b in loads], strict=True)
+        jobs.writes += [(self._position(req, first + j), b.payload) for j, b in enumerate(loads)]
         req.num_loaded_tokens = {}
         for block in loads:
             req.num_loaded_tokens[block.tier] = req.num_loaded_tokens.get(block.tier, 0) + bs
@@ -367,7 +383,7 @@ also needs, in every window group, the blocks its window reads before position n
         for `tiers`."""
         bs = self.block_size
         stored: list[StoredBlock] = []
-        stored_ids: list[int] = []
+        stored_ids: list[tuple[int, ...]] = []
         for i in range(len(req.block_uids), req.num_publishable_tokens(num_computed_tokens) // bs):
             parent_uid = req.block_uids[i - 1] if i else None
             if i and parent_uid is None:
@@ -381,11 +397,17 @@ also needs, in every window group, the blocks its window reads before position n
                 twin = self.pool.lookup(key, token_ids, parent_uid)
                 uid = twin.uid if twin else self.pool.register(block_id, key, token_ids, parent_uid, i * bs,
                                                                req.extra_key)
-                if twin is None and uid is not None:
+                position = self._position(req, i)
+                if twin is None and uid is not None and RELEASED not in position:
                     stored.append(StoredBlock(key, req.block_keys[i - 1] if i else None, tuple(token_ids)))
-                    stored_ids.append(block_id)
+                    stored_ids.append(position)
             req.block_uids.append(uid)
         jobs.store(stored, stored_ids, tiers)
+
+    @staticmethod
+    def _position(req: CacheRequest, index: int) -> tuple[int, ...]:
+        """Block `index` of `req` in every layer group, group 0 first (RELEASED where a window has passed it)."""
+        return tuple(table[index] for table in req.block_tables)
 
     # --- n > 1: choices forked from one prompt ---------------------------------------------------------
     def can_fork(self, req: CacheRequest, num_computed_tokens: int) -> bool:

@@ -42,11 +42,12 @@ class BlockIO(Protocol):
 
     spec: entry.BlockSpec
 
-    def read(self, block_ids: Sequence[int]) -> list:
-        """Host copies of the blocks' K/V, each a buffer of `spec.payload_bytes` bytes, safe to keep."""
+    def read(self, positions: Sequence[tuple[int, ...]]) -> list:
+        """Host copies of each position's K/V (its pool block in every layer group), each a buffer of
+        `spec.payload_bytes` bytes, safe to keep."""
 
-    def write(self, block_ids: Sequence[int], payloads: Sequence) -> None:
-        """Put the payloads (as `read` returns them) into the blocks."""
+    def write(self, positions: Sequence[tuple[int, ...]], payloads: Sequence) -> None:
+        """Put the payloads (as `read` returns them) into each position's blocks."""
 
 
 @dataclass(frozen=True)
@@ -134,10 +135,11 @@ class TieredStore:
     def can_store(self, num_blocks: int) -> bool:
         return self._queued_bytes + num_blocks * self.spec.payload_bytes <= self.max_queue_bytes
 
-    def store(self, blocks: Sequence[StoredBlock], block_ids: Sequence[int], tiers: Sequence[str] | None = None
-              ) -> bool:
-        """Queue published blocks (their K/V in pool blocks `block_ids`) for the tiers named in `tiers` (default:
-        all). Engine thread; copies the K/V now and returns at once. False (dropped, counted) if the queue is full."""
+    def store(self, blocks: Sequence[StoredBlock], positions: Sequence[tuple[int, ...]],
+              tiers: Sequence[str] | None = None) -> bool:
+        """Queue published blocks (their K/V in the pool blocks of `positions`, one tuple per block: its block in every
+        layer group) for the tiers named in `tiers` (default: all). Engine thread; copies the K/V now and returns at
+        once. False (dropped, counted) if the queue is full."""
         targets = [t for t in self.tiers if tiers is None or t.name in tiers]
         if not blocks or not targets or self._closed:
             return False
@@ -145,7 +147,7 @@ class TieredStore:
             with self._lock:
                 self.counters.dropped_blocks += len(blocks)
             return False
-        payloads = self.io.read(block_ids)
+        payloads = self.io.read(positions)
         with self._lock:
             self._queued_bytes += len(blocks) * self.spec.payload_bytes
             self.counters.queued_blocks += len(blocks)
