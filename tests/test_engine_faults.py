@@ -15,7 +15,7 @@ import json
 
 import pytest
 
-from kvreuse.engine.engine import LLMEngine
+from kvreuse.engine.engine import MAX_ADMISSION_FAULTS, LLMEngine
 
 from .helpers import app_server, drain, greedy, tiny_engine, tiny_llm
 from .server_process import http_client, sse_events
@@ -187,3 +187,23 @@ def test_observers_that_raise_are_logged_and_the_engine_thread_keeps_serving(tin
     assert [o.finish_reason for o in outputs] == ["length", "length"]
     assert async_engine.error is None and async_engine.num_callback_errors >= 4   # a step and a finish each
     assert "broken failed" in caplog.text
+
+
+def test_a_request_whose_admission_always_raises_is_failed_and_the_queue_behind_it_goes_on(tiny_model_dir):
+    engine = tiny_engine(tiny_model_dir, engine__num_kv_blocks=64)
+    poisoned = engine.add_request("This prompt's match always raises", greedy(3))
+    behind = engine.add_request("Arrives later", greedy(3))
+    match_prefix = engine.kv_manager.match_prefix
+
+    def faulty(req):
+        if req is poisoned.kv:
+            raise InjectedFault("injected fault in this request's match")
+        return match_prefix(req)
+
+    engine.kv_manager.match_prefix = faulty
+    failed_at = next(step for step in range(1, MAX_STEPS) if poisoned in engine.step())
+    assert failed_at == MAX_ADMISSION_FAULTS
+    assert poisoned.finish_reason == "error" and "this request's match" in poisoned.error
+    drain(engine, MAX_STEPS, check_integrity=True)
+    assert behind.finish_reason == "length" and behind.num_completion_tokens == 3
+    assert engine.kv_manager.num_free_blocks == engine.num_kv_blocks

@@ -49,6 +49,7 @@ class Scheduler:
         self.waiting = WaitingQueue()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.considering: Sequence | None = None  # the queue's head while `schedule` weighs admitting it
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -79,6 +80,7 @@ class Scheduler:
                 break  # the batch is full, counting the choices its requests will fork
             if kv.is_loading(seq.kv):
                 break  # strict arrival order: the queue waits for its head's prefix to arrive
+            self.considering = seq
             match = kv.match(seq.kv)
             publishing = [(s.kv, s.num_computed_tokens + s.num_scheduled_tokens) for s in out.seqs]
             if kv.gains_by_waiting(seq.kv, match, publishing):
@@ -100,6 +102,7 @@ class Scheduler:
             num_prefilling += 1
             budget -= num_tokens
             seats += self.seats_of(seq)
+        self.considering = None
         return out
 
     @property

@@ -32,6 +32,7 @@ class Sequence:
     num_computed_tokens: int = 0      # tokens whose K/V are in the block table
     num_scheduled_tokens: int = 0     # tokens this step computes
     num_preemptions: int = 0
+    num_admission_faults: int = 0     # steps whose scheduling raised while this one was the queue's head
     reuse: ReuseRecord | None = None  # how the prompt was obtained; set after the request's first step
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" (a step failed; see `error`)
     error: str | None = None          # why, when finish_reason is "error"
