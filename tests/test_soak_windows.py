@@ -10,34 +10,43 @@ of an earlier prompt, multi-turn continuations (an earlier request's prompt and 
 cache salts, `use_cache=false`, n > 1 (choices forked from their request's prompt); steps with chunked prefill that
 crosses window boundaries, preemption on a tiny pool, eviction under a small `cache.max_blocks`, every eviction policy
 and every window retention (what becomes of the window blocks a window has passed: `cold` puts them in `pool.cold`,
-evicted first); aborts at random points; faults injected into the forward and into block copies. The lower tiers and
-segment reuse are left out: a grouped layout refuses them (front_end.resolve_layout), as they need every layer's K/V.
+evicted first); aborts at random points; faults injected into the forward and into block copies; a disk tier under
+the pool in about two programs of three, so that evicted prefixes (and all of them, when the pool's cache is reset) come
+back as tier loads, alone or continuing a pool hit.
+Segment reuse is left out: a grouped layout refuses it (kvcache/layout.resolve_layout), as it needs every layer's K/V.
 
 A wrong window is silent in a real model (a few logits drift), so the stand-in makes it loud. It keeps, for every KV
 slot, what K/V it would hold (the group, the position and the tokens up to it), writes each computed position into
 every group's table, and before the step's queries read, reads back through group 0's table every position so far
 and through each window group's table every position its window reads (from `start - window + 1` on, none of them
 RELEASED). A wrong hit, a window block missing or of another group, a block freed while still read and reused, fails
-there. It samples from the tokens so read back, so each choice's completion is known without any cache. The engine
-turns an exception inside a step into finish_reason "error" for that step's requests; the soak fails on every error
-but its own injected faults, so neither the stand-in's checks nor the scheduler's or the cache's assertions are lost.
+there. The tier's entries are the slots' records (RecordingBlockIO), so a load that put the wrong K/V into any group's
+block fails the same read-back. It samples from the tokens so read back, so each choice's completion is known without
+any cache. The engine turns an exception inside a step into finish_reason "error" for that step's requests; the soak
+fails on every error but its own injected faults, so neither the stand-in's checks nor the scheduler's or the cache's
+assertions are lost.
 
 After every step `check_integrity()` holds, and a step that runs past STEP_SECONDS fails the soak with the stack it
 was stuck in; at the end every choice of every request has exactly one terminal outcome (stop, length, abort or
 error, each reported once: by `step()` or by the abort), everything drained within a bounded number of steps, no block
 is held, and the soak is asserted to have covered what it is for: hits that needed window blocks, hits of a whole
 block-aligned prompt (its last block copied in every group), chunks past the window, forks, preemptions, evictions,
-evictions from `pool.cold`, aborts and failed steps.
+evictions from `pool.cold`, tier loads (alone, after a pool hit, and after one whose windows the load needed), aborts
+and failed steps.
 """
 
 from __future__ import annotations
 
+import json
+import shutil
 import signal
+import tempfile
 import traceback
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import get_args
 
 import pytest
@@ -50,6 +59,7 @@ from kvreuse.engine.sequence import Sequence
 from kvreuse.kvcache.block_pool import BlockPool
 from kvreuse.kvcache.eviction import POLICIES
 from kvreuse.kvcache.layout import RELEASED, first_window_block
+from kvreuse.kvcache.tiers.entry import BlockSpec
 from kvreuse.kvcache.window_groups import WindowRetention
 from kvreuse.llm import LLM
 from kvreuse.model.tokenizer import Tokenizer
@@ -80,7 +90,8 @@ COVERED = ("prefix hits", "hits past the window", "hits of a whole prompt", "tur
            "block copies", "chunked prefill steps", "chunks past the window", "preemptions", "evictions",
            "window blocks unpublished", "cold evictions", "refused", "salted requests", "requests without the cache",
            "finished stop", "finished length", "finished abort", "finished error", "faults in the forward",
-           "faults in the copy")
+           "faults in the copy", "pool resets", "programs with a disk tier", "tier loads",
+           "tier loads after a pool hit", "tier loads reading the pool's windows")
 FAULT = 5  # a "fault" operation injects one only when it draws this (faults fail whole steps: keep them rare)
 
 Held = tuple[int, int, int]  # what a KV slot holds: (group, position, hash of the tokens up to that position)
@@ -228,13 +239,22 @@ class RecordingForward:
         whole_prompt = start == seq.num_tokens - 1 and seq.num_tokens % self.bs == 0
         assert start % self.bs == 0 or whole_prompt, f"{seq.request_id} hit {start} tokens, not whole blocks"
         pool, num_hits = self.engine.kv_manager.pool, start // self.bs
+        # The loaded blocks follow the pool's hits: group 0's are published at admission, the windows' after the step.
+        num_pool_hits = num_hits - sum(kv.num_loaded_tokens.values()) // self.bs
         for group, table in enumerate(kv.block_tables):
             first = 0 if group == 0 else first_window_block(start, self.windows[group - 1], self.bs)
-            for block_id in table[first:num_hits]:
+            for i, block_id in enumerate(table[first:num_hits], start=first):
                 assert block_id != RELEASED, f"{seq.request_id}: a hit without group {group}'s window"
                 block = pool.blocks[block_id]
+                if group and i >= num_pool_hits:
+                    continue
                 assert block.extra_key == kv.extra_key, "a hit crossed a salt"
                 assert block.group == group, f"group {group} hit block {block_id} of group {block.group}"
+        if num_pool_hits < num_hits:
+            self.coverage["tier loads"] += 1
+            self.coverage["tier loads after a pool hit"] += num_pool_hits > 0
+            self.coverage["tier loads reading the pool's windows"] += any(
+                first_window_block(start, w, self.bs) < num_pool_hits for w in self.windows)
         self.coverage["prefix hits"] += 1
         self.coverage["hits of a whole prompt"] += start % self.bs > 0
         self.coverage["hits past the window"] += start > min(self.windows)
@@ -247,6 +267,31 @@ class RecordingForward:
             assert RELEASED not in (source, destination), f"a copy of a released block: {source} -> {destination}"
             for j in range(self.bs):
                 self.slots[destination * self.bs + j] = self.slots[source * self.bs + j]
+
+
+class RecordingBlockIO:
+    """Stands in for the pool's BlockIO under the disk tier: an entry is the records of its position's slots in every
+    group (as RecordingForward keeps them), padded to a fixed size; a load writes them back into the new blocks."""
+
+    ENTRY_BYTES = 2048
+
+    def __init__(self, forward: RecordingForward, fingerprint: str):
+        self.forward = forward
+        self.spec = BlockSpec(fingerprint, "records", forward.bs, (self.ENTRY_BYTES,), 1)
+
+    def read(self, positions: list[tuple[int, ...]]) -> list[bytes]:
+        bs, slots = self.forward.bs, self.forward.slots
+        entries = [json.dumps([slots[b * bs:(b + 1) * bs] for b in block_ids]).encode() for block_ids in positions]
+        assert all(len(e) <= self.ENTRY_BYTES for e in entries), "an entry outgrew ENTRY_BYTES"
+        return [e.ljust(self.ENTRY_BYTES) for e in entries]
+
+    def write(self, positions: list[tuple[int, ...]], payloads: list) -> None:
+        bs, slots = self.forward.bs, self.forward.slots
+        for block_ids, payload in zip(positions, payloads, strict=True):
+            records = json.loads(bytes(payload))
+            assert len(records) == len(block_ids), f"an entry of {len(records)} groups for {len(block_ids)}"
+            for block_id, held in zip(block_ids, records, strict=True):
+                slots[block_id * bs:(block_id + 1) * bs] = [None if h is None else tuple(h) for h in held]
 
 
 def watch_evictions(pool: BlockPool, coverage: Counter) -> None:
@@ -288,7 +333,10 @@ def operations(max_tokens: int) -> st.SearchStrategy[tuple]:
     retention = st.tuples(st.just("retention"), st.sampled_from(get_args(WindowRetention)))
     abort = st.tuples(st.just("abort"), st.integers(0, 99))
     fault = st.tuples(st.just("fault"), st.integers(0, 9), st.sampled_from(["forward", "copy"]))
-    return st.one_of(add, add, turn, turn, again, diverge, step, step, step, abort, fault, retention)
+    # Drop the pool's cached blocks (not the tier's), when it draws 0, then send an earlier request's prompt again: what
+    # the pool lost comes back from the tier, where there is one.
+    forget = st.tuples(st.just("forget"), st.integers(0, 4), st.integers(0, 99), num_tokens)
+    return st.one_of(add, add, turn, turn, again, diverge, step, step, step, abort, fault, retention, forget)
 
 
 @st.composite
@@ -300,7 +348,8 @@ def engine_settings(draw) -> dict:
             "cache__policy": draw(st.sampled_from(list(POLICIES))),
             "cache__min_match_blocks": draw(st.integers(1, 2)),
             "engine__max_num_batched_tokens": draw(st.integers(8, 48)),
-            "engine__max_num_seqs": draw(st.integers(1, 8))}
+            "engine__max_num_seqs": draw(st.integers(1, 8)),
+            "disk": draw(st.sampled_from([True, True, False]))}
 
 
 @dataclass
@@ -313,10 +362,14 @@ class Run:
     faulted: set[str] = field(default_factory=set)  # where the faults that failed requests were injected
 
     def add(self, prompt: list[int], params: SamplingParams, salt: str | None, use_cache: bool) -> bool:
+        if self.engine.tiers is not None:  # what was published is in the tier, whatever the writer thread's pace
+            self.engine.tiers.flush(timeout=STEP_SECONDS)
         try:
             seq = self.engine.add_request(prompt, params, cache_salt=salt, use_cache=use_cache)
         except RequestError:
             return False  # larger than the pool or the context: refused, never queued
+        # Its tier read done before the next step: a program runs alike whatever the threads' timing.
+        self.engine.kv_manager.wait_for_load(seq.kv, STEP_SECONDS)
         self.requests.append(seq)
         for choice in choices(seq):
             self.outcomes[choice.request_id] = []
@@ -379,6 +432,10 @@ def run_program(run: Run, program: list[tuple], coverage: Counter) -> None:
     for op in program:
         coverage["operations"] += 1
         prompt = None
+        if op[0] == "forget" and op[1] == 0:
+            engine.reset_prefix_cache()
+            coverage["pool resets"] += 1
+            op = ("again", *op[2:])
         if op[0] == "add":
             _, prompt, max_tokens, salt, use_cache, ignore_eos, n = op
             params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, n=n)
@@ -432,12 +489,15 @@ def model_dirs(tmp_path_factory, real_tokenizer) -> dict[tuple[int, int], str]:
 
 
 @pytest.fixture(scope="module")
-def engine_factory(model_dirs, real_tokenizer) -> Callable[..., LLMEngine]:
+def engine_factory(model_dirs, real_tokenizer, tmp_path_factory) -> Callable[..., LLMEngine]:
     """Fresh grouped engines, cheaply: the tokenizer (read-only, ~0.7 s to load) is loaded once."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(Tokenizer, "load", classmethod(lambda cls, path, fingerprint, chat_template=None: real_tokenizer))
 
-        def make(model: tuple[int, int], **settings) -> LLMEngine:
+        def make(model: tuple[int, int], disk: bool = False, **settings) -> LLMEngine:
+            if disk:  # on tmpfs where there is one: the tier fsyncs every entry, and the soak writes thousands
+                root = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path_factory.getbasetemp()
+                settings["cache__disk__path"] = str(Path(tempfile.mkdtemp(prefix="kvreuse-soak-disk-", dir=root)))
             config = make_config(model__path=model_dirs[model], model__dtype="fp32", cache__sliding_kv="window",
                                  **settings)
             engine = LLM(config).engine
@@ -462,9 +522,18 @@ def test_soak_windows_3600_operations_seed_1414(engine_factory):
         engine = engine_factory(model, **settings_)
         coverage[f"programs under {settings_['cache__policy']}"] += 1
         engine.runner = RecordingForward(engine, coverage)
+        if engine.tiers is not None:
+            coverage["programs with a disk tier"] += 1
+            engine.tiers.io = RecordingBlockIO(engine.runner, engine.front_end.fingerprint)
+            engine.tiers.spec = engine.tiers.io.spec
         watch_evictions(engine.kv_manager.pool, coverage)
         run = Run(engine)
-        run_program(run, program, coverage)
+        try:
+            run_program(run, program, coverage)
+        finally:
+            if engine.tiers is not None:
+                engine.tiers.close()
+                shutil.rmtree(engine.tiers.tiers[0].path, ignore_errors=True)
         for seq in run.requests:
             for choice in choices(seq):
                 expected = expected_completion(choice.prompt_token_ids, choice.params, choice.index)
