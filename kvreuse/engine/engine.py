@@ -307,10 +307,13 @@ class LLMEngine:
 
     def stats_snapshot(self) -> EngineSnapshot:
         """Engine state and accounting now: the only view of the engine that metrics and logs read."""
-        graph = self.runner.decode_graph
+        graph, front, running = self.runner.decode_graph, self.front_end, self.scheduler.running
+        group_blocks = self.kv_manager.num_blocks_in_use_by_group([s.kv for s in running])
         return self.stats.snapshot(
-            self.kv_manager, self.front_end.bytes_per_block, num_requests_running=len(self.scheduler.running),
-            num_requests_waiting=len(self.scheduler.waiting),
+            self.kv_manager, front.bytes_per_block, num_requests_running=len(running),
+            num_requests_waiting=len(self.scheduler.waiting), kv_capacity_tokens=front.kv_capacity_tokens,
+            group_windows=tuple(g.window for g in front.kv_layout.groups),
+            group_tokens_in_use=tuple(n * self.block_size for n in group_blocks),
             decode_graph=DecodeGraphStatus(graph.state, graph.num_steps, graph.compile_s) if graph else None,
             tiers=self.tiers.snapshot() if self.tiers is not None else None,
             events=self.events.snapshot() if self.events is not None else None)

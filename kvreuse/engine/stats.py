@@ -79,6 +79,10 @@ class EngineSnapshot:
     peak_rss_bytes: int                # of this process
     num_requests_running: int
     num_requests_waiting: int
+    kv_capacity_tokens: int = 0        # the longest sequence the pool holds (FrontEnd.kv_capacity_tokens)
+    group_windows: tuple[int | None, ...] = (None,)  # each layer group's window (None: full attention)
+    # Tokens whose K/V requests hold, per layer group, in whole blocks (a window group holds only its windows).
+    group_tokens_in_use: tuple[int, ...] = ()
     decode_graph: DecodeGraphStatus | None = None  # with `engine.compile = decode`
     tiers: dict | None = None          # with lower tiers: their counters and the write queue's (TieredStore.snapshot)
     events: dict | None = None         # with `[events] endpoint`: the publisher's counters (KVEventPublisher.snapshot)

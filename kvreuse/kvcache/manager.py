@@ -449,6 +449,16 @@ also needs, in every window group, the blocks its window reads before position n
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 
+    def num_blocks_in_use_by_group(self, holders: Sequence[CacheRequest]) -> tuple[int, ...]:
+        """Per layer group, the distinct blocks `holders` (the requests holding blocks) hold in it."""
+        groups: list[set[int]] = [set() for _ in self.layout.groups]
+        for req in holders:
+            for held, table in zip(groups, req.block_tables, strict=False):
+                held.update(table)
+        for held in groups:
+            held.discard(RELEASED)
+        return tuple(map(len, groups))
+
     def check_integrity(self, holders: Sequence[CacheRequest] = ()) -> None:
         """The pool is consistent, each block of `holders` (requests holding blocks) has exactly their references,
         and the segment index names exactly the published blocks."""

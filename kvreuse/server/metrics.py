@@ -40,19 +40,25 @@ class GaugeValues:
     evictions: int
     eviction_policy: str
     peak_kv_bytes_in_use: int
+    kv_capacity_tokens: int                 # the longest sequence one engine holds
+    group_windows: tuple[int | None, ...]
+    group_tokens_in_use: tuple[int, ...]
 
     @classmethod
     def of(cls, s: EngineSnapshot) -> GaugeValues:
         return cls(s.blocks_in_use, s.blocks_total, s.num_requests_running, s.num_requests_waiting, s.blocks_cached,
-                   s.evictions, s.eviction_policy, s.peak_kv_bytes_in_use)
+                   s.evictions, s.eviction_policy, s.peak_kv_bytes_in_use, s.kv_capacity_tokens, s.group_windows,
+                   s.group_tokens_in_use)
 
     @classmethod
     def summed(cls, snapshots: list[EngineSnapshot], eviction_policy: str) -> GaugeValues:
-        """The replicas' sums, and the highest of their peaks."""
+        """The replicas' sums, and the highest of their peaks and capacities (replicas of one model and layout)."""
         return cls(sum(s.blocks_in_use for s in snapshots), sum(s.blocks_total for s in snapshots),
                    sum(s.num_requests_running for s in snapshots), sum(s.num_requests_waiting for s in snapshots),
                    sum(s.blocks_cached for s in snapshots), sum(s.evictions for s in snapshots), eviction_policy,
-                   max(s.peak_kv_bytes_in_use for s in snapshots))
+                   max(s.peak_kv_bytes_in_use for s in snapshots), max(s.kv_capacity_tokens for s in snapshots),
+                   snapshots[0].group_windows,
+                   tuple(map(sum, zip(*(s.group_tokens_in_use for s in snapshots), strict=True))))
 
 
 class Metrics:
@@ -85,6 +91,11 @@ class Metrics:
                                    registry=r)
         self.peak_rss = Gauge("kvreuse:peak_rss_bytes", "Peak resident memory of the server process", labels,
                               registry=r)
+        self.kv_capacity = Gauge("kvreuse:kv_capacity_tokens", "The longest sequence the KV pool holds (a grouped "
+                                 "pool's window groups keep only their windows)", labels, registry=r)
+        self.group_tokens = Gauge("kvreuse:kv_tokens_in_use", "Tokens whose K/V requests hold, per layer group of the "
+                                  "pool: window is full, or the sliding window's keys", labels + ["group", "window"],
+                                  registry=r)
         self.tier_hit_tokens = Counter("kvreuse:tier_hit_tokens", "Cached prompt tokens by where they came from",
                                        labels + ["tier"], registry=r)
         self.tier_load = Histogram("kvreuse:tier_load_seconds", "Time a request's cached prefix took to load from "
@@ -136,6 +147,9 @@ class Metrics:
         self.cached_blocks.labels(m).set(g.blocks_cached)
         self.evictions.labels(m, g.eviction_policy).set(g.evictions)
         self.peak_kv_bytes.labels(m).set(g.peak_kv_bytes_in_use)
+        self.kv_capacity.labels(m).set(g.kv_capacity_tokens)
+        for group, (window, num_tokens) in enumerate(zip(g.group_windows, g.group_tokens_in_use, strict=True)):
+            self.group_tokens.labels(m, str(group), "full" if window is None else str(window)).set(num_tokens)
 
     def _observe_tiers(self, snapshot: dict) -> None:
         """Mirror the store's counters (their growth since the last step) into Prometheus counters."""
