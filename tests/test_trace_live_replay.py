@@ -122,3 +122,27 @@ def test_bad_input_names_the_file_line_field_or_flag(tmp_path, capsys):
     for flags, message in cases:
         assert main(["bench", "replay", url, *flags]) == 2, flags
         assert message in capsys.readouterr().err, flags
+
+
+def test_cluster_targets_and_table():
+    from kvreuse.bench import live_trace_cluster
+
+    def result(hit_rate, ttft_ms):
+        return {"exact_hit_rate": hit_rate, "mean_ttft_ms": ttft_ms, "completed": 4, "failed": 0, "late_arrivals": 1,
+                "max_lateness_ms": 70.0, "p50_ttft_ms": ttft_ms, "p90_ttft_ms": ttft_ms, "p99_ttft_ms": ttft_ms,
+                "output_throughput": 2.0, "replicas": {"r0": 3, "r1": 1}}
+
+    results = {"cache_aware": {"t": result(0.27, 90)}, "round_robin": {"t": result(0.20, 100)},
+               "cache_aware+redis": {"t": result(0.40, 110)}, "round_robin+redis": {"t": result(0.30, 100)}}
+    checks = live_trace_cluster.targets(results)
+    assert {text: check["met"] for text, check in checks.items()} == {
+        "t: hit rate >= 1.3x round_robin's": True, "t: mean TTFT below round_robin's": True,
+        "t+redis: hit rate >= 1.3x round_robin's": True,
+        "t+redis: mean TTFT below round_robin's": False}
+    assert checks["t: hit rate >= 1.3x round_robin's"]["ratio"] == pytest.approx(1.35)
+    report = {"replicas": 2, "traces": {"t": {"requests": 4}}, "options": {"max_output_tokens": 4},
+              "cpu": {"cpu": "Test CPU", "flags": ["avx2"]}, "servers": results, "targets": checks}
+    table = live_trace_cluster.markdown(report)
+    assert "| cache_aware+redis | t | 4 | 0 | 1 | 70 | 40.0% | 110 | 110 | 110 | 110 | 2.0 | r0 3, r1 1 |" in table
+    assert "t+redis: mean TTFT below round_robin's: not met (1.10x)" in table
+    assert set(live_trace_cluster.servers(2, redis=False)) == {"single", "cache_aware", "round_robin", "ray_prefix"}

@@ -115,11 +115,19 @@ def run(url: str, requests: list[TraceRequest], *, tokens_per_hash: int = MOONCA
         **serving_metrics([r.ttft for r in ok], [r.latency for r in ok], [r.output_tokens for r in ok], duration,
                           total_in),
         **{f"p{q}_ttft_ms": percentile(ttfts_ms, q) for q in (50, 90)},
-        "cached_tokens": cached, "exact_hit_rate": hit_rate,
+        "cached_tokens": cached, "exact_hit_rate": hit_rate, "cached_by_tier": cached_by_tier(ok),
         "late_arrivals": len(late), "max_lateness_ms": max(s.lateness_s for s in sent) * 1000,
         "replicas": dict(sorted(Counter(r.replica for r in ok if r.replica).items())),
         "per_request": [per_request(s) for s in sent],
     }
+
+
+def cached_by_tier(ok: list[RequestResult]) -> dict[str, int]:
+    """Cached tokens summed per tier they came from, where the server says (ours: memory, disk, redis)."""
+    totals: Counter = Counter()
+    for r in ok:
+        totals.update(r.cached_by_tier or {})
+    return dict(totals)
 
 
 def per_request(sent: Sent) -> dict:

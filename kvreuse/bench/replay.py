@@ -42,6 +42,7 @@ class RequestResult:
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
     replica: str | None = None  # behind `kvreuse serve --replicas N`: which replica served it
+    cached_by_tier: dict | None = None  # ours: where the cached tokens came from (memory, disk, redis)
 
 
 def describe(exc: Exception) -> str:
@@ -126,7 +127,9 @@ async def stream(client: httpx.AsyncClient, url: str, body: dict) -> RequestResu
     completion = usage.get("completion_tokens")
     result.output_tokens = completion if isinstance(completion, int) else content_chunks
     result.prompt_tokens = usage.get("prompt_tokens")
-    result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    details = usage.get("prompt_tokens_details") or {}
+    result.cached_tokens = details.get("cached_tokens")
+    result.cached_by_tier = details.get("cached_tokens_details")
     result.replica = usage.get("replica")
     result.success = True
     return result
