@@ -68,6 +68,25 @@ def test_a_2000_token_shared_prefix_is_cached_with_its_windows(gemma, hf_gemma):
     assert out.token_ids == hf_greedy(hf_gemma, second)
 
 
+def test_a_2000_token_prefix_comes_back_from_the_disk_tier_with_its_windows(hf_gemma, tmp_path):
+    """The windows-only pool over a disk tier: a prompt computed once, the pool's cache dropped, and the same document
+    with another question loaded from the disk (whole positions: every layer's K/V), with transformers' answer."""
+    llm = LLM(make_config(model__path="gemma3-270m", model__dtype="fp32", engine__num_kv_blocks=3072,
+                          server__max_tokens=4096, cache__disk__path=str(tmp_path)))
+    try:
+        assert llm.engine.front_end.kv_layout.is_grouped
+        document = llm.tokenizer.encode(inspect.getsource(textwrap))[:2000]
+        llm.generate(document + llm.tokenizer.encode("\nQuestion: what does fill do? Answer:"), greedy(1))
+        llm.engine.tiers.flush()
+        llm.engine.reset_prefix_cache()
+        second = document + llm.tokenizer.encode("\nQuestion: what does indent do? Answer:")
+        out = llm.generate(second, greedy(NUM_TOKENS))[0]
+        assert out.usage.cached_tokens_disk == len(document) // 16 * 16, out.usage.cached_by_tier()
+        assert out.token_ids == hf_greedy(hf_gemma, second)
+    finally:
+        llm.engine.close()
+
+
 def test_greedy_tokens_equal_transformers_within_and_past_the_window(gemma, hf_gemma):
     texts = ["The capital of France is", "def fibonacci(n):\n",
              inspect.getsource(textwrap)[:3000] + "\n# The function above"]
