@@ -9,17 +9,11 @@ from typing import Any
 import msgspec
 
 from .helpers import greedy
-from .test_kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVCacheEvent, Subscriber
+from .test_kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, Subscriber
 from .test_sliding_window_cache import BLOCK, WINDOW, engine, tokens
 
 
-class GroupBlockStored(KVCacheEvent, tag="BlockStored"):  # vLLM's BlockStored with its group fields
-    block_hashes: list[bytes | int]
-    parent_block_hash: bytes | int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
+class GroupBlockStored(BlockStored, tag="BlockStored"):  # vLLM's BlockStored with its later fields
     lora_name: str | None = None
     extra_keys: list[Any] | None = None
     group_idx: int | None = None
@@ -27,9 +21,7 @@ class GroupBlockStored(KVCacheEvent, tag="BlockStored"):  # vLLM's BlockStored w
     kv_cache_spec_sliding_window: int | None = None
 
 
-class GroupBlockRemoved(KVCacheEvent, tag="BlockRemoved"):
-    block_hashes: list[bytes | int]
-    medium: str | None
+class GroupBlockRemoved(BlockRemoved, tag="BlockRemoved"):
     group_idx: int | None = None
 
 
