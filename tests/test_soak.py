@@ -13,22 +13,22 @@ short program of operations.
 2. `test_soak_tiny_model_180_operations_seed_1213`: the tiny random-weight model itself, exact reuse only
    (prefix hits), greedy: every completion equals the one computed alone with caching off.
 
-After every step `check_integrity()` holds; at the end every request has exactly one terminal outcome (stop,
-length, abort or error, each reported once: by `step()` or by the abort), every request drained within a bounded
-number of steps, and no block is held (all free or cached).
+After every step `check_integrity()` holds, within a deadline; a request may fail only by a fault the soak injected
+(an assertion of the stand-in, the scheduler or the cache fails the soak); at the end every request has exactly one
+terminal outcome (stop, length, abort or error, each reported once: by `step()` or by the abort), every request
+drained within a bounded number of steps, and no block is held (all free or cached). The driver is soak_driver.py.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import pytest
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
-from kvreuse.engine.engine import LLMEngine, RequestError
+from kvreuse.engine.engine import LLMEngine
 from kvreuse.engine.model_runner import StepOutput
 from kvreuse.engine.sequence import Sequence
 from kvreuse.kvcache.eviction import POLICIES
@@ -37,6 +37,7 @@ from kvreuse.model.tokenizer import Tokenizer
 from kvreuse.sampling_params import SamplingParams
 
 from .conftest import make_config
+from .soak_driver import Faults, Run
 
 SOAK_SEED = 1212
 SOAK_PROGRAMS = 75
@@ -44,7 +45,6 @@ SOAK_OPERATIONS = 3000          # at least: 75 programs of 40-80 operations
 MODEL_SEED = 1213
 MODEL_PROGRAMS = 6
 MODEL_OPERATIONS = 180          # at least: 6 programs of 30-40 operations
-DRAIN_STEPS = 3000              # liveness: everything left finishes within this many steps
 
 EOS = 2
 # What the stand-in samples: plain words (they detokenize to ordinary text) and EOS now and then.
@@ -52,24 +52,6 @@ SAMPLED = [260, 2644, 2643, 335, 253, 1171, 284, 965, 2767, 7674, 2025, EOS]
 PREFIXES = [list(range(1000 + 40 * i, 1000 + 40 * i + n)) for i, n in enumerate((12, 20, 29))]
 DOCUMENTS = [list(range(3000 + 50 * i, 3000 + 50 * i + n)) for i, n in enumerate((9, 16, 24, 33))]
 FAULT = 5  # a "fault" operation injects one only when it draws this (faults fail whole steps: keep them rare)
-
-
-class InjectedFault(RuntimeError):
-    pass
-
-
-class Faults:
-    """Wraps an engine's forward: once armed, the next forward raises (and fails the requests of its step)."""
-
-    def __init__(self, engine: LLMEngine):
-        self.forward, self.armed = engine.runner.run, False
-        engine.runner.run = self.run
-
-    def run(self, seqs: list[Sequence], segments) -> StepOutput:
-        if self.armed:
-            self.armed = False
-            raise InjectedFault("injected by the soak")
-        return self.forward(seqs, segments)
 
 
 def next_token(context: list[int]) -> int:
@@ -180,57 +162,6 @@ def engine_settings(draw) -> dict:
             "engine__max_num_seqs": draw(st.integers(1, 6))}
 
 
-@dataclass
-class Run:
-    """One program's requests and what became of each."""
-    engine: LLMEngine
-    requests: list[Sequence] = field(default_factory=list)
-    outcomes: dict[str, list[str]] = field(default_factory=dict)
-    salts: dict[str, str | None] = field(default_factory=dict)
-
-    def add(self, prompt: list[int], params: SamplingParams, salt: str | None, use_cache: bool) -> bool:
-        try:
-            seq = self.engine.add_request(prompt, params, cache_salt=salt, use_cache=use_cache)
-        except RequestError:
-            return False  # larger than the pool or the context: refused, never queued
-        self.requests.append(seq)
-        self.outcomes[seq.request_id] = []
-        self.salts[seq.request_id] = salt
-        return True
-
-    def step(self) -> None:
-        for seq in self.engine.step():
-            if seq.is_finished:
-                self.outcomes[seq.request_id].append(seq.finish_reason)
-        self.engine.check_integrity()
-
-    def abort(self, index: int) -> None:
-        if not self.requests:
-            return
-        seq = self.requests[index % len(self.requests)]
-        if seq.request_id in self.engine.sequences:
-            self.engine.abort(seq.request_id)
-            self.outcomes[seq.request_id].append("abort")
-        self.engine.check_integrity()
-
-    def drain(self) -> None:
-        for _ in range(DRAIN_STEPS):
-            if not self.engine.has_unfinished():
-                return
-            self.step()
-        raise AssertionError(f"requests still unfinished after {DRAIN_STEPS} steps: {list(self.engine.sequences)}")
-
-    def check_the_end(self) -> None:
-        engine = self.engine
-        for seq in self.requests:
-            assert self.outcomes[seq.request_id] == [seq.finish_reason], (seq.request_id, self.outcomes[seq.request_id])
-        assert not engine.sequences and not engine.has_unfinished()
-        engine.check_integrity()
-        pool = engine.kv_manager.pool
-        assert pool.num_used_blocks == 0 and engine.kv_manager.num_free_blocks == engine.num_kv_blocks
-        assert pool.num_cached_blocks <= pool.max_cached_blocks
-
-
 def run_program(run: Run, program: list[tuple], coverage: Counter, exact_only: bool = False,
                 fault_at: int | None = None) -> None:
     """Run `program`, then drain. `exact_only`: "segments" operations do nothing (segment reuse stays off).
@@ -240,14 +171,14 @@ def run_program(run: Run, program: list[tuple], coverage: Counter, exact_only: b
     for index, op in enumerate(program):
         coverage["operations"] += 1
         if index == fault_at:
-            faults.armed = True
+            faults.armed = "forward"
         if op[0] == "add":
             _, prompt, max_tokens, salt, use_cache, ignore_eos = op
             params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
             coverage["requests" if run.add(prompt, params, salt, use_cache) else "refused"] += 1
         elif op[0] == "resend" and run.requests:
             _, index, how, tokens, max_tokens = op
-            earlier = run.requests[index % len(run.requests)]
+            earlier = run.earlier(index)
             prompt = {"same": earlier.prompt_token_ids, "extended": earlier.prompt_token_ids + tokens,
                       "moved": tokens + earlier.prompt_token_ids}[how]
             params = SamplingParams(max_tokens=max_tokens, ignore_eos=earlier.params.ignore_eos)
@@ -258,10 +189,10 @@ def run_program(run: Run, program: list[tuple], coverage: Counter, exact_only: b
         elif op[0] == "abort":
             run.abort(op[1])
         elif op[0] == "fault" and op[1] == FAULT:
-            faults.armed = True
+            faults.armed = "forward"
         elif op[0] == "segments" and not exact_only:
             engine.set_segment_settings(engine.segment_settings.with_changes(enabled=op[1]))
-    faults.armed = False
+    faults.armed = None
     run.drain()
     run.check_the_end()
     coverage["preemptions"] += engine.scheduler.num_preemptions
@@ -334,7 +265,7 @@ def test_soak_tiny_model_180_operations_seed_1213(engine_factory):
     def soak(block_size: int, budget: int, program: list[tuple]) -> None:
         engine = engine_factory(cache__block_size=block_size, engine__num_kv_blocks=96 // block_size,
                                 cache__max_blocks=8, engine__max_num_batched_tokens=budget)
-        run = Run(engine)
+        run = Run(engine, step_seconds=30)  # the model's steps, on a shared CPU
         # Six programs draw about two faults between them: arm one mid-program in each, so faults are always covered.
         run_program(run, [op if op[0] != "add" else (*op[:5], True) for op in program], coverage, exact_only=True,
                     fault_at=len(program) // 2)

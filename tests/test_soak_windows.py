@@ -26,7 +26,7 @@ any cache. The engine turns an exception inside a step into finish_reason "error
 fails on every error but its own injected faults, so neither the stand-in's checks nor the scheduler's or the cache's
 assertions are lost.
 
-After every step `check_integrity()` holds, and a step that runs past STEP_SECONDS fails the soak with the stack it
+After every step `check_integrity()` holds, and a step that runs past its deadline fails the soak with the stack it
 was stuck in; at the end every choice of every request has exactly one terminal outcome (stop, length, abort or
 error, each reported once: by `step()` or by the abort), everything drained within a bounded number of steps, no block
 is held, and the soak is asserted to have covered what it is for: hits that needed window blocks, hits of a whole
@@ -39,13 +39,9 @@ from __future__ import annotations
 
 import json
 import shutil
-import signal
 import tempfile
-import traceback
 from collections import Counter
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 from typing import get_args
 
@@ -53,7 +49,7 @@ import pytest
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
-from kvreuse.engine.engine import LLMEngine, RequestError
+from kvreuse.engine.engine import LLMEngine
 from kvreuse.engine.model_runner import StepOutput
 from kvreuse.engine.sequence import Sequence
 from kvreuse.kvcache.block_pool import BlockPool
@@ -66,13 +62,12 @@ from kvreuse.model.tokenizer import Tokenizer
 from kvreuse.sampling_params import SamplingParams
 
 from .conftest import make_config
+from .soak_driver import Faults, Run, choices
 from .test_architectures import build
 
 SOAK_SEED = 1414
 SOAK_PROGRAMS = 120
 SOAK_OPERATIONS = 3600          # at least: 120 programs of 30-60 operations
-DRAIN_STEPS = 3000              # liveness: everything left finishes within this many steps
-STEP_SECONDS = 2                # a step here takes milliseconds: one past this is stuck (and fails, naming where)
 MAX_PROMPT = 160                # longer continuations are not sent (the pool would refuse most of them)
 
 LAYERS = {2: ["sliding_attention", "full_attention"] * 2,                             # 2 full, 2 sliding: 2 groups
@@ -95,53 +90,6 @@ COVERED = ("prefix hits", "hits past the window", "hits of a whole prompt", "tur
 FAULT = 5  # a "fault" operation injects one only when it draws this (faults fail whole steps: keep them rare)
 
 Held = tuple[int, int, int]  # what a KV slot holds: (group, position, hash of the tokens up to that position)
-
-
-class InjectedFault(RuntimeError):
-    pass
-
-
-class StepStuck(RuntimeError):
-    pass
-
-
-@contextmanager
-def deadline(seconds: float) -> Iterator[None]:
-    """Raise StepStuck, with the stack it interrupts, where the body runs past `seconds` (an endless loop would
-    otherwise hang the test run)."""
-    def stuck(signum, frame):
-        where = "".join(traceback.format_stack(frame, limit=6))
-        raise StepStuck(f"still running after {seconds} s, in:\n{where}")
-
-    previous = signal.signal(signal.SIGALRM, stuck)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
-class Faults:
-    """Wraps an engine's forward and block copies: once armed for one of them, its next call raises (and fails the
-    requests of its step). A copy fails between a fork and its choices' first tokens."""
-
-    def __init__(self, engine: LLMEngine):
-        self.forward, self.copy, self.armed = engine.runner.run, engine.runner.copy_blocks, None
-        engine.runner.run, engine.runner.copy_blocks = self.run, self.copy_blocks
-
-    def fire(self, where: str) -> None:
-        if self.armed == where:
-            self.armed = None
-            raise InjectedFault(f"injected by the soak into the {where}")
-
-    def run(self, seqs: list[Sequence], segments) -> StepOutput:
-        self.fire("forward")
-        return self.forward(seqs, segments)
-
-    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        self.fire("copy")
-        self.copy(copies)
 
 
 def next_token(context: list[int], index: int) -> int:
@@ -352,80 +300,6 @@ def engine_settings(draw) -> dict:
             "disk": draw(st.sampled_from([True, True, False]))}
 
 
-@dataclass
-class Run:
-    """One program's requests (choice 0 of each) and what became of each choice."""
-    engine: LLMEngine
-    requests: list[Sequence] = field(default_factory=list)
-    outcomes: dict[str, list[str]] = field(default_factory=dict)
-    salts: dict[str, str | None] = field(default_factory=dict)
-    faulted: set[str] = field(default_factory=set)  # where the faults that failed requests were injected
-
-    def add(self, prompt: list[int], params: SamplingParams, salt: str | None, use_cache: bool) -> bool:
-        if self.engine.tiers is not None:  # what was published is in the tier, whatever the writer thread's pace
-            self.engine.tiers.flush(timeout=STEP_SECONDS)
-        try:
-            seq = self.engine.add_request(prompt, params, cache_salt=salt, use_cache=use_cache)
-        except RequestError:
-            return False  # larger than the pool or the context: refused, never queued
-        # Its tier read done before the next step: a program runs alike whatever the threads' timing.
-        self.engine.kv_manager.wait_for_load(seq.kv, STEP_SECONDS)
-        self.requests.append(seq)
-        for choice in choices(seq):
-            self.outcomes[choice.request_id] = []
-        self.salts[seq.request_id] = salt
-        return True
-
-    def earlier(self, index: int) -> Sequence | None:
-        return self.requests[index % len(self.requests)] if self.requests else None
-
-    def step(self) -> None:
-        with deadline(STEP_SECONDS):
-            updated = self.engine.step()
-        for seq in updated:
-            if seq.is_finished:
-                self.outcomes[seq.request_id].append(seq.finish_reason)
-            # A step that raises fails its requests and goes on: only the soak's own faults may, not the stand-in's
-            # checks nor the scheduler's or the cache's assertions.
-            if seq.finish_reason == "error":
-                assert "InjectedFault: injected by the soak" in seq.error, f"{seq.request_id}: {seq.error}"
-                self.faulted.add(seq.error.rsplit(" ", 1)[-1])
-        self.engine.check_integrity()
-
-    def abort(self, index: int) -> None:
-        seq = self.earlier(index)
-        if seq is not None and seq.request_id in self.engine.sequences:
-            unfinished = [c for c in choices(seq) if not c.is_finished]
-            self.engine.abort(seq.request_id)
-            for choice in unfinished:
-                self.outcomes[choice.request_id].append("abort")
-        self.engine.check_integrity()
-
-    def drain(self) -> None:
-        for _ in range(DRAIN_STEPS):
-            if not self.engine.has_unfinished():
-                return
-            self.step()
-        raise AssertionError(f"requests still unfinished after {DRAIN_STEPS} steps: {list(self.engine.sequences)}")
-
-    def check_the_end(self) -> None:
-        engine = self.engine
-        for seq in self.requests:
-            for choice in choices(seq):
-                assert self.outcomes[choice.request_id] == [choice.finish_reason], \
-                    (choice.request_id, self.outcomes[choice.request_id])
-        assert not engine.sequences and not engine.has_unfinished()
-        engine.check_integrity()
-        engine.kv_manager.check_integrity([])
-        pool = engine.kv_manager.pool
-        assert pool.num_used_blocks == 0 and engine.kv_manager.num_free_blocks == engine.num_kv_blocks
-        assert pool.num_cached_blocks <= pool.max_cached_blocks
-
-
-def choices(seq: Sequence) -> list[Sequence]:
-    return seq.choices or [seq]
-
-
 def run_program(run: Run, program: list[tuple], coverage: Counter) -> None:
     engine = run.engine
     faults = Faults(engine)
@@ -527,7 +401,7 @@ def test_soak_windows_3600_operations_seed_1414(engine_factory):
             engine.tiers.io = RecordingBlockIO(engine.runner, engine.front_end.fingerprint)
             engine.tiers.spec = engine.tiers.io.spec
         watch_evictions(engine.kv_manager.pool, coverage)
-        run = Run(engine)
+        run = Run(engine)  # a step takes milliseconds here: one past Run.step_seconds is stuck
         try:
             run_program(run, program, coverage)
         finally:
