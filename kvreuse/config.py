@@ -202,6 +202,11 @@ class CacheConfig(_Section):
         "Canonicalise each message's text before tokenizing (NFKC, line endings, runs of spaces), so prompts that "
         "differ only there share blocks. It changes what the model reads (docs/features/prefix-caching.md)."))
     min_match_blocks: int = Field(1, ge=0, description="Shortest match, in blocks, that is reused (prefix or segment).")
+    pin_max_share: float = Field(0.25, ge=0.0, le=1.0, description=(
+        "Share of the KV pool that pinned prefixes (`POST /cache/warm` with `pin`) may hold together; a pin beyond it "
+        "is refused, naming this key. 0: no pinning ([features/prefix-caching.md](features/prefix-caching.md))."))
+    pin_ttl_s: int = Field(3600, ge=0, description=(
+        "How long a pin lasts unless its warm request says (`pin_ttl_s`), in seconds; 0: until `POST /cache/unpin`."))
     preset: Literal["none", "chat", "eval", "agent", "rag"] = Field("none", description=(  # the names in PRESETS
         "A scenario preset (`--preset`, see Presets): it sets several `[cache]` keys first; keys written explicitly, "
         "in the file or with `--set`, override it."))

@@ -1,9 +1,11 @@
-"""`kvreuse cache warm|stats|clear`: the lower KV tiers (disk, Redis) from outside a server."""
+"""`kvreuse cache warm|stats|clear`: the lower KV tiers (disk, Redis) from outside a server; `warm --url` warms (and
+with `--pin` pins) a running server's pool instead."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from kvreuse.cli.common import InputError, build_config, common_flags
@@ -24,6 +26,14 @@ def add_cache(sub) -> None:
     warm.add_argument("file", metavar="FILE.jsonl", help='JSONL: {"prompt": ...} or {"messages": [...]} per line')
     warm.add_argument("--cache-salt", help="the salt the requests to serve will carry (KV is shared only within it)")
     warm.add_argument("--json", action="store_true", help="the summary as JSON")
+    warm.add_argument("--url", help="warm a running server instead (its root, e.g. http://127.0.0.1:8000): the "
+                                    "prompts go to its POST /cache/warm")
+    warm.add_argument("--pin", action="store_true", help="with --url: hold the warmed prefixes in the server's pool "
+                                                         "(within its cache.pin_max_share)")
+    warm.add_argument("--pin-ttl-s", type=int, metavar="S", help="with --pin: how long the pins last (default the "
+                                                                 "server's cache.pin_ttl_s; 0: until unpinned)")
+    warm.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                      help="with --url: the server's API key (default $OPENAI_API_KEY)")
     warm.set_defaults(func=cmd_cache_warm)
 
     stats = actions.add_parser("stats", help="what each lower tier holds (without loading the model)")
@@ -61,6 +71,11 @@ def cmd_cache_warm(args: argparse.Namespace) -> int:
     from kvreuse.llm import LLM
     from kvreuse.warm import WarmError, warm
 
+    if args.url:
+        return _warm_server(args)
+    if args.pin or args.pin_ttl_s is not None:
+        raise InputError("--pin holds blocks in a running server's pool: give its --url (a process that warms and "
+                         "exits keeps nothing pinned)")
     config = build_config(args)
     if not (config.cache.disk.path or config.cache.redis.url):
         raise InputError(f"{NO_TIER}: warming a process that then exits would be pointless; set "
@@ -91,6 +106,44 @@ def cmd_cache_warm(args: argparse.Namespace) -> int:
         print("kvreuse: some blocks were not written to the lower tiers (a full write queue, a full or read-only "
               "disk, Redis down); the tiers lack them", file=sys.stderr)
     return 0 if summary["tiers_written"] and not summary["failed"] else 1
+
+
+def _warm_server(args: argparse.Namespace) -> int:
+    """Send the file's prompts to a server's POST /cache/warm (pinned with --pin); 1 if a pin was refused."""
+    import httpx
+
+    if args.pin_ttl_s is not None and (not args.pin or args.pin_ttl_s < 0):
+        raise InputError("--pin-ttl-s needs --pin and a value >= 0")
+    records = read_prompts_file(args.file)
+    if not records:
+        raise InputError(f"{args.file}: no prompts")
+    items = [{"prompt": r.prompt} if r.prompt is not None else {"messages": r.messages} for r in records]
+    for item in items:
+        if args.cache_salt:
+            item["cache_salt"] = args.cache_salt
+    body = {"items": items, "pin": args.pin, "pin_ttl_s": args.pin_ttl_s}
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    url = args.url.rstrip("/").removesuffix("/v1") + "/cache/warm"
+    try:
+        response = httpx.post(url, json=body, headers=headers, timeout=httpx.Timeout(600.0, connect=10.0))
+    except httpx.HTTPError as exc:
+        raise InputError(f"{url}: {type(exc).__name__}: {exc}") from exc
+    if response.status_code != 200:
+        detail = response.json().get("error", {}).get("message", response.text) if response.headers.get(
+            "content-type", "").startswith("application/json") else response.text
+        raise InputError(f"{url} answered {response.status_code}: {detail}")
+    summary = response.json()
+    pins = summary.get("pins") or []
+    if args.json:
+        print(json.dumps(summary, ensure_ascii=False))
+    else:
+        pinned = f"; pinned {sum(p['pinned_tokens'] for p in pins)} tokens" if args.pin else ""
+        print(f"warmed {summary['num_items']} prompts ({summary['prompt_tokens']} prompt tokens) on {args.url}: "
+              f"{summary['cached_tokens']} were already cached, {summary['computed_prompt_tokens']} computed{pinned}")
+    refused = [(r.line, p["refused"]) for r, p in zip(records, pins, strict=False) if p["refused"]]
+    for line, why in refused:
+        print(f"kvreuse: {args.file}, line {line}: not pinned: {why}", file=sys.stderr)
+    return 1 if refused else 0
 
 
 def cmd_cache_stats(args: argparse.Namespace) -> int:

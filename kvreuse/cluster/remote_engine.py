@@ -19,13 +19,16 @@ from kvreuse.engine.front_end import FrontEnd
 from kvreuse.engine.output import RequestOutput
 from kvreuse.engine.sequence import Sequence
 from kvreuse.engine.stats import EngineSnapshot
+from kvreuse.kvcache.pins import PinResult
 from kvreuse.server.deltas import Delta
-from kvreuse.server.engine_client import EngineDeadError
+from kvreuse.server.engine_client import EngineDeadError, PinsUnsupported
 from kvreuse.server.errors import APIError
 
 logger = logging.getLogger(__name__)
 
 RETRIES = 1  # a request whose replica fails before it sent anything is sent again, once
+PINS_UNSUPPORTED = ("pinning holds blocks in one engine's pool, and each replica of --replicas has its own: run a "
+                    "single engine to pin")
 
 
 class RemoteEngine:
@@ -124,6 +127,12 @@ class RemoteEngine:
             for tier, count in dropped.items():
                 total[tier] = total.get(tier, 0) + count
         return total
+
+    async def pin(self, token_ids: list[int], cache_salt: str | None, ttl_s: int | None) -> PinResult:
+        raise PinsUnsupported(PINS_UNSUPPORTED)
+
+    async def unpin(self) -> int:
+        raise PinsUnsupported(PINS_UNSUPPORTED)
 
     async def snapshots(self) -> list[EngineSnapshot]:
         """The engine snapshot of every replica that has served, in the order of their names."""

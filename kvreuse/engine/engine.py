@@ -29,6 +29,7 @@ from kvreuse.kvcache.accounting import ReuseRecord
 from kvreuse.kvcache.copy_jobs import CopyJobs
 from kvreuse.kvcache.events import KVEventPublisher
 from kvreuse.kvcache.manager import KVCacheManager
+from kvreuse.kvcache.pins import PinResult
 from kvreuse.kvcache.request import CacheRequest, ReuseScope
 from kvreuse.kvcache.tiers.store import TieredStore
 from kvreuse.layers.sampler import TokenLogprob
@@ -165,6 +166,7 @@ class LLMEngine:
         "error" and the exception in `error`, their blocks are freed, and the engine goes on with the rest. Only
         if its state is then inconsistent (`check_integrity` fails) does the exception leave `step`."""
         batch, updated = None, []
+        self.kv_manager.pins.expire(time.monotonic())
         try:
             batch = self.scheduler.schedule()
             if batch.seqs:
@@ -316,6 +318,7 @@ class LLMEngine:
             group_tokens_in_use=tuple(n * self.block_size for n in group_blocks),
             decode_graph=DecodeGraphStatus(graph.state, graph.num_steps, graph.compile_s) if graph else None,
             tiers=self.tiers.snapshot() if self.tiers is not None else None,
+            pins=self.kv_manager.pins.snapshot(time.monotonic()),
             events=self.events.snapshot() if self.events is not None else None)
 
     def reset_prefix_cache(self, tiers: bool = False) -> dict[str, int]:
@@ -325,6 +328,24 @@ class LLMEngine:
         if tiers and self.tiers is not None:
             dropped.update(self.tiers.clear())
         return dropped
+
+    def pin_prompt(self, token_ids: list[int], cache_salt: str | None = None, ttl_s: int | None = None) -> PinResult:
+        """Pin the pool's cached chain of this prompt (as a request with `cache_salt` would hit it) for `ttl_s`
+        seconds (None: `cache.pin_ttl_s`; 0: until unpinned), within `cache.pin_max_share` of the pool. Engine thread
+        only."""
+        req = self.kv_manager.new_request(token_ids, cache_salt)
+        cache = self.front_end.config.cache
+        if not self.kv_manager.can_pin(req):
+            pins = self.kv_manager.pins
+            return PinResult(0, f"the pins would hold more than cache.pin_max_share = {cache.pin_max_share} of the "
+                                f"pool ({pins.max_blocks} blocks; {pins.num_blocks} pinned)")
+        ttl = cache.pin_ttl_s if ttl_s is None else ttl_s
+        num_tokens = self.kv_manager.pin(req, None if ttl == 0 else time.monotonic() + ttl)
+        return PinResult(num_tokens, None if num_tokens else "nothing of the prompt is cached")
+
+    def unpin_all(self) -> int:
+        """End every pin; how many blocks they held (now cached like any block). Engine thread only."""
+        return self.kv_manager.pins.unpin_all()
 
     def close(self) -> None:
         """Cancel a decode-step compile still running, stop the grammar check process, write what is queued for the

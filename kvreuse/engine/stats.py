@@ -70,7 +70,7 @@ class EngineSnapshot:
     peak_blocks_in_use: int
     peak_blocks_in_use_or_cached: int
     blocks_total: int
-    blocks_in_use: int                 # held by requests
+    blocks_in_use: int                 # held by requests and pins
     blocks_cached: int                 # held by no request, kept for reuse
     blocks_free: int
     evictions: int                     # cached blocks evicted so far
@@ -85,6 +85,7 @@ class EngineSnapshot:
     group_tokens_in_use: tuple[int, ...] = ()
     decode_graph: DecodeGraphStatus | None = None  # with `engine.compile = decode`
     tiers: dict | None = None          # with lower tiers: their counters and the write queue's (TieredStore.snapshot)
+    pins: dict | None = None           # pinned prefixes (Pins.snapshot)
     events: dict | None = None         # with `[events] endpoint`: the publisher's counters (KVEventPublisher.snapshot)
     replica: str | None = None         # the cluster replica whose engine this is; None: this process's own engine
 

@@ -14,6 +14,7 @@ from kvreuse.kvcache.eviction import EvictionPolicy
 from kvreuse.kvcache.hashing import BlockHashFn, extend_chain, sha256_block_key
 from kvreuse.kvcache.layout import RELEASED, KVLayout
 from kvreuse.kvcache.match import NO_MATCH, Match
+from kvreuse.kvcache.pins import Pins
 from kvreuse.kvcache.prompt_logprobs import PromptLogprobStore
 from kvreuse.kvcache.request import CacheRequest, ReuseScope, new_cache_request
 from kvreuse.kvcache.segment import SegmentIndex, SegmentPlan
@@ -37,7 +38,7 @@ also needs, in every window group, the blocks its window reads before position n
                  max_cached_blocks: int | None = None, policy: str | EvictionPolicy = "lru", min_match_blocks: int = 1,
                  fingerprint: str = "", hash_fn: BlockHashFn = sha256_block_key, enable_segments: bool = False,
                  tiers: TieredStore | None = None, layout: KVLayout | None = None,
-                 window_retention: WindowRetention = "policy"):
+                 window_retention: WindowRetention = "policy", max_pinned_blocks: int = 0):
         self.block_size = block_size
         self.layout = layout or KVLayout.full(1)
         self.windows = [g.window for g in self.layout.window_groups]  # of each sliding-window group (1, 2, ...)
@@ -53,6 +54,7 @@ also needs, in every window group, the blocks its window reads before position n
         self.segments = SegmentIndex(block_size)
         self.tiers = tiers if enable_caching else None  # disk / Redis under the pool
         self.prompt_logprobs = PromptLogprobStore(self.pool, block_size)
+        self.pins = Pins(self.pool, max_pinned_blocks if enable_caching else 0)
         # Indexed whenever caching is on, so segment reuse can be switched on for a running engine (one group only).
         self.indexes_segments = enable_caching and not self.windows
         if self.indexes_segments:
@@ -69,7 +71,8 @@ also needs, in every window group, the blocks its window reads before position n
         segments = cache.suffix.enabled if enable_segments is None else enable_segments
         return cls(num_blocks, cache.block_size, enable_caching=cache.enabled, max_cached_blocks=cache.max_blocks,
                    policy=cache.policy if policy is None else policy, min_match_blocks=cache.min_match_blocks,
-                   fingerprint=fingerprint, enable_segments=segments, tiers=tiers, layout=layout)
+                   fingerprint=fingerprint, enable_segments=segments, tiers=tiers, layout=layout,
+                   max_pinned_blocks=int(cache.pin_max_share * num_blocks))
 
     def new_request(self, token_ids: list[int], cache_salt: str | None = None, use_cache: bool = True,
                     prompt_logprobs: int | None = None) -> CacheRequest:
@@ -409,6 +412,29 @@ also needs, in every window group, the blocks its window reads before position n
         """Block `index` of `req` in every layer group, group 0 first (RELEASED where a window has passed it)."""
         return tuple(table[index] for table in req.block_tables)
 
+    # --- pinned prefixes (pins.py) -----------------------------------------------------------------------
+    def cached_chain(self, req: CacheRequest) -> tuple[list[int], int]:
+        """The pool blocks a request with `req`'s prompt would hit now, every layer group's, and how many prompt
+        tokens they cover."""
+        hits = self.match_prefix(req)
+        if self.window_groups is None:
+            return hits, len(hits) * self.block_size
+        hits, windows = self.window_groups.run(req, hits, max(1, self.min_match_blocks))
+        return hits + [b for window in windows for b in window], len(hits) * self.block_size
+
+    def can_pin(self, req: CacheRequest) -> bool:
+        """The cached chain of `req`'s prompt fits within the pins' share of the pool (an empty one always does)."""
+        block_ids, num_tokens = self.cached_chain(req)
+        return not num_tokens or self.pins.can_pin(self._key(req, num_tokens // self.block_size - 1), block_ids)
+
+    def pin(self, req: CacheRequest, expires_at: float | None) -> int:
+        """Hold the cached chain of `req`'s prompt until `expires_at` (time.monotonic(); None: until unpinned); the
+        prompt tokens it covers (0: nothing of it is cached)."""
+        block_ids, num_tokens = self.cached_chain(req)
+        if num_tokens:
+            self.pins.pin(self._key(req, num_tokens // self.block_size - 1), block_ids, num_tokens, expires_at)
+        return num_tokens
+
     # --- n > 1: choices forked from one prompt ---------------------------------------------------------
     def can_fork(self, req: CacheRequest, num_computed_tokens: int) -> bool:
         """Blocks are free for the copy of `req`'s partial last block (in every group), if it has one."""
@@ -460,10 +486,12 @@ also needs, in every window group, the blocks its window reads before position n
         return tuple(map(len, groups))
 
     def check_integrity(self, holders: Sequence[CacheRequest] = ()) -> None:
-        """The pool is consistent, each block of `holders` (requests holding blocks) has exactly their references,
-        and the segment index names exactly the published blocks."""
+        """The pool is consistent, each block of `holders` (requests holding blocks) and of the pins has exactly their
+        references, and the segment index names exactly the published blocks."""
         self.pool.check_integrity()
         held: dict[int, int] = {}
+        for block_id in self.pins.held_block_ids():
+            held[block_id] = held.get(block_id, 0) + 1
         for req in holders:
             sources = req.segment_plan.source_block_ids if req.segment_plan else []
             sources = sources + req.last_block_sources
@@ -477,3 +505,4 @@ also needs, in every window group, the blocks its window reads before position n
         if self.indexes_segments:
             self.segments.check_integrity(self.pool.blocks)
         self.prompt_logprobs.check_integrity()
+        self.pins.check_integrity()

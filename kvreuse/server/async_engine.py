@@ -22,6 +22,7 @@ from kvreuse.engine.front_end import FrontEnd
 from kvreuse.engine.output import RequestOutput
 from kvreuse.engine.sequence import Sequence
 from kvreuse.engine.stats import EngineSnapshot
+from kvreuse.kvcache.pins import PinResult
 from kvreuse.kvcache.tiers.store import TieredStore
 from kvreuse.server.deltas import Delta, EngineDied
 from kvreuse.server.engine_client import EngineDeadError
@@ -104,6 +105,12 @@ class AsyncEngine:
         if tiers and self.engine.tiers is not None:  # off the engine thread: it waits for queued writes first
             dropped.update(await asyncio.to_thread(self.engine.tiers.clear))
         return dropped
+
+    async def pin(self, token_ids: list[int], cache_salt: str | None, ttl_s: int | None) -> PinResult:
+        return await self.call(lambda engine: engine.pin_prompt(token_ids, cache_salt, ttl_s))
+
+    async def unpin(self) -> int:
+        return await self.call(LLMEngine.unpin_all)
 
     async def snapshots(self) -> list[EngineSnapshot]:
         """The engine's snapshot, taken between two steps."""

@@ -10,11 +10,16 @@ from typing import Protocol
 from kvreuse.engine.front_end import FrontEnd
 from kvreuse.engine.sequence import Sequence
 from kvreuse.engine.stats import EngineSnapshot
+from kvreuse.kvcache.pins import PinResult
 from kvreuse.kvcache.tiers.store import TieredStore
 
 
 class EngineDeadError(RuntimeError):
     """The engine is not running: nothing can be submitted to it."""
+
+
+class PinsUnsupported(RuntimeError):
+    """Pinning needs the engine in this process: a cluster's replicas each hold their own pool."""
 
 
 class EngineClient(Protocol):
@@ -50,6 +55,12 @@ class EngineClient(Protocol):
 
     async def reset_prefix_cache(self, tiers: bool = False) -> dict[str, int]:
         """Drop the cached blocks no request holds (`tiers`: and empty the lower tiers); how many per tier."""
+
+    async def pin(self, token_ids: list[int], cache_salt: str | None, ttl_s: int | None) -> PinResult:
+        """Pin the cached chain of a prompt (LLMEngine.pin_prompt). PinsUnsupported where the engines are elsewhere."""
+
+    async def unpin(self) -> int:
+        """End every pin; how many blocks they held. PinsUnsupported where the engines are elsewhere."""
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop serving and release the engine: what is queued for the lower tiers is written first."""

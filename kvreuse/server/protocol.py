@@ -330,6 +330,10 @@ class WarmRequest(BaseModel):
 
     model: str | None = None
     items: list[WarmItem] = Field(min_length=1, max_length=1024)
+    # Hold each item's cached prefix in the pool (kvcache/pins.py), within cache.pin_max_share of it, for pin_ttl_s
+    # seconds (default cache.pin_ttl_s; 0: until POST /cache/unpin).
+    pin: bool = False
+    pin_ttl_s: int | None = Field(None, ge=0)
 
 
 class DetokenizeRequest(BaseModel):

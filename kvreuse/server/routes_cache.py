@@ -1,4 +1,5 @@
-"""Cache administration: `POST /cache/warm`, `POST /reset_prefix_cache` (vLLM's name), `GET /cache/stats`.
+"""Cache administration: `POST /cache/warm` (with `pin`: held in the pool), `POST /cache/unpin`, `POST
+/reset_prefix_cache` (vLLM's name), `GET /cache/stats`.
 
 With API keys, resetting and the stats need an admin key (`auth.admin_only`): they act on or show every tenant's
 cache (the stats: the disk path and the Redis URL too).
@@ -6,7 +7,8 @@ cache (the stats: the disk path and the Redis URL too).
 API key required when configured. Warming (kvreuse/warm.py) runs each item as a one-token greedy completion under the
 caller's tenant salt (so it warms exactly what that tenant's requests will find), through the server's queue like any
 request, then waits until the lower tiers have written it; `tiers_written` says whether they stored all of it.
-Resetting drops what no request holds: blocks in use stay until their requests finish; with `tiers=true` the answer
+Resetting drops what no request or pin holds: blocks in use stay until their requests finish, pinned ones until
+their pins end; with `tiers=true` the answer
 says what each tier still holds (entries it could not remove, or written since).
 """
 
@@ -16,10 +18,13 @@ import asyncio
 
 from fastapi import APIRouter, Depends, Request
 
+from kvreuse.cluster.remote_engine import PINS_UNSUPPORTED, RemoteEngine
 from kvreuse.engine.output import RequestOutput
+from kvreuse.engine.sequence import Sequence
 from kvreuse.engine.stats import EngineSnapshot
 from kvreuse.server.admission import admit
 from kvreuse.server.auth import TenantDep, admin_only, authenticate
+from kvreuse.server.errors import APIError
 from kvreuse.server.prompts import chat_prompt, check_model, completion_prompts
 from kvreuse.server.protocol import ChatCompletionRequest, CompletionRequest, WarmItem, WarmRequest
 from kvreuse.server.responses import collect_admitted
@@ -34,24 +39,37 @@ FLUSH_TIMEOUT_S = 120.0
 @router.post("/cache/warm")
 async def warm(body: WarmRequest, request: Request, state: StateDep, tenant: TenantDep):
     check_model(state.model_name, body.model)
-    outputs = []
+    if body.pin and isinstance(state.engine, RemoteEngine):
+        raise APIError(400, PINS_UNSUPPORTED, param="pin")
+    warmed: list[tuple[Sequence, RequestOutput]] = []
     tiers = state.engine.tiers
     before = tiers.snapshot() if tiers is not None else None
     batch = state.config.engine.max_num_seqs  # in batches, so a long list cannot fill the queue
     for start in range(0, len(body.items), batch):
         items = body.items[start:start + batch]
-        outputs += await asyncio.gather(*(_warm_one(state, item, request, tenant) for item in items))
-    total = prompt_usage(outputs)
+        warmed += await asyncio.gather(*(_warm_one(state, item, request, tenant) for item in items))
+    total = prompt_usage([output for _, output in warmed])
     flushed = True if tiers is None else await asyncio.to_thread(tiers.flush, FLUSH_TIMEOUT_S)
     writes = tier_writes(tiers, before, flushed).summary()
-    return {"object": "cache.warm", "num_items": len(body.items), "prompt_tokens": total.prompt_tokens,
-            "cached_tokens": total.cached_tokens, "cached_tokens_details": total.cached_by_tier(),
-            "computed_prompt_tokens": total.computed_prompt_tokens, "tiers": tiers.tier_names if tiers else [],
-            **{k: v for k, v in writes.items() if k != "flushed"}}
+    answer = {"object": "cache.warm", "num_items": len(body.items), "prompt_tokens": total.prompt_tokens,
+              "cached_tokens": total.cached_tokens, "cached_tokens_details": total.cached_by_tier(),
+              "computed_prompt_tokens": total.computed_prompt_tokens, "tiers": tiers.tier_names if tiers else [],
+              **{k: v for k, v in writes.items() if k != "flushed"}}
+    if body.pin:
+        answer["pins"] = [await _pin(state, seq, body.pin_ttl_s) for seq, _ in warmed]
+    return answer
 
 
-async def _warm_one(state: ServerState, item: WarmItem, request: Request, tenant: str | None) -> RequestOutput:
-    """One item as a warming completion, prepared and admitted as the caller's request would be; its output."""
+async def _pin(state: ServerState, seq: Sequence, ttl_s: int | None) -> dict:
+    """Pin what a warmed item left cached (its prompt, under its request's salt)."""
+    result = await state.engine.pin(seq.prompt_token_ids, seq.cache_salt, ttl_s)
+    return {"pinned_tokens": result.pinned_tokens, "refused": result.refused}
+
+
+async def _warm_one(state: ServerState, item: WarmItem, request: Request, tenant: str | None
+                    ) -> tuple[Sequence, RequestOutput]:
+    """One item as a warming completion, prepared and admitted as the caller's request would be; its sequence and
+    output."""
     fields = {"model": state.model_name, "max_tokens": WARM_PARAMS.max_tokens,
               "temperature": WARM_PARAMS.temperature, "cache_salt": item.cache_salt}
     front, prepare = state.engine.front_end, state.preparation.run
@@ -62,7 +80,14 @@ async def _warm_one(state: ServerState, item: WarmItem, request: Request, tenant
         [prompt] = await prepare(tenant, request, completion_prompts, front, CompletionRequest(prompt=item.prompt,
                                                                                              **fields), tenant)
     _, output = await collect_admitted(state, admit(state, prompt.seq, tenant), request)
-    return output
+    return prompt.seq, output
+
+
+@router.post("/cache/unpin", dependencies=[Depends(admin_only("ends every tenant's pins"))])
+async def unpin(state: StateDep):
+    if isinstance(state.engine, RemoteEngine):
+        raise APIError(400, PINS_UNSUPPORTED)
+    return {"status": "ok", "unpinned_blocks": await state.engine.unpin()}
 
 
 @router.post("/reset_prefix_cache", dependencies=[Depends(admin_only(
@@ -85,7 +110,8 @@ async def cache_stats(state: StateDep):
         return {"memory": memory, "replicas": {s.replica: {**_memory([s]), "tiers": s.tiers} for s in snapshots}}
     [snapshot], tiers = own, state.engine.tiers
     usage = await asyncio.to_thread(tiers.usage) if tiers else []
-    return {"memory": memory, "tiers": [{**u.__dict__, **snapshot.tiers["tiers"][u.name]} for u in usage],
+    return {"memory": memory, "pins": snapshot.pins,
+            "tiers": [{**u.__dict__, **snapshot.tiers["tiers"][u.name]} for u in usage],
             "write_queue": {k: snapshot.tiers[k] for k in ("queued_blocks", "dropped_blocks", "queued_bytes")}
             if tiers else None}
 

@@ -1,0 +1,159 @@
+"""Pinned prefixes (kvcache/pins.py): a warmed prompt's cached chain held in the pool through eviction pressure, within
+`cache.pin_max_share`, until its TTL or an unpin; on one group and under sliding windows (the window at the chain's
+end pinned too); through the server's POST /cache/warm with `pin`, POST /cache/unpin and GET /cache/stats, and
+`kvreuse cache warm --url --pin` as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from kvreuse.kvcache.block_pool import BlockPool
+from kvreuse.kvcache.pins import Pins
+
+from .helpers import greedy, server_args, tiny_llm
+from .server_process import http_client, start_server
+from .test_sliding_window_cache import BLOCK, engine, tokens
+
+BS = 16
+DOCUMENT = "Appendix C: every pier of the harbour, its length, depth at low tide and the ships it takes. " * 8
+OTHERS = [f"Unrelated request {i}: a list of rivers, their sources and the seas they reach, item {i}. " * 4
+          for i in range(12)]
+
+
+# --- the pin set on a bare pool --------------------------------------------------------------------------------
+def cached_pool(num_blocks: int = 8) -> BlockPool:
+    pool = BlockPool(num_blocks, max_cached_blocks=num_blocks)
+    block_ids = pool.allocate(num_blocks)
+    parent = None
+    for i, block_id in enumerate(block_ids):
+        parent = pool.register(block_id, bytes([i]) * 32, [i] * 4, parent, i * 4)
+    pool.free(block_ids)
+    return pool
+
+
+def test_a_pin_holds_its_blocks_and_a_replaced_pin_does_not_pile_up_references():
+    pool = cached_pool()
+    pins = Pins(pool, max_blocks=4)
+    pins.pin(b"a", [0, 1, 2], 12, expires_at=None)
+    assert [pool.blocks[b].ref_cnt for b in (0, 1, 2, 3)] == [1, 1, 1, 0]
+    assert pool.num_cached_blocks == 5  # the pinned three are held, not evictable
+    pins.pin(b"a", [0, 1, 2], 12, expires_at=5.0)  # again: a new expiry, the same references
+    assert [pool.blocks[b].ref_cnt for b in (0, 1, 2)] == [1, 1, 1]
+    pins.pin(b"b", [0, 1, 3], 12, expires_at=None)  # shares two blocks: four distinct
+    assert pins.num_blocks == 4 and pool.blocks[0].ref_cnt == 2
+    assert not pins.can_pin(b"c", [4]) and pins.can_pin(b"b", [0, 1])  # replacing b frees its place
+    pins.check_integrity()
+    assert pins.expire(now=4.0) == 0 and pins.expire(now=5.0) == 1
+    assert pins.num_blocks == 3 and pool.blocks[2].ref_cnt == 0
+    assert pins.unpin_all() == 3 and pool.num_used_blocks == 0
+    pins.check_integrity()
+
+
+# --- the engine ------------------------------------------------------------------------------------------------
+def flood(llm, prompts: list[str]) -> None:
+    for prompt in prompts:
+        llm.generate(prompt, greedy(1))
+
+
+def test_a_pinned_prefix_survives_eviction_and_goes_at_its_ttl(tiny_model_dir, monkeypatch):
+    llm = tiny_llm(tiny_model_dir, engine__num_kv_blocks=96, cache__max_blocks=16)
+    eng = llm.engine
+    expected = (len(llm.tokenizer.encode(DOCUMENT)) - 1) // BS * BS
+    control = DOCUMENT.replace("harbour", "river port")  # as long, not pinned
+    llm.generate(DOCUMENT, greedy(1))
+    assert eng.pin_prompt(llm.tokenizer.encode(DOCUMENT), ttl_s=60).pinned_tokens == expected
+    llm.generate(control, greedy(1))
+    flood(llm, OTHERS)  # far more blocks than max_blocks keeps cached
+    again = llm.generate(DOCUMENT + " Which pier is deepest?", greedy(4))[0]
+    assert again.usage.cached_tokens == expected
+    assert llm.generate(control, greedy(1))[0].usage.cached_tokens < expected / 2  # the flood evicts the rest
+    assert eng.stats_snapshot().pins["num_pins"] == 1
+    eng.check_integrity()
+
+    later = time.monotonic() + 61
+    monkeypatch.setattr(time, "monotonic", lambda: later)
+    flood(llm, OTHERS)  # each step expires what is due: the pin ends, and its blocks are evictable again
+    assert eng.stats_snapshot().pins["num_pins"] == 0
+    assert llm.generate(DOCUMENT + " Which pier is deepest?", greedy(1))[0].usage.cached_tokens < expected
+
+
+def test_pins_stay_within_their_share_and_the_refusal_names_the_key(tiny_model_dir):
+    llm = tiny_llm(tiny_model_dir, engine__num_kv_blocks=64, cache__pin_max_share="0.1")  # 6 blocks
+    eng = llm.engine
+    llm.generate(DOCUMENT, greedy(1))
+    result = eng.pin_prompt(llm.tokenizer.encode(DOCUMENT))
+    assert result.pinned_tokens == 0 and "cache.pin_max_share = 0.1" in result.refused
+    short = DOCUMENT[:200]
+    llm.generate(short, greedy(1))
+    assert eng.pin_prompt(llm.tokenizer.encode(short)).pinned_tokens > 0
+    assert eng.pin_prompt(llm.tokenizer.encode("never sent")).refused == "nothing of the prompt is cached"
+    assert eng.unpin_all() > 0 and eng.kv_manager.pool.num_used_blocks == 0
+    eng.check_integrity()
+
+
+def test_a_pin_under_sliding_windows_keeps_the_window_at_the_chains_end(grouped_gemma_dir):
+    llm = engine(grouped_gemma_dir, engine__num_kv_blocks=160, cache__max_blocks=40)
+    doc = tokens(9 * BLOCK + 3, 51)
+    want = engine(grouped_gemma_dir, cache__enabled="false").generate(doc + [7, 8, 9], greedy(6))[0].token_ids
+    control = tokens(9 * BLOCK + 3, 52)  # as long, not pinned
+    llm.generate(doc, greedy(1))
+    assert llm.engine.pin_prompt(doc).pinned_tokens == 9 * BLOCK
+    llm.generate(control, greedy(1))
+    pin = next(iter(llm.engine.kv_manager.pins.pins.values()))
+    assert {llm.engine.kv_manager.pool.blocks[b].group for b in pin.block_ids} == {0, 1, 2}
+    for seed in range(8):
+        llm.generate(tokens(60, 100 + seed), greedy(1))
+    out = llm.generate(doc + [7, 8, 9], greedy(6))[0]
+    assert out.usage.cached_tokens == 9 * BLOCK and out.token_ids == want
+    assert llm.generate(control, greedy(1))[0].usage.cached_tokens < 9 * BLOCK
+    llm.engine.check_integrity()
+
+
+# --- the server, and the command ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, tiny_model_dir):
+    log = tmp_path_factory.mktemp("pins") / "server.log"
+    with start_server(*server_args(tiny_model_dir, "engine.num_kv_blocks=96", "cache.max_blocks=16"),
+                      log_path=log) as running:
+        yield running
+
+
+def test_warm_with_pin_unpin_and_stats_over_http(server):
+    with http_client() as client:
+        warmed = client.post(f"{server.root}/cache/warm", json={"items": [{"prompt": DOCUMENT}], "pin": True,
+                                                                "pin_ttl_s": 600})
+        assert warmed.status_code == 200, warmed.text
+        [pin] = warmed.json()["pins"]
+        assert pin["pinned_tokens"] > 0 and pin["refused"] is None
+        for prompt in OTHERS:
+            client.post(f"{server.root}/v1/completions", json={"model": server.model, "prompt": prompt,
+                                                                "max_tokens": 1})
+        hit = client.post(f"{server.root}/v1/completions", json={"model": server.model, "prompt": DOCUMENT + " Why?",
+                                                                 "max_tokens": 1}).json()
+        assert hit["usage"]["prompt_tokens_details"]["cached_tokens"] == pin["pinned_tokens"]
+        pins = client.get(f"{server.root}/cache/stats").json()["pins"]
+        assert pins["num_pins"] == 1 and 0 < pins["next_expiry_s"] <= 600
+        assert client.post(f"{server.root}/cache/unpin").json()["unpinned_blocks"] == pins["blocks"]
+        assert client.get(f"{server.root}/cache/stats").json()["pins"]["num_pins"] == 0
+        bad = client.post(f"{server.root}/cache/warm", json={"items": [{"prompt": "x"}], "pin": True,
+                                                             "pin_ttl_s": -1})
+        assert bad.status_code == 400 and "pin_ttl_s" in bad.text
+
+
+def test_cache_warm_url_pin_as_a_user_runs_it(server, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": DOCUMENT}) + "\n", encoding="utf-8")
+    done = subprocess.run([sys.executable, "-m", "kvreuse", "cache", "warm", str(prompts), "--url", server.root,
+                           "--pin"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "warmed 1 prompts" in done.stdout and "pinned" in done.stdout
+    refused = subprocess.run([sys.executable, "-m", "kvreuse", "cache", "warm", str(prompts), "--pin"],
+                             capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "--url" in refused.stderr
+    with http_client() as client:
+        assert client.post(f"{server.root}/cache/unpin").json()["unpinned_blocks"] > 0
