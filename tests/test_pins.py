@@ -15,7 +15,7 @@ import pytest
 from kvreuse.kvcache.block_pool import BlockPool
 from kvreuse.kvcache.pins import Pins
 
-from .helpers import greedy, server_args, tiny_llm
+from .helpers import drain, greedy, server_args, tiny_llm
 from .server_process import http_client, start_server
 from .test_sliding_window_cache import BLOCK, engine, tokens
 
@@ -157,3 +157,18 @@ def test_cache_warm_url_pin_as_a_user_runs_it(server, tmp_path):
     assert refused.returncode == 2 and "--url" in refused.stderr
     with http_client() as client:
         assert client.post(f"{server.root}/cache/unpin").json()["unpinned_blocks"] > 0
+
+
+def test_pins_yield_to_a_request_that_could_not_run_otherwise(tiny_model_dir):
+    """A request that fits the pool but not beside the pins, with nothing running that could free blocks: the pins
+    end (logged) rather than keep it, and the queue behind it, waiting forever."""
+    llm = tiny_llm(tiny_model_dir, engine__num_kv_blocks=40, cache__pin_max_share="0.5")
+    eng = llm.engine
+    llm.generate(DOCUMENT, greedy(1))
+    assert eng.pin_prompt(llm.tokenizer.encode(DOCUMENT)).pinned_tokens > 0
+    long_prompt = " ".join(OTHERS)[:2200]
+    assert (len(llm.tokenizer.encode(long_prompt)) + 8) // BS > 40 - eng.kv_manager.pins.num_blocks
+    seq = eng.add_request(long_prompt, greedy(8))
+    drain(eng, max_steps=200)  # bounded: without the pins yielding, the request would wait forever
+    assert seq.finish_reason == "length" and eng.kv_manager.pins.num_blocks == 0
+    eng.check_integrity()

@@ -18,6 +18,7 @@ fork, and after each forward (`update`, which also has the cache publish what wa
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -28,6 +29,8 @@ from kvreuse.kvcache.manager import KVCacheManager
 
 if TYPE_CHECKING:
     from kvreuse.engine.model_runner import StepOutput
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -91,6 +94,11 @@ class Scheduler:
             elif num_prefilling and num_tokens > budget:
                 break  # a prompt that reuses segments is repaired in one forward, whole
             if not kv.can_admit(match, num_tokens):
+                if not self.running and kv.pins.pins:
+                    # Nothing runs that could free blocks: the pins yield, or the head (and the queue) would wait forever.
+                    logger.warning("unpinning every prefix (%d blocks): request %s needs the room and nothing else "
+                                   "runs", kv.pins.unpin_all(), seq.request_id)
+                    continue
                 break  # strict arrival order: nobody overtakes the head of the queue
             self.waiting.popleft()
             out.copy_jobs += kv.admit(seq.kv, match, num_tokens)
