@@ -95,7 +95,8 @@ class Scheduler:
                 break  # a prompt that reuses segments is repaired in one forward, whole
             if not kv.can_admit(match, num_tokens):
                 if not self.running and kv.pins.pins:
-                    # Nothing runs that could free blocks: the pins yield, or the head (and the queue) would wait forever.
+                    # Nothing runs that could free blocks: the pins yield, or the head (and the queue) would wait
+                    # forever.
                     logger.warning("unpinning every prefix (%d blocks): request %s needs the room and nothing else "
                                    "runs", kv.pins.unpin_all(), seq.request_id)
                     continue
