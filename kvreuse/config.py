@@ -231,12 +231,14 @@ class CacheConfig(_Section):
 # Segment reuse is on where the scenario bench (docs/benchmarks.md, "Scenarios") shows it pays within the fidelity
 # thresholds (top-1 >= 0.9, KL <= 0.03): on the eval rubric the guard never changed an answer and only added
 # work, so it is off there; agent steps are cheap to repair (recompute 10%), RAG documents need 30%.
+# The policy is measured, not the article's (lru for chat, lfu for eval): docs/bench/preset-policies.md.
 PRESETS: dict[str, dict[str, str]] = {
     "none": {},
-    "chat": {"block_size": "16", "policy": "lru"},
-    "eval": {"block_size": "32", "policy": "lfu", "suffix.enabled": "true", "suffix.guard_margin": "0"},
-    "agent": {"block_size": "16", "normalize_input": "true", "suffix.enabled": "true", "suffix.recompute_ratio": "0.1"},
-    "rag": {"block_size": "16", "suffix.enabled": "true", "suffix.recompute_ratio": "0.3"},
+    "chat": {"block_size": "16", "policy": "chain"},
+    "eval": {"block_size": "32", "policy": "chain", "suffix.enabled": "true", "suffix.guard_margin": "0"},
+    "agent": {"block_size": "16", "policy": "chain", "normalize_input": "true", "suffix.enabled": "true",
+              "suffix.recompute_ratio": "0.1"},
+    "rag": {"block_size": "16", "policy": "chain", "suffix.enabled": "true", "suffix.recompute_ratio": "0.3"},
 }
 # What each preset is for (docs/configuration.md shows these beside the keys).
 PRESET_DESCRIPTIONS: dict[str, str] = {

@@ -109,7 +109,7 @@ def test_every_shorthand_maps_to_its_key():
                         "--no-enable-prefix-caching", "--preset", "eval"])
     assert (config.model.path, config.model.device, config.model.dtype) == ("m.gguf", "cpu", "bf16")
     assert (config.server.max_tokens, config.cache.enabled, config.cache.preset) == (512, False, "eval")
-    assert config.cache.policy == "lfu"  # from the preset
+    assert config.cache.policy == "chain"  # from the preset
 
 
 def test_building_the_config_leaves_the_arguments_alone():
@@ -123,7 +123,7 @@ def test_scenario_config_takes_the_scenario_preset_unless_one_is_chosen(ini):
     assert scenario_config("eval", None, config_overrides(args)).cache.block_size == 32  # the eval preset
     assert scenario_config("prefix", None, config_overrides(args)).cache.preset == "none"
     chosen = build_parser().parse_args(["bench", "scenario", "--preset", "chat"])
-    assert scenario_config("eval", None, config_overrides(chosen)).cache.policy == "lru"
+    assert scenario_config("eval", None, config_overrides(chosen)).cache.block_size == 16  # chat's, not eval's
     explicit = build_parser().parse_args(["bench", "scenario", "--block-size", "64"])
     assert scenario_config("eval", ini, config_overrides(explicit)).cache.block_size == 64
 
