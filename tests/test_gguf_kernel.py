@@ -111,6 +111,9 @@ def test_the_build_is_kept_per_source_and_torch():
     assert directory.name.startswith("kvreuse_cpu-")
     if STATUS.isa:
         assert any(directory.glob("*.so")), "the built extension is not where the next process looks"
+        # Built from the copies kept beside it, so another checkout of the same sources finds it up to date.
+        ninja = (directory / "build.ninja").read_text()
+        assert all(f"compile {directory / s.name}" in ninja for s in kernels.SOURCES), ninja
 
 
 @pytest.mark.skipif(not STATUS.loaded, reason=f"no extension here: {STATUS.reason}")

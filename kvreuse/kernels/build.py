@@ -8,7 +8,8 @@ it lowers torch's own kernels (`avx2` runs the AVX2 variant on an AVX-512 CPU, `
 is plain C++ and runs on any CPU. `KVREUSE_CPU_KERNELS=0` loads nothing: every op then runs in pure torch, the
 reference the kernels are tested against. A build failure is a `KernelStatus` with its reason, never an exception.
 Builders take an OS lock on the build directory (`builder_lock`), which dies with its process: torch's own lock file,
-which a killed build leaves behind and every later build then waits on forever, is cleared under it.
+which a killed build leaves behind and every later build then waits on forever, is cleared under it. They build from
+copies of the sources kept in that directory, so every checkout of the same sources shares one build.
 """
 
 from __future__ import annotations
@@ -107,9 +108,24 @@ def _build() -> None:
 
     directory = build_dir()
     with builder_lock(directory):
-        load_extension(name="kvreuse_cpu", sources=[str(s) for s in SOURCES], extra_cflags=list(CFLAGS),
-                       extra_ldflags=["-fopenmp"], build_directory=str(directory), is_python_module=False,
-                       verbose=False)
+        load_extension(name="kvreuse_cpu", sources=[str(s) for s in _stable_sources(directory)],
+                       extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"], build_directory=str(directory),
+                       is_python_module=False, verbose=False)
+
+
+def _stable_sources(directory: Path) -> list[Path]:
+    """The sources, copied into the build directory once: ninja's build file names its sources' paths, so building
+    from each checkout's own files made every other checkout (a clone, an installed copy) rebuild in turn. The
+    directory is keyed by their contents, so the copies are these sources."""
+    copies = []
+    for source in SOURCES:
+        copy = directory / source.name
+        if not copy.exists():
+            temp = copy.with_suffix(f".{os.getpid()}.tmp")
+            temp.write_bytes(source.read_bytes())
+            temp.replace(copy)
+        copies.append(copy)
+    return copies
 
     @torch.library.register_fake("kvreuse_cpu::gguf_linear")
     def _(x, packed, out_features, bits, half_scales, isa):
