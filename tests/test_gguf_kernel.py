@@ -148,3 +148,18 @@ def test_the_builder_lock_excludes_other_processes_and_dies_with_its_holder(tmp_
     finally:
         holder.kill()
         holder.wait(timeout=10)
+
+
+@pytest.mark.skipif(not STATUS.loaded, reason=f"no extension here: {STATUS.reason}")
+def test_both_ops_have_fake_functions_so_the_compiled_graph_can_call_them():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        product = torch.ops.kvreuse_cpu.gguf_linear(torch.empty(3, 64), torch.empty(100, dtype=torch.uint8), 8, 4,
+                                                    True, 1)
+        q = torch.empty(2, 4, 16)
+        attended = torch.ops.kvreuse_cpu.decode_attention(q, q[:, :1], q[:, :1], torch.empty(8, 4, 1, 16),
+                                                          torch.empty(8, 4, 1, 16), torch.empty(2, dtype=torch.long),
+                                                          torch.empty(2, 8, dtype=torch.long),
+                                                          torch.empty(2, dtype=torch.long), 0.25)
+    assert tuple(product.shape) == (3, 8) and tuple(attended.shape) == (2, 64)

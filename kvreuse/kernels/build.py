@@ -112,6 +112,14 @@ def _build() -> None:
                        extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"], build_directory=str(directory),
                        is_python_module=False, verbose=False)
 
+    @torch.library.register_fake("kvreuse_cpu::gguf_linear")
+    def _(x, packed, out_features, bits, half_scales, isa):
+        return x.new_empty(x.shape[0], out_features)
+
+    @torch.library.register_fake("kvreuse_cpu::decode_attention")
+    def _(q, k, v, k_cache, v_cache, slot_mapping, context_slots, context_lens, scale):
+        return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+
 
 def _stable_sources(directory: Path) -> list[Path]:
     """The sources, copied into the build directory once: ninja's build file names its sources' paths, so building
@@ -126,14 +134,6 @@ def _stable_sources(directory: Path) -> list[Path]:
             temp.replace(copy)
         copies.append(copy)
     return copies
-
-    @torch.library.register_fake("kvreuse_cpu::gguf_linear")
-    def _(x, packed, out_features, bits, half_scales, isa):
-        return x.new_empty(x.shape[0], out_features)
-
-    @torch.library.register_fake("kvreuse_cpu::decode_attention")
-    def _(q, k, v, k_cache, v_cache, slot_mapping, context_slots, context_lens, scale):
-        return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
 
 if __name__ == "__main__":  # `python -m kvreuse.kernels.build`: build now (make install does)
