@@ -20,6 +20,7 @@ from kvreuse.engine.sequence import Sequence
 from kvreuse.sampling_params import SamplingParams
 
 DRAIN_STEPS = 3000  # liveness: everything left finishes within this many steps
+TIER_WAIT_S = 60.0  # bound on waiting for the tier's writer or a prefetch (milliseconds here, unless the CPU is shared)
 INJECTED = "InjectedFault: injected by the soak"  # how an injected fault reads in a failed request's error
 
 
@@ -87,13 +88,13 @@ class Run:
     def add(self, prompt: list[int], params: SamplingParams, salt: str | None, use_cache: bool) -> bool:
         tiers = self.engine.tiers
         if tiers is not None:  # what was published is in the tiers, whatever the writer thread's pace
-            tiers.flush(timeout=self.step_seconds)
+            assert tiers.flush(timeout=TIER_WAIT_S), "the tier's writer did not catch up"
         try:
             seq = self.engine.add_request(prompt, params, cache_salt=salt, use_cache=use_cache)
         except RequestError:
             return False  # larger than the pool or the context: refused, never queued
         # Its tier read done before the next step: a program runs alike whatever the threads' timing.
-        self.engine.kv_manager.wait_for_load(seq.kv, self.step_seconds)
+        self.engine.kv_manager.wait_for_load(seq.kv, TIER_WAIT_S)
         self.requests.append(seq)
         for choice in choices(seq):
             self.outcomes[choice.request_id] = []

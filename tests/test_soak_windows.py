@@ -187,14 +187,16 @@ class RecordingForward:
         whole_prompt = start == seq.num_tokens - 1 and seq.num_tokens % self.bs == 0
         assert start % self.bs == 0 or whole_prompt, f"{seq.request_id} hit {start} tokens, not whole blocks"
         pool, num_hits = self.engine.kv_manager.pool, start // self.bs
-        # The loaded blocks follow the pool's hits: group 0's are published at admission, the windows' after the step.
+        # The loaded blocks follow the pool's hits. They are the request's own (published at admission, the windows'
+        # after the step, or kept private beside a twin the pool already holds): their contents are checked by the
+        # read-back, their salt by the tier's keys.
         num_pool_hits = num_hits - sum(kv.num_loaded_tokens.values()) // self.bs
         for group, table in enumerate(kv.block_tables):
             first = 0 if group == 0 else first_window_block(start, self.windows[group - 1], self.bs)
             for i, block_id in enumerate(table[first:num_hits], start=first):
                 assert block_id != RELEASED, f"{seq.request_id}: a hit without group {group}'s window"
                 block = pool.blocks[block_id]
-                if group and i >= num_pool_hits:
+                if i >= num_pool_hits:
                     continue
                 assert block.extra_key == kv.extra_key, "a hit crossed a salt"
                 assert block.group == group, f"group {group} hit block {block_id} of group {block.group}"
