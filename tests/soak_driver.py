@@ -14,6 +14,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from hypothesis.internal.conjecture import providers
+
 from kvreuse.engine.engine import LLMEngine, RequestError
 from kvreuse.engine.model_runner import StepOutput
 from kvreuse.engine.sequence import Sequence
@@ -30,6 +32,25 @@ class InjectedFault(RuntimeError):
 
 class StepStuck(RuntimeError):
     pass
+
+
+@contextmanager
+def programs_from_the_seed_alone() -> Iterator[None]:
+    """Hypothesis draws now and then from the literals of every local module imported so far (its "local
+    constants"), so a seeded soak's programs would change with the code and with the tests run before it (a clean
+    CI run drew other programs than the soak alone, and missed a covered case). Within this, it draws from its own
+    constants only. Internal API: pinned hypothesis."""
+    def none() -> providers.Constants:
+        return providers.Constants()
+
+    original = providers._get_local_constants
+    providers.CONSTANTS_CACHE.cache.clear()  # allowed constants already computed with the local ones
+    providers._get_local_constants = none
+    try:
+        yield
+    finally:
+        providers._get_local_constants = original
+        providers.CONSTANTS_CACHE.cache.clear()
 
 
 @contextmanager

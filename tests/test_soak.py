@@ -37,7 +37,7 @@ from kvreuse.model.tokenizer import Tokenizer
 from kvreuse.sampling_params import SamplingParams
 
 from .conftest import make_config
-from .soak_driver import Faults, Run
+from .soak_driver import Faults, Run, programs_from_the_seed_alone
 
 SOAK_SEED = 1212
 SOAK_PROGRAMS = 75
@@ -235,7 +235,8 @@ def test_soak_3000_operations_seed_1212(engine_factory):
             else:  # aborted or failed: what it had produced so far
                 assert seq.completion_token_ids == expected[:seq.num_completion_tokens], seq.request_id
 
-    soak()
+    with programs_from_the_seed_alone():
+        soak()
     assert coverage["operations"] >= SOAK_OPERATIONS, coverage
     for seen in ("prefix hits", "segment reuse", "block copies", "chunked prefill steps", "preemptions", "evictions",
                  "refused", "finished stop", "finished length", "finished abort", "finished error"):
@@ -276,7 +277,8 @@ def test_soak_tiny_model_180_operations_seed_1213(engine_factory):
                 assert len(seq.completion_token_ids) == len(expected)
             coverage["cached tokens"] += seq.reuse_or_planned.cached_tokens
 
-    soak()
+    with programs_from_the_seed_alone():
+        soak()
     assert coverage["operations"] >= MODEL_OPERATIONS, coverage
     for seen in ("cached tokens", "preemptions", "finished length", "finished abort", "finished error"):
         assert coverage[seen] > 0, f"the soak never covered {seen}: {coverage}"

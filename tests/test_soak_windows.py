@@ -62,7 +62,7 @@ from kvreuse.model.tokenizer import Tokenizer
 from kvreuse.sampling_params import SamplingParams
 
 from .conftest import make_config
-from .soak_driver import Faults, Run, choices
+from .soak_driver import Faults, Run, choices, programs_from_the_seed_alone
 from .test_architectures import build
 
 SOAK_SEED = 1414
@@ -418,7 +418,8 @@ def test_soak_windows_3600_operations_seed_1414(engine_factory):
                 else:  # aborted or failed: what it had produced so far
                     assert choice.completion_token_ids == expected[:choice.num_completion_tokens], choice.request_id
 
-    soak()
+    with programs_from_the_seed_alone():
+        soak()
     assert coverage["operations"] >= SOAK_OPERATIONS, coverage
     for seen in (*(f"programs under {p}" for p in POLICIES),
                  *(f"window retention set to {r}" for r in get_args(WindowRetention)), *COVERED):
