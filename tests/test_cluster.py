@@ -247,6 +247,11 @@ def test_cache_aware_keeps_a_conversation_on_one_replica_and_streams(tmp_path, t
             assert reset["dropped"]["memory"] == stats["memory"]["blocks_cached"]
             after = raw.get(f"{server.root}/cache/stats").json()
             assert after["memory"]["blocks_cached"] == 0
+            # Pins hold blocks in one pool: refused behind the replicas, before any warming, by the field's name.
+            for path, body in (("/cache/warm", {"items": [{"prompt": "Hi"}], "pin": True}), ("/cache/unpin", {})):
+                refused = raw.post(f"{server.root}{path}", json=body)
+                assert refused.status_code == 400 and "single engine to pin" in refused.text, refused.text
+            assert raw.post(f"{server.root}/cache/warm", json={"items": [{"prompt": "Hi"}]}).status_code == 200
         scrape = server.metrics()
         assert scrape.get("vllm:prefix_cache_hits_total", model_name=server.model) > 0
         # Gauges: the replicas' engines, as of their latest finished requests.
@@ -467,10 +472,13 @@ def test_both_engine_clients_offer_what_the_server_needs(tiny_llm):
     from kvreuse.server.engine_client import EngineClient
 
     members = {name for name in vars(EngineClient) if not name.startswith("_")}
-    assert {"front_end", "submit", "abort", "snapshots", "reset_prefix_cache", "shutdown"} <= members
-    for client in (AsyncEngine(tiny_llm.engine), RemoteEngine(FakeHandle([], 0), tiny_llm.engine.front_end)):
+    assert {"front_end", "submit", "abort", "snapshots", "reset_prefix_cache", "can_pin", "pin", "unpin",
+            "shutdown"} <= members
+    local, remote = AsyncEngine(tiny_llm.engine), RemoteEngine(FakeHandle([], 0), tiny_llm.engine.front_end)
+    for client in (local, remote):
         assert not {name for name in members if not hasattr(client, name)}, type(client).__name__
         assert client.front_end is tiny_llm.engine.front_end
+    assert local.can_pin and not remote.can_pin
 
 
 # --- response formats: checked once by the ingress, compiled by the replica off its event loop -------------------

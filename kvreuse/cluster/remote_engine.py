@@ -21,14 +21,12 @@ from kvreuse.engine.sequence import Sequence
 from kvreuse.engine.stats import EngineSnapshot
 from kvreuse.kvcache.pins import PinResult
 from kvreuse.server.deltas import Delta
-from kvreuse.server.engine_client import EngineDeadError, PinsUnsupported
+from kvreuse.server.engine_client import PINS_UNSUPPORTED, EngineDeadError, PinsUnsupported
 from kvreuse.server.errors import APIError
 
 logger = logging.getLogger(__name__)
 
 RETRIES = 1  # a request whose replica fails before it sent anything is sent again, once
-PINS_UNSUPPORTED = ("pinning holds blocks in one engine's pool, and each replica of --replicas has its own: run a "
-                    "single engine to pin")
 
 
 class RemoteEngine:
@@ -127,6 +125,8 @@ class RemoteEngine:
             for tier, count in dropped.items():
                 total[tier] = total.get(tier, 0) + count
         return total
+
+    can_pin = False
 
     async def pin(self, token_ids: list[int], cache_salt: str | None, ttl_s: int | None) -> PinResult:
         raise PinsUnsupported(PINS_UNSUPPORTED)

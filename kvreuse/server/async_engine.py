@@ -106,6 +106,8 @@ class AsyncEngine:
             dropped.update(await asyncio.to_thread(self.engine.tiers.clear))
         return dropped
 
+    can_pin = True
+
     async def pin(self, token_ids: list[int], cache_salt: str | None, ttl_s: int | None) -> PinResult:
         return await self.call(lambda engine: engine.pin_prompt(token_ids, cache_salt, ttl_s))
 

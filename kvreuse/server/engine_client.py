@@ -22,6 +22,10 @@ class PinsUnsupported(RuntimeError):
     """Pinning needs the engine in this process: a cluster's replicas each hold their own pool."""
 
 
+PINS_UNSUPPORTED = ("pinning holds blocks in one engine's pool, and each replica of --replicas has its own: run a "
+                    "single engine to pin")
+
+
 class EngineClient(Protocol):
     @property
     def front_end(self) -> FrontEnd:
@@ -56,11 +60,15 @@ class EngineClient(Protocol):
     async def reset_prefix_cache(self, tiers: bool = False) -> dict[str, int]:
         """Drop the cached blocks no request holds (`tiers`: and empty the lower tiers); how many per tier."""
 
+    @property
+    def can_pin(self) -> bool:
+        """Whether `pin` and `unpin` can act: the engine runs in this process."""
+
     async def pin(self, token_ids: list[int], cache_salt: str | None, ttl_s: int | None) -> PinResult:
-        """Pin the cached chain of a prompt (LLMEngine.pin_prompt). PinsUnsupported where the engines are elsewhere."""
+        """Pin the cached chain of a prompt (LLMEngine.pin_prompt). PinsUnsupported where not `can_pin`."""
 
     async def unpin(self) -> int:
-        """End every pin; how many blocks they held. PinsUnsupported where the engines are elsewhere."""
+        """End every pin; how many blocks they held. PinsUnsupported where not `can_pin`."""
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop serving and release the engine: what is queued for the lower tiers is written first."""

@@ -18,12 +18,12 @@ import asyncio
 
 from fastapi import APIRouter, Depends, Request
 
-from kvreuse.cluster.remote_engine import PINS_UNSUPPORTED, RemoteEngine
 from kvreuse.engine.output import RequestOutput
 from kvreuse.engine.sequence import Sequence
 from kvreuse.engine.stats import EngineSnapshot
 from kvreuse.server.admission import admit
 from kvreuse.server.auth import TenantDep, admin_only, authenticate
+from kvreuse.server.engine_client import PINS_UNSUPPORTED
 from kvreuse.server.errors import APIError
 from kvreuse.server.prompts import chat_prompt, check_model, completion_prompts
 from kvreuse.server.protocol import ChatCompletionRequest, CompletionRequest, WarmItem, WarmRequest
@@ -39,7 +39,7 @@ FLUSH_TIMEOUT_S = 120.0
 @router.post("/cache/warm")
 async def warm(body: WarmRequest, request: Request, state: StateDep, tenant: TenantDep):
     check_model(state.model_name, body.model)
-    if body.pin and isinstance(state.engine, RemoteEngine):
+    if body.pin and not state.engine.can_pin:
         raise APIError(400, PINS_UNSUPPORTED, param="pin")
     warmed: list[tuple[Sequence, RequestOutput]] = []
     tiers = state.engine.tiers
@@ -85,7 +85,7 @@ async def _warm_one(state: ServerState, item: WarmItem, request: Request, tenant
 
 @router.post("/cache/unpin", dependencies=[Depends(admin_only("ends every tenant's pins"))])
 async def unpin(state: StateDep):
-    if isinstance(state.engine, RemoteEngine):
+    if not state.engine.can_pin:
         raise APIError(400, PINS_UNSUPPORTED)
     return {"status": "ok", "unpinned_blocks": await state.engine.unpin()}
 
