@@ -77,3 +77,14 @@ def test_tokenizer_load_uses_the_cache_and_a_template_file(cache, tmp_path):
     tokenizer = Tokenizer.load(embedded_model_path(), "f" * 64, template)
     assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]) == "[user] hi\n[assistant] "
     assert Tokenizer.load(embedded_model_path(), "f" * 64).hf.chat_template != tokenizer.hf.chat_template
+
+
+def test_what_is_computed_from_the_whole_vocabulary_is_kept_beside_the_cache(cache):
+    computed = Tokenizer.load(embedded_model_path(), "f" * 64).max_token_chars
+    facts = cache / "facts.json"
+    assert json.loads(facts.read_text()) == {"max_token_chars": computed} and computed > 1
+    facts.write_text(json.dumps({"max_token_chars": computed + 7}))  # read back, not computed again
+    assert Tokenizer.load(embedded_model_path(), "f" * 64).max_token_chars == computed + 7
+    facts.write_text("{not json")  # computed again and rewritten
+    assert Tokenizer.load(embedded_model_path(), "f" * 64).max_token_chars == computed
+    assert json.loads(facts.read_text()) == {"max_token_chars": computed}

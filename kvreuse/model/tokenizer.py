@@ -9,8 +9,10 @@ so a message cannot forge a role or end its turn.
 from __future__ import annotations
 
 import json
+import os
 import re
 import secrets
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,8 +20,9 @@ from tokenizers import Encoding
 from tokenizers import Tokenizer as RustTokenizer
 
 from kvreuse.model.chat_template import NoChatTemplate, load_chat_template
-from kvreuse.model.gguf_tokenizer import load_gguf_tokenizer
+from kvreuse.model.gguf_tokenizer import cache_dir, load_gguf_tokenizer
 
+_FACTS_FILE = "facts.json"  # beside a converted GGUF tokenizer: what Tokenizer computes from its whole vocabulary
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 END_TOKENS = ("<|endoftext|>", "<|im_end|>", "<end_of_turn>", "<|eot_id|>")
 
@@ -42,7 +45,7 @@ class ChatText:
 
 
 class Tokenizer:
-    def __init__(self, hf_tokenizer):
+    def __init__(self, hf_tokenizer, facts_file: Path | None = None):
         self.hf = hf_tokenizer
         # Encode/decode go straight to the Rust tokenizer: transformers' wrapper reconfigures it per call,
         # which is not safe when the server's preparation threads and the engine thread use it at once.
@@ -51,7 +54,7 @@ class Tokenizer:
         specials = sorted({t.content for t in self._backend.get_added_tokens_decoder().values() if t.special},
                           key=len, reverse=True)  # longest first: the leftmost-longest match, as the tokenizer does
         self._special_text = re.compile("|".join(map(re.escape, specials))) if specials else None
-        self.max_token_chars = self._longest_token_chars()
+        self.max_token_chars = self._cached_longest_token_chars(facts_file)
         self._uncounted = self._chars_without_tokens()
         # Text generation stops at the model's EOS, at its end-of-text token, and at the end of a turn in the chat
         # formats that have their own token for it (a base model's EOS is not one; it may be given a template).
@@ -65,12 +68,13 @@ class Tokenizer:
         if model_path.is_dir():
             from transformers import AutoTokenizer
 
-            hf_tokenizer = AutoTokenizer.from_pretrained(str(model_path))
-        else:
+            hf_tokenizer, facts_file = AutoTokenizer.from_pretrained(str(model_path)), None
+        else:  # a GGUF's fingerprint covers its vocabulary, so what is computed from that is kept with it
             hf_tokenizer = load_gguf_tokenizer(model_path, fingerprint)
+            facts_file = cache_dir(fingerprint) / _FACTS_FILE
         if chat_template_file:
             hf_tokenizer.chat_template = load_chat_template(chat_template_file)
-        return cls(hf_tokenizer)
+        return cls(hf_tokenizer, facts_file)
 
     @property
     def _text_backend(self) -> RustTokenizer:
@@ -82,6 +86,20 @@ class Tokenizer:
             backend.encode_special_tokens = True
             self._text_backend_copy = backend
         return self._text_backend_copy
+
+    def _cached_longest_token_chars(self, facts_file: Path | None) -> int:
+        # Decoding every token takes ~1 s on a 262k vocabulary: read from `facts_file` where it holds it, else
+        # computed and written there (atomically; a file that cannot be read or written only costs the second).
+        if facts_file is not None:
+            with suppress(OSError, ValueError, KeyError, TypeError):
+                return int(json.loads(facts_file.read_text(encoding="utf-8"))["max_token_chars"])
+        longest = self._longest_token_chars()
+        if facts_file is not None and facts_file.parent.is_dir():
+            tmp = facts_file.with_name(f"{facts_file.name}.tmp{os.getpid()}")
+            with suppress(OSError):
+                tmp.write_text(json.dumps({"max_token_chars": longest}), encoding="utf-8")
+                os.replace(tmp, facts_file)
+        return longest
 
     def _longest_token_chars(self) -> int:
         # A token covers at most its decoded text, or its vocabulary string: for byte-level vocabularies one symbol
