@@ -56,18 +56,19 @@ class QuantizedBlocks:
         rows), per block, one record of the tile's scales, mins and codes. Scales and mins are stored as fp16 where
         every one of them is exactly an fp16 (the 32-input formats' are), else fp32 (Q4_K's products)."""
         n, k = self.shape
-        pad = -n % TILE_ROWS
+        pad, num_blocks = -n % TILE_ROWS, k // BLOCK
         scales, mins, codes = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (self.scales, self.mins, self.codes))
         half = all(torch.equal(t.half().float(), t) for t in (scales, mins))
         tiles = (n + pad) // TILE_ROWS
-
-        def per_tile(t: torch.Tensor) -> torch.Tensor:                     # [N', B, bytes] -> [tiles, B, 4 * bytes]
-            return t.view(tiles, TILE_ROWS, k // BLOCK, -1).transpose(1, 2).reshape(tiles, k // BLOCK, -1)
-
-        as_bytes = [per_tile(t.to(torch.float16 if half else torch.float32)[..., None].view(torch.uint8))
-                    for t in (scales, mins)]                                # [tiles, B, 4 * (2 | 4)] each
-        record = torch.cat([*as_bytes, per_tile(codes.view(n + pad, k // BLOCK, -1))], dim=-1)
-        return PackedBlocks(record.contiguous().view(-1), n, self.bits, half)
+        parts = [t.to(torch.float16 if half else torch.float32)[..., None].view(torch.uint8)   # [N', B, 2 | 4]
+                 for t in (scales, mins)] + [codes.view(n + pad, num_blocks, -1)]            # [N', B, bytes]
+        widths = [TILE_ROWS * part.shape[-1] for part in parts]
+        record = torch.empty(tiles, num_blocks, sum(widths), dtype=torch.uint8)  # written part by part: one copy each
+        for part, start, width in zip(parts, [0, widths[0], widths[0] + widths[1]], widths, strict=True):
+            # [N', B, w] -> [tiles, TILE_ROWS, B, w] -> the record's [tiles, B, TILE_ROWS, w] slice
+            record[..., start:start + width].view(tiles, num_blocks, TILE_ROWS, -1).copy_(
+                part.view(tiles, TILE_ROWS, num_blocks, -1).transpose(1, 2))
+        return PackedBlocks(record.view(-1), n, self.bits, half)
 
 
 @dataclass(frozen=True)
