@@ -65,12 +65,21 @@ class KvreuseSystem:
         self.llm.wait_compiled()
 
     def prefill(self, ids: list[int]) -> float:
-        return self.llm.generate(ids, SamplingParams(max_tokens=1))[0].ttft_s
+        return prefill_s(self.llm, ids)
 
     def decode(self, batch: list[list[int]], num_tokens: int) -> float:
-        """Seconds spent decoding (after every sequence got its first token)."""
-        outs = self.llm.generate(batch, SamplingParams(max_tokens=num_tokens, ignore_eos=True))
-        return max(o.total_s for o in outs) - max(o.ttft_s for o in outs)
+        return decode_s(self.llm, batch, num_tokens)
+
+
+def prefill_s(llm: LLM, ids: list[int]) -> float:
+    """Seconds to the first token of a cold prompt (its whole prefill)."""
+    return llm.generate(ids, SamplingParams(max_tokens=1))[0].ttft_s
+
+
+def decode_s(llm: LLM, batch: list[list[int]], num_tokens: int) -> float:
+    """Seconds spent decoding `batch` (after every sequence got its first token)."""
+    outs = llm.generate(batch, SamplingParams(max_tokens=num_tokens, ignore_eos=True))
+    return max(o.total_s for o in outs) - max(o.ttft_s for o in outs)
 
 
 class HFSystem:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from kvreuse.bench import workloads
-from kvreuse.bench.engine_bench import machine, synthetic_prompt
+from kvreuse.bench.engine_bench import decode_s, machine, prefill_s, synthetic_prompt
 from kvreuse.bench.metrics import fidelity_metrics
 from kvreuse.bench.timing import Interleaved
 from kvreuse.config import Config, load_config
@@ -49,17 +49,6 @@ def quantized_llm(config: Config, mode: str) -> LLM:
     llm = LLM(config.with_changes(model=config.model.with_changes(quantization=mode)))
     llm.wait_compiled()
     return llm
-
-
-def prefill_s(llm: LLM, ids: list[int]) -> float:
-    """Seconds to the first token of a cold prompt (its whole prefill)."""
-    return llm.generate(ids, SamplingParams(max_tokens=1))[0].ttft_s
-
-
-def decode_s(llm: LLM, batch: list[list[int]], num_tokens: int) -> float:
-    """Seconds spent decoding `batch` (after every sequence got its first token)."""
-    outs = llm.generate(batch, SamplingParams(max_tokens=num_tokens, ignore_eos=True))
-    return max(o.total_s for o in outs) - max(o.ttft_s for o in outs)
 
 
 def fidelity_conversations(num_prompts: int = NUM_PROMPTS, seed: int = 0) -> list[tuple[str, list[dict]]]:
