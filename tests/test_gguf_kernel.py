@@ -9,6 +9,7 @@ import fcntl
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -114,6 +115,15 @@ def test_the_build_is_kept_per_source_and_torch():
         # Built from the copies kept beside it, so another checkout of the same sources finds it up to date.
         ninja = (directory / "build.ninja").read_text()
         assert all(f"compile {directory / s.name}" in ninja for s in kernels.SOURCES), ninja
+        # It names this environment's torch headers too, so another environment's torch builds in another directory
+        # (sharing one, they rebuilt in turn).
+        assert str(Path(torch.__file__).parent / "include") in ninja
+
+
+def test_another_torch_installation_builds_in_its_own_directory(monkeypatch, tmp_path):
+    here = kernels.build_dir()
+    monkeypatch.setattr(torch, "__file__", str(tmp_path / "site-packages" / "torch" / "__init__.py"))
+    assert kernels.build_dir() != here and kernels.build_dir().parent == here.parent
 
 
 @pytest.mark.skipif(not STATUS.loaded, reason=f"no extension here: {STATUS.reason}")

@@ -2,7 +2,7 @@
 attention (decode_attention.cpp), built, loaded and chosen.
 
 `load()` builds the extension with torch's C++ extension builder (ninja and a C++ compiler; ~20 s, once: the result
-is kept under the cache directory, keyed by the sources, torch's version and the compiler flags). The GGUF product
+is kept under the cache directory, keyed by the sources, torch's version and place, and the flags). The GGUF product
 runs the widest instruction set both this CPU and torch's dispatch allow: torch's `ATEN_CPU_CAPABILITY` lowers it as
 it lowers torch's own kernels (`avx2` runs the AVX2 variant on an AVX-512 CPU, `default` none). The attention kernel
 is plain C++ and runs on any CPU. `KVREUSE_CPU_KERNELS=0` loads nothing: every op then runs in pure torch, the
@@ -80,7 +80,10 @@ def _load() -> KernelStatus:
 
 
 def build_dir() -> Path:
-    digest = hashlib.sha256(torch.__version__.encode() + " ".join(CFLAGS).encode())
+    """Keyed by the sources, the flags, and torch's version and place: the build file names torch's headers by path,
+    so two environments (a checkout's and a clean clone's) sharing one directory rebuilt in turn (~9 s each)."""
+    torch_dir = str(Path(torch.__file__).resolve().parent)
+    digest = hashlib.sha256("\0".join([torch.__version__, torch_dir, *CFLAGS]).encode())
     for source in SOURCES:
         digest.update(source.read_bytes())
     return cache_root() / "kernels" / f"kvreuse_cpu-{digest.hexdigest()[:16]}"
