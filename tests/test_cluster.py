@@ -247,16 +247,18 @@ def test_cache_aware_keeps_a_conversation_on_one_replica_and_streams(tmp_path, t
             assert reset["dropped"]["memory"] == stats["memory"]["blocks_cached"]
             after = raw.get(f"{server.root}/cache/stats").json()
             assert after["memory"]["blocks_cached"] == 0
-            # Pins hold blocks in one pool: refused behind the replicas, before any warming, by the field's name.
-            for path, body in (("/cache/warm", {"items": [{"prompt": "Hi"}], "pin": True}), ("/cache/unpin", {})):
-                refused = raw.post(f"{server.root}{path}", json=body)
-                assert refused.status_code == 400 and "single engine to pin" in refused.text, refused.text
-            assert raw.post(f"{server.root}/cache/warm", json={"items": [{"prompt": "Hi"}]}).status_code == 200
         scrape = server.metrics()
         assert scrape.get("vllm:prefix_cache_hits_total", model_name=server.model) > 0
         # Gauges: the replicas' engines, as of their latest finished requests.
         assert scrape.get("kvreuse:cached_blocks", model_name=server.model) > 0
         assert scrape.get("kvreuse:replica_num_requests_running", replica=seen[0]["replica"]) == 0
+
+        # Pins hold blocks in one pool: refused behind the replicas, before any warming; warming alone is served.
+        with http_client(30) as raw:
+            for path, body in (("/cache/warm", {"items": [{"prompt": "Hi"}], "pin": True}), ("/cache/unpin", {})):
+                refused = raw.post(f"{server.root}{path}", json=body)
+                assert refused.status_code == 400 and "single engine to pin" in refused.text, refused.text
+            assert raw.post(f"{server.root}/cache/warm", json={"items": [{"prompt": "Hi"}]}).status_code == 200
 
 
 def test_round_robin_alternates_replicas_and_finds_less_in_the_cache(tmp_path, tiny_model_dir):
