@@ -3,10 +3,33 @@ models assembled from their packages)."""
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import tempfile
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 
 def cache_root() -> Path:
     """`$KVREUSE_CACHE_DIR`, else ~/.cache/kvreuse."""
     return Path(os.environ.get("KVREUSE_CACHE_DIR", Path.home() / ".cache" / "kvreuse"))
+
+
+def write_json_atomically(path: Path, value, what: str) -> bool:
+    """Write `value` as JSON to `path` through a temporary file renamed into place, so a concurrent reader sees the
+    old file or the new one, never half of one. False, logged as "could not `what` in PATH", where it cannot."""
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(value, f)
+        os.replace(tmp, path)
+        return True
+    except OSError as exc:
+        logger.info("could not %s in %s: %s", what, path, exc)
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        return False

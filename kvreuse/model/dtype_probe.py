@@ -7,10 +7,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import platform
 import statistics
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -18,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kvreuse.model.cache_dir import cache_root
+from kvreuse.model.cache_dir import cache_root, write_json_atomically
 from kvreuse.model.loader import ModelArgs
 
 logger = logging.getLogger(__name__)
@@ -185,21 +183,8 @@ def load_cached(path: Path, key: dict) -> Figures | None:
 
 
 def store(path: Path, key: dict, figures: Figures) -> bool:
-    """Write the answer atomically (a temporary file renamed into place): a concurrent reader sees the old file or
-    the new one, never half of one. False, and logged, when it cannot be written."""
-    tmp = None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump({"key": key, "figures": asdict(figures)}, f)
-        os.replace(tmp, path)
-        return True
-    except OSError as exc:
-        logger.info("could not cache the dtype probe in %s: %s", path, exc)
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
-        return False
+    """Write the answer atomically (write_json_atomically); False, and logged, when it cannot be written."""
+    return write_json_atomically(path, {"key": key, "figures": asdict(figures)}, "cache the dtype probe")
 
 
 def probe(args: ModelArgs) -> ProbeResult:

@@ -3,14 +3,12 @@ not hash hundreds of MB again to learn what it learned last time."""
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
-import os
 from pathlib import Path
 
-from kvreuse.model.cache_dir import cache_root
+from kvreuse.model.cache_dir import cache_root, write_json_atomically
 
 logger = logging.getLogger(__name__)
 
@@ -73,12 +71,4 @@ def _read_memo(memo: Path, versions: list[list]) -> str | None:
 
 
 def _write_memo(memo: Path, versions: list[list], digest: str) -> None:
-    tmp = memo.with_name(f"{memo.name}.tmp{os.getpid()}")
-    try:
-        memo.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps({"files": versions, "sha256": digest}), encoding="utf-8")
-        os.replace(tmp, memo)
-    except OSError as exc:
-        logger.info("could not remember the fingerprint in %s: %s", memo, exc)
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
+    write_json_atomically(memo, {"files": versions, "sha256": digest}, "remember the fingerprint")

@@ -9,7 +9,6 @@ so a message cannot forge a role or end its turn.
 from __future__ import annotations
 
 import json
-import os
 import re
 import secrets
 from contextlib import suppress
@@ -19,6 +18,7 @@ from pathlib import Path
 from tokenizers import Encoding
 from tokenizers import Tokenizer as RustTokenizer
 
+from kvreuse.model.cache_dir import write_json_atomically
 from kvreuse.model.chat_template import NoChatTemplate, load_chat_template
 from kvreuse.model.gguf_tokenizer import cache_dir, load_gguf_tokenizer
 
@@ -89,16 +89,13 @@ class Tokenizer:
 
     def _cached_longest_token_chars(self, facts_file: Path | None) -> int:
         # Decoding every token takes ~1 s on a 262k vocabulary: read from `facts_file` where it holds it, else
-        # computed and written there (atomically; a file that cannot be read or written only costs the second).
+        # computed and written there (a file that cannot be read or written only costs the second).
         if facts_file is not None:
             with suppress(OSError, ValueError, KeyError, TypeError):
                 return int(json.loads(facts_file.read_text(encoding="utf-8"))["max_token_chars"])
         longest = self._longest_token_chars()
-        if facts_file is not None and facts_file.parent.is_dir():
-            tmp = facts_file.with_name(f"{facts_file.name}.tmp{os.getpid()}")
-            with suppress(OSError):
-                tmp.write_text(json.dumps({"max_token_chars": longest}), encoding="utf-8")
-                os.replace(tmp, facts_file)
+        if facts_file is not None and facts_file.parent.is_dir():  # beside a cache that was written
+            write_json_atomically(facts_file, {"max_token_chars": longest}, "keep the tokenizer's facts")
         return longest
 
     def _longest_token_chars(self) -> int:
