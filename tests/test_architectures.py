@@ -38,6 +38,7 @@ MODELS = {
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                          "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0}})),
+    "phi3": ("Phi3Config", dict(num_hidden_layers=2, sliding_window=WINDOW, tie_word_embeddings=False)),
 }
 
 
@@ -153,7 +154,7 @@ def llama_dir(tmp_path, real_tokenizer) -> Path:
 
 def test_an_unknown_architecture_is_refused_by_name(llama_dir):
     write_config(llama_dir, model_type="falcon")
-    with pytest.raises(ModelLoadError, match=r"model_type 'falcon' is not supported \(supported: llama, .*gemma3"):
+    with pytest.raises(ModelLoadError, match=r"model_type 'falcon' is not supported \(supported: llama, .*phi3"):
         load_model_info(llama_dir)
 
 
@@ -162,6 +163,36 @@ def test_an_unknown_rope_type_is_refused_by_name(llama_dir):
                  rope_scaling=None)
     with pytest.raises(ModelLoadError, match=r"rope type 'yarn' is not supported \(supported: default, linear, llama3"):
         load_weights(llama_dir)
+
+
+@pytest.fixture
+def phi3_dir(tmp_path, real_tokenizer) -> Path:
+    return build("phi3", tmp_path, len(real_tokenizer.hf), real_tokenizer)
+
+
+# Phi-3 128k's and Phi-3.5's LongRoPE, in today's spelling and in the old one transformers reads as longrope ("su").
+LONGROPE = {"short_factor": [1.0] * 8, "long_factor": [2.0] * 8, "original_max_position_embeddings": 1024}
+
+
+@pytest.mark.parametrize("changes", [
+    dict(rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, **LONGROPE}),
+    dict(rope_parameters=None, rope_scaling={"type": "su", **LONGROPE}),
+], ids=["rope_parameters", "rope_scaling-su"])
+def test_longrope_is_refused_by_name(phi3_dir, changes):
+    write_config(phi3_dir, **changes)
+    with pytest.raises(ModelLoadError, match=r"rope type 'longrope' is not supported \(supported: default, linear, "
+                                             r"llama3\)"):
+        load_model_info(phi3_dir)
+
+
+@pytest.mark.parametrize("changes", [
+    dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}),
+    dict(rope_parameters=None, partial_rotary_factor=0.75),
+], ids=["rope_parameters", "top-level"])
+def test_a_partial_rotary_factor_is_refused_by_name(phi3_dir, changes):
+    write_config(phi3_dir, **changes)
+    with pytest.raises(ModelLoadError, match=r"partial_rotary_factor = 0.75 is not supported \(only 1.0"):
+        load_model_info(phi3_dir)
 
 
 def test_a_tensor_the_architecture_does_not_read_is_refused(llama_dir):

@@ -14,7 +14,7 @@ from kvreuse.bench.check_steps import CheckFailed, CheckRun
 
 from .server_process import REPO_ROOT
 
-TINY = ["llama-tiny", "mistral-tiny", "qwen2-tiny", "qwen3-tiny", "gemma3-tiny"]  # one per architecture
+TINY = ["llama-tiny", "mistral-tiny", "qwen2-tiny", "qwen3-tiny", "gemma3-tiny", "phi3-tiny"]  # one per architecture
 QUICK_STEPS = ["environment", "tokenizer", *(f"build {m}" for m in TINY),
                *(step for m in TINY for step in (f"parity {m} fp32", f"parity {m} bf16", f"prefix cache on == off {m}",
                                                   f"segment reuse exact {m}")),

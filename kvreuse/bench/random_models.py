@@ -43,6 +43,7 @@ RANDOM_MODELS = (
     RandomModel("qwen2-tiny", "qwen2", TINY_LLAMA, tiny=True),
     RandomModel("qwen3-tiny", "qwen3", TINY_LLAMA, tiny=True),
     RandomModel("gemma3-tiny", "gemma3_text", TINY_GEMMA3, tiny=True),
+    RandomModel("phi3-tiny", "phi3", {**TINY_LLAMA, "sliding_window": 24}, tiny=True),
     RandomModel("smollm2-135m", "llama", SMOLLM2_135M, bench=True),
 )
 

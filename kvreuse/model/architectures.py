@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from kvreuse.model.decoder import CausalLM
 from kvreuse.model.gemma3 import Gemma3
 from kvreuse.model.llama import Llama
+from kvreuse.model.phi3 import Phi3
 from kvreuse.model.qwen import Qwen2, Qwen3
 
 # A layer's tensors under our names, by their name inside the layer of an HF checkpoint ("model.layers.{i}.") ...
@@ -50,6 +51,24 @@ _GEMMA_GGUF = {**{k: v for k, v in GGUF_LAYER_NAMES.items() if k != "ffn_norm.we
                "post_attention_norm.weight": "post_attention_norm", "ffn_norm.weight": "pre_feedforward_norm",
                "post_ffw_norm.weight": "post_feedforward_norm"}
 
+# Phi-3 stores q/k/v stacked in one tensor and gate/up in another, as our fused linears are (decoder.fused_parts).
+_PHI3_HF = {
+    "input_layernorm.weight": "input_norm",
+    "self_attn.qkv_proj.weight": "qkv_proj",
+    "self_attn.o_proj.weight": "o_proj",
+    "post_attention_layernorm.weight": "post_attention_norm",
+    "mlp.gate_up_proj.weight": "gate_up_proj",
+    "mlp.down_proj.weight": "down_proj",
+}
+_PHI3_GGUF = {
+    "attn_norm.weight": "input_norm",
+    "attn_qkv.weight": "qkv_proj",
+    "attn_output.weight": "o_proj",
+    "ffn_norm.weight": "post_attention_norm",
+    "ffn_up.weight": "gate_up_proj",          # gate and up, 2 * intermediate rows, gate first
+    "ffn_down.weight": "down_proj",
+}
+
 
 @dataclass(frozen=True)
 class Architecture:
@@ -71,8 +90,9 @@ ARCHITECTURES = {a.name: a for a in (
     Architecture("qwen3", Qwen3, ("qwen3",), ("qwen3",), qk_norm=True),
     Architecture("gemma3", Gemma3, ("gemma3_text",), ("gemma3",), hidden_act="gelu_pytorch_tanh", qk_norm=True,
                  hf_norm_offset=1.0, hf_layer_names=_GEMMA_HF, gguf_layer_names=_GEMMA_GGUF),
+    Architecture("phi3", Phi3, ("phi3",), ("phi3",), hf_layer_names=_PHI3_HF, gguf_layer_names=_PHI3_GGUF),
 )}
-SUPPORTED = "llama, mistral, qwen2 (Qwen2/2.5), qwen3, gemma3_text (Gemma 3)"
+SUPPORTED = "llama, mistral, qwen2 (Qwen2/2.5), qwen3, gemma3_text (Gemma 3), phi3 (Phi-3)"
 
 
 def by_hf_model_type(model_type: str | None) -> Architecture | None:

@@ -4,7 +4,7 @@ gemma3.py) says what its layer adds (biases, q/k norms, norm placement, activati
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
@@ -17,7 +17,8 @@ from kvreuse.layers.norm import RMSNorm
 from kvreuse.layers.rotary import RotaryEmbedding, apply_rotary
 from kvreuse.model.args import ModelArgs
 
-# Each layer's fused linears and the loaded weights stacked (along the output rows) into each.
+# Each layer's fused linears and the loaded weights stacked (along the output rows) into each, unless the checkpoint
+# stores the fused tensor itself (Phi-3's qkv_proj and gate_up_proj), loaded under the fused name: `fused_parts`.
 FUSED_LINEARS = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
     "o_proj": ("o_proj",),
@@ -25,6 +26,15 @@ FUSED_LINEARS = {
     "down_proj": ("down_proj",),
 }
 FUSED_BIASES = {"qkv_bias": ("q_bias", "k_bias", "v_bias")}
+
+
+def fused_parts(loaded: Collection[str], prefix: str, fused: str) -> list[str]:
+    """The loaded tensors' names to stack, in order, into layer `prefix`'s ("layers.3.") fused linear `fused`: the
+    checkpoint's own fused tensor where `loaded` has one, else the parts FUSED_LINEARS names."""
+    if prefix + fused in loaded:
+        return [prefix + fused]
+    return [prefix + part for part in FUSED_LINEARS[fused]]
+
 
 CosSin = dict[str, tuple[torch.Tensor, torch.Tensor]]  # layer kind -> (cos, sin), [T, 1, D] each
 
@@ -149,7 +159,7 @@ class CausalLM(nn.Module):
             p = f"layers.{i}."
             for name, module in layer.named_children():
                 if isinstance(module, nn.Linear):
-                    state[p + name + ".weight"] = torch.cat([tensors[p + part] for part in FUSED_LINEARS[name]])
+                    state[p + name + ".weight"] = torch.cat([tensors[k] for k in fused_parts(tensors, p, name)])
                 elif not isinstance(module, nn.ModuleList) and hasattr(module, "weight"):
                     state[p + name + ".weight"] = tensors[p + name]
             if layer.qkv_bias is not None:

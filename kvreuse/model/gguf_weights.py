@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvreuse.kernels import build as kernels
-from kvreuse.model.decoder import FUSED_LINEARS
+from kvreuse.model.decoder import FUSED_LINEARS, fused_parts
 from kvreuse.model.gguf_blocks import QuantizedBlocks, concat
 
 if TYPE_CHECKING:
@@ -81,8 +81,8 @@ def fused_blocks(weights: LoadedWeights) -> dict[str, QuantizedBlocks]:
     part has blocks of one code width."""
     blocks, fused = weights.blocks, {}
     for i in range(weights.args.num_layers):
-        for name, parts in FUSED_LINEARS.items():
-            keys = [f"layers.{i}.{part}" for part in parts]
+        for name in FUSED_LINEARS:
+            keys = fused_parts(blocks, f"layers.{i}.", name)
             if all(key in blocks for key in keys) and (stacked := concat([blocks[key] for key in keys])):
                 fused[f"layers.{i}.{name}"] = stacked
     head = blocks.get("embed_tokens" if weights.args.tie_word_embeddings else "lm_head")

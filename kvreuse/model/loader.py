@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from kvreuse.model.architectures import ARCHITECTURES, SUPPORTED, Architecture, by_gguf_name, by_hf_model_type
-from kvreuse.model.args import ModelArgs, Rope
+from kvreuse.model.args import ROPE_KINDS, ModelArgs, Rope
 from kvreuse.model.fingerprint import cached_sha256
 from kvreuse.model.gguf_blocks import QuantizedBlocks, from_gguf
 from kvreuse.model.gguf_metadata import GGUFFile, read_gguf
@@ -148,7 +148,7 @@ def _rope(params: dict, where: str) -> Rope:
         return Rope(theta, "llama3", factor=float(params["factor"]), low_freq_factor=float(params["low_freq_factor"]),
                     high_freq_factor=float(params["high_freq_factor"]),
                     original_max_position=int(params["original_max_position_embeddings"]))
-    raise ModelLoadError(f"{where}: rope type {kind!r} is not supported (supported: default, linear, llama3)")
+    raise ModelLoadError(f"{where}: rope type {kind!r} is not supported (supported: {', '.join(ROPE_KINDS)})")
 
 
 # --- GGUF ------------------------------------------------------------------------------------------
@@ -188,10 +188,16 @@ def _gguf_args(fields, path: Path, shapes: dict[str, tuple], freq_factors: tuple
     key = lambda k, default=None: _gguf_field(fields, f"{name}.{k}", default)  # noqa: E731
     num_heads, hidden_size = int(key("attention.head_count")), int(key("embedding_length"))
     num_layers = int(key("block_count"))
-    head_dim = int(key("attention.key_length", key("rope.dimension_count", hidden_size // num_heads)))
+    head_dim = int(key("attention.key_length", hidden_size // num_heads))
+    rope_dims = int(key("rope.dimension_count", head_dim))
+    if rope_dims != head_dim:
+        raise ModelLoadError(f"{path}: partial rotary ({name}.rope.dimension_count = {rope_dims} of a head's "
+                             f"{head_dim}) is not supported: RoPE over the whole head only")
     scaling = str(key("rope.scaling.type", "none"))
     if scaling not in ("none", "linear"):
         raise ModelLoadError(f"{path}: rope scaling {scaling!r} is not supported (supported: none, linear)")
+    if "rope_factors_long.weight" in shapes:  # the converter's LongRoPE (Phi-3 128k, Phi-3.5)
+        raise ModelLoadError(f"{path}: rope type 'longrope' is not supported (supported: {', '.join(ROPE_KINDS)})")
     rope = Rope(float(key("rope.freq_base", 10000.0)), "linear" if scaling == "linear" else "default",
                 factor=float(key("rope.scaling.factor", 1.0)), freq_factors=freq_factors)
     sliding = {}
@@ -200,6 +206,9 @@ def _gguf_args(fields, path: Path, shapes: dict[str, tuple], freq_factors: tuple
         sliding = dict(layer_kinds=tuple("full" if (i + 1) % pattern == 0 else "sliding" for i in range(num_layers)),
                        sliding_window=int(key("attention.sliding_window")), sliding_rope=Rope(GEMMA3_LOCAL_ROPE_THETA),
                        query_pre_attn_scalar=float(head_dim))
+    elif arch.name == "phi3" and (window := int(key("attention.sliding_window", 0))):
+        # Every layer windowed, as transformers runs the HF checkpoint (llama.cpp ignores a Phi-3 window); 0: none.
+        sliding = dict(layer_kinds=("sliding",) * num_layers, sliding_window=window)
     softcap = key("final_logit_softcapping", 0.0)
     return ModelArgs(
         vocab_size=shapes["token_embd.weight"][0],
@@ -308,6 +317,10 @@ def _hf_args(arch: Architecture, config, tensor_names: set[str], path: Path) -> 
         rope, sliding_rope = _rope(params["full_attention"], str(path)), _rope(params["sliding_attention"], str(path))
     else:
         rope, sliding_rope = _rope({"rope_theta": getattr(config, "rope_theta", None), **params}, str(path)), None
+    rotary_fraction = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
+    if rotary_fraction not in (None, 1.0):
+        raise ModelLoadError(f"{path}: partial_rotary_factor = {rotary_fraction} is not supported "
+                             f"(only 1.0: RoPE over the whole head)")
     window = getattr(config, "sliding_window", None)
     types = getattr(config, "layer_types", None)
     if types is not None:
