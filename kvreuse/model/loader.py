@@ -206,8 +206,9 @@ def _gguf_args(fields, path: Path, shapes: dict[str, tuple], freq_factors: tuple
         sliding = dict(layer_kinds=tuple("full" if (i + 1) % pattern == 0 else "sliding" for i in range(num_layers)),
                        sliding_window=int(key("attention.sliding_window")), sliding_rope=Rope(GEMMA3_LOCAL_ROPE_THETA),
                        query_pre_attn_scalar=float(head_dim))
-    elif arch.name == "phi3" and (window := int(key("attention.sliding_window", 0))):
-        # Every layer windowed, as transformers runs the HF checkpoint (llama.cpp ignores a Phi-3 window); 0: none.
+    elif window := int(key("attention.sliding_window", 0)):
+        # No layer pattern: every layer windowed, as an HF config's `sliding_window` alone means (Phi-3's; llama.cpp
+        # itself ignores a Phi-3 window); 0: none.
         sliding = dict(layer_kinds=("sliding",) * num_layers, sliding_window=window)
     softcap = key("final_logit_softcapping", 0.0)
     return ModelArgs(
