@@ -68,13 +68,12 @@ def test_kernel_equals_the_dequantized_product(qtype, isa, num_rows):
     data = random_tensor(qtype, 37, 768, seed=num_rows)
     blocks = from_gguf(data, qtype)
     packed = blocks.pack()
-    assert packed.half_scales == (qtype != QType.Q4_K)  # Q4_K's scale products are not fp16 numbers
     weight = reference(data, qtype).double()                              # [37, 768]
     # A view one float into a buffer: contiguous, but not on a 64-byte (or 32-byte) boundary.
     buffer = torch.randn(num_rows * 768 + 1, generator=torch.Generator().manual_seed(num_rows))
     x = buffer[1:].view(num_rows, 768)
     assert x.data_ptr() % 32 != 0
-    y = torch.ops.kvreuse_cpu.gguf_linear(x, packed.data, 37, packed.bits, packed.half_scales, isa)
+    y = torch.ops.kvreuse_cpu.gguf_linear(x, packed.data, 37, packed.bits, isa)
     expected = x.double() @ weight.T                                      # [T, 37]
     assert y.shape == (num_rows, 37) and y.dtype == torch.float32
     # fp32 accumulation over 768 terms: a few units in the last place of the largest output.
@@ -83,15 +82,14 @@ def test_kernel_equals_the_dequantized_product(qtype, isa, num_rows):
 
 @needs_kernel
 @pytest.mark.parametrize("isa", ISAS, ids=lambda i: kernels.ISAS[i])
-def test_scales_beyond_fp16_are_kept_in_fp32(isa):
-    # Q8_0's min is -128 d: for d = 600 that is beyond fp16's range, so the records hold fp32 scales.
+def test_mins_beyond_fp16_are_exact(isa):
+    # Q8_0's min is -128 d: for d = 600 that is beyond fp16's range; the records hold it in fp32.
     data = random_tensor(QType.Q8_0, 8, 64)
     data[:, 0:2] = np.frombuffer(np.float16(600).tobytes(), dtype=np.uint8)
     blocks = from_gguf(data, QType.Q8_0)
     packed = blocks.pack()
-    assert not packed.half_scales
     x = torch.randn(3, 64)
-    y = torch.ops.kvreuse_cpu.gguf_linear(x, packed.data, 8, packed.bits, packed.half_scales, isa)
+    y = torch.ops.kvreuse_cpu.gguf_linear(x, packed.data, 8, packed.bits, isa)
     expected = x.double() @ reference(data, QType.Q8_0).double().T
     torch.testing.assert_close(y.double(), expected, rtol=0, atol=2e-6 * expected.abs().max().item())
 
@@ -100,11 +98,11 @@ def test_scales_beyond_fp16_are_kept_in_fp32(isa):
 def test_bad_calls_are_refused_with_the_reason():
     blocks = from_gguf(random_tensor(QType.Q4_1, 8, 64), QType.Q4_1).pack()
     with pytest.raises(RuntimeError, match="fp32"):
-        torch.ops.kvreuse_cpu.gguf_linear(torch.randn(1, 64).half(), blocks.data, 8, 4, True, ISAS[0])
+        torch.ops.kvreuse_cpu.gguf_linear(torch.randn(1, 64).half(), blocks.data, 8, 4, ISAS[0])
     with pytest.raises(RuntimeError, match="records"):
-        torch.ops.kvreuse_cpu.gguf_linear(torch.randn(1, 64), blocks.data, 12, 4, True, ISAS[0])
+        torch.ops.kvreuse_cpu.gguf_linear(torch.randn(1, 64), blocks.data, 12, 4, ISAS[0])
     with pytest.raises(RuntimeError, match="isa"):
-        torch.ops.kvreuse_cpu.gguf_linear(torch.randn(1, 64), blocks.data, 8, 4, True, 7)
+        torch.ops.kvreuse_cpu.gguf_linear(torch.randn(1, 64), blocks.data, 8, 4, 7)
 
 
 def test_the_build_is_kept_per_source_and_torch():
@@ -166,7 +164,7 @@ def test_both_ops_have_fake_functions_so_the_compiled_graph_can_call_them():
 
     with FakeTensorMode():
         product = torch.ops.kvreuse_cpu.gguf_linear(torch.empty(3, 64), torch.empty(100, dtype=torch.uint8), 8, 4,
-                                                    True, 1)
+                                                    1)
         q = torch.empty(2, 4, 16)
         attended = torch.ops.kvreuse_cpu.decode_attention(q, q[:, :1], q[:, :1], torch.empty(8, 4, 1, 16),
                                                           torch.empty(8, 4, 1, 16), torch.empty(2, dtype=torch.long),

@@ -74,7 +74,7 @@ def _load() -> KernelStatus:
     capability = torch.backends.cpu.get_cpu_capability()
     isa = min(cpu, _TORCH_CAPABILITY.get(capability, 0))
     if isa == 0:
-        return KernelStatus(True, 0, "this CPU has no AVX2/FMA/F16C" if cpu == 0 else
+        return KernelStatus(True, 0, "this CPU has no AVX2/FMA" if cpu == 0 else
                             f"ATEN_CPU_CAPABILITY={capability.lower()}")
     return KernelStatus(True, isa, ISAS[isa] if isa == cpu else f"{ISAS[isa]}, as ATEN_CPU_CAPABILITY allows")
 
@@ -116,7 +116,7 @@ def _build() -> None:
                        is_python_module=False, verbose=False)
 
     @torch.library.register_fake("kvreuse_cpu::gguf_linear")
-    def _(x, packed, out_features, bits, half_scales, isa):
+    def _(x, packed, out_features, bits, isa):
         return x.new_empty(x.shape[0], out_features)
 
     @torch.library.register_fake("kvreuse_cpu::decode_attention")

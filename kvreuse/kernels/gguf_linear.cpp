@@ -27,8 +27,9 @@ constexpr int64_t kTileRows = 4;  // output rows whose blocks are stored togethe
 constexpr int kIsaNone = 0, kIsaAvx2 = 1, kIsaAvx512 = 2;
 
 // The packed weight: for each tile of 4 output rows, for each block of 32 inputs, one record of
-//   4 scales, 4 mins (fp16 or fp32), then 4 x (16 or 32) code bytes,
-// so that one thread streams its rows' weights from one place in memory.
+//   4 scales, 4 mins (fp32), then 4 x (16 or 32) code bytes,
+// so that one thread streams its rows' weights from one place in memory. The scales are fp32 even where the file's
+// are fp16: converting them in the loop cost more than the bytes they save (docs/features/gguf-weights.md).
 struct Problem {
   const float* x;         // [T, K]
   const uint8_t* packed;  // [ceil(N / 4), K / 32, record bytes]
@@ -36,35 +37,31 @@ struct Problem {
   int64_t T, N, K;
 };
 
-template <int Bits, bool Half>
+template <int Bits>
 constexpr int64_t record_bytes() {
-  return kTileRows * (2 * (Half ? 2 : 4) + Bits * kBlock / 8);
+  return kTileRows * (2 * 4 + Bits * kBlock / 8);
 }
 
 #if defined(__x86_64__)
 
-template <bool Half>
-__attribute__((target("avx2,fma,f16c"))) inline float scale_at(const uint8_t* p, int i) {
-  if constexpr (Half) {
-    uint16_t h;
-    std::memcpy(&h, p + 2 * i, 2);
-    return _cvtsh_ss(h);
-  } else {
-    float f;
-    std::memcpy(&f, p + 4 * i, 4);
-    return f;
-  }
+inline float scale_at(const uint8_t* p, int i) {
+  float f;
+  std::memcpy(&f, p + 4 * i, 4);
+  return f;
 }
 
 // ---- AVX-512: one block is two 16-lane vectors ----
 
+// 4-bit codes take their weights from a table of the 16 values scale * code + min (the same fma as per lane, so
+// the same bits): one fma per block instead of two, and no masking (vpermps reads only an index's low 4 bits).
 template <int Bits>
-__attribute__((target("avx512f,fma"))) inline void dequant512(const uint8_t* c, __m512 d, __m512 m, __m512& lo,
-                                                               __m512& hi) {
+__attribute__((target("avx512f,fma"))) inline void dequant512(const uint8_t* c, __m512 d, __m512 m, __m512 iota,
+                                                               __m512& lo, __m512& hi) {
   if constexpr (Bits == 4) {
+    const __m512 table = _mm512_fmadd_ps(iota, d, m);                                          // [16] weights
     __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));  // 16 bytes
-    lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(15))), d, m);
-    hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), d, m);
+    lo = _mm512_permutexvar_ps(q, table);
+    hi = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
   } else {
     lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
                              reinterpret_cast<const __m128i*>(c)))), d, m);
@@ -74,12 +71,13 @@ __attribute__((target("avx512f,fma"))) inline void dequant512(const uint8_t* c, 
 }
 
 // One tile of 4 output rows against TR input rows from t0.
-template <int Bits, bool Half, int TR>
-__attribute__((target("avx512f,fma,avx2,f16c"))) void tile512(const Problem& p, int64_t tile, int64_t t0) {
-  constexpr int64_t kRecord = record_bytes<Bits, Half>(), kCodes = Bits * kBlock / 8;
-  constexpr int64_t kScales = kTileRows * (Half ? 2 : 4);
+template <int Bits, int TR>
+__attribute__((target("avx512f,fma,avx2"))) void tile512(const Problem& p, int64_t tile, int64_t t0) {
+  constexpr int64_t kRecord = record_bytes<Bits>(), kCodes = Bits * kBlock / 8;
+  constexpr int64_t kScales = kTileRows * 4;
   const int64_t num_blocks = p.K / kBlock;
   const uint8_t* record = p.packed + tile * num_blocks * kRecord;
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   __m512 acc[kTileRows][TR];
   for (int r = 0; r < kTileRows; ++r)
     for (int t = 0; t < TR; ++t) acc[r][t] = _mm512_setzero_ps();
@@ -93,8 +91,8 @@ __attribute__((target("avx512f,fma,avx2,f16c"))) void tile512(const Problem& p, 
     }
     for (int r = 0; r < kTileRows; ++r) {
       __m512 lo, hi;
-      dequant512<Bits>(record + 2 * kScales + r * kCodes, _mm512_set1_ps(scale_at<Half>(record, r)),
-                       _mm512_set1_ps(scale_at<Half>(record + kScales, r)), lo, hi);
+      dequant512<Bits>(record + 2 * kScales + r * kCodes, _mm512_set1_ps(scale_at(record, r)),
+                       _mm512_set1_ps(scale_at(record + kScales, r)), iota, lo, hi);
       for (int t = 0; t < TR; ++t) acc[r][t] = _mm512_fmadd_ps(hi, xhi[t], _mm512_fmadd_ps(lo, xlo[t], acc[r][t]));
     }
   }
@@ -128,10 +126,10 @@ __attribute__((target("avx2,fma"))) inline float hsum256(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-template <int Bits, bool Half, int TR>
-__attribute__((target("avx2,fma,f16c"))) void tile256(const Problem& p, int64_t tile, int64_t t0) {
-  constexpr int64_t kRecord = record_bytes<Bits, Half>(), kCodes = Bits * kBlock / 8;
-  constexpr int64_t kScales = kTileRows * (Half ? 2 : 4);
+template <int Bits, int TR>
+__attribute__((target("avx2,fma"))) void tile256(const Problem& p, int64_t tile, int64_t t0) {
+  constexpr int64_t kRecord = record_bytes<Bits>(), kCodes = Bits * kBlock / 8;
+  constexpr int64_t kScales = kTileRows * 4;
   const int64_t num_blocks = p.K / kBlock;
   const uint8_t* record = p.packed + tile * num_blocks * kRecord;
   __m256 acc[kTileRows][TR];
@@ -141,8 +139,8 @@ __attribute__((target("avx2,fma,f16c"))) void tile256(const Problem& p, int64_t 
     _mm_prefetch(reinterpret_cast<const char*>(record + 8 * kRecord), _MM_HINT_T0);
     for (int r = 0; r < kTileRows; ++r) {
       __m256 w[4];
-      dequant256<Bits>(record + 2 * kScales + r * kCodes, _mm256_set1_ps(scale_at<Half>(record, r)),
-                       _mm256_set1_ps(scale_at<Half>(record + kScales, r)), w);
+      dequant256<Bits>(record + 2 * kScales + r * kCodes, _mm256_set1_ps(scale_at(record, r)),
+                       _mm256_set1_ps(scale_at(record + kScales, r)), w);
       for (int t = 0; t < TR; ++t) {
         const float* xb = p.x + (t0 + t) * p.K + b * kBlock;
         __m256 a = acc[r][t];
@@ -156,35 +154,35 @@ __attribute__((target("avx2,fma,f16c"))) void tile256(const Problem& p, int64_t 
 }
 
 // Input rows in groups of TR (4 with AVX-512's 32 registers, 2 with AVX2's 16), then the rest.
-template <int Bits, bool Half, bool Wide>
+template <int Bits, bool Wide>
 void tile_rows(const Problem& p, int64_t tile) {
   int64_t t0 = 0;
   if constexpr (Wide) {
-    for (; t0 + 4 <= p.T; t0 += 4) tile512<Bits, Half, 4>(p, tile, t0);
+    for (; t0 + 4 <= p.T; t0 += 4) tile512<Bits, 4>(p, tile, t0);
     switch (p.T - t0) {
-      case 3: tile512<Bits, Half, 3>(p, tile, t0); break;
-      case 2: tile512<Bits, Half, 2>(p, tile, t0); break;
-      case 1: tile512<Bits, Half, 1>(p, tile, t0); break;
+      case 3: tile512<Bits, 3>(p, tile, t0); break;
+      case 2: tile512<Bits, 2>(p, tile, t0); break;
+      case 1: tile512<Bits, 1>(p, tile, t0); break;
       default: break;
     }
   } else {
-    for (; t0 + 2 <= p.T; t0 += 2) tile256<Bits, Half, 2>(p, tile, t0);
-    if (t0 < p.T) tile256<Bits, Half, 1>(p, tile, t0);
+    for (; t0 + 2 <= p.T; t0 += 2) tile256<Bits, 2>(p, tile, t0);
+    if (t0 < p.T) tile256<Bits, 1>(p, tile, t0);
   }
 }
 
-template <int Bits, bool Half, bool Wide>
+template <int Bits, bool Wide>
 void run(const Problem& p) {
   const int64_t num_tiles = (p.N + kTileRows - 1) / kTileRows;
   at::parallel_for(0, num_tiles, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t tile = begin; tile < end; ++tile) tile_rows<Bits, Half, Wide>(p, tile);
+    for (int64_t tile = begin; tile < end; ++tile) tile_rows<Bits, Wide>(p, tile);
   });
 }
 
-template <int Bits, bool Half>
+template <int Bits>
 void dispatch(const Problem& p, int64_t isa) {
-  if (isa == kIsaAvx512) run<Bits, Half, true>(p);
-  else run<Bits, Half, false>(p);
+  if (isa == kIsaAvx512) run<Bits, true>(p);
+  else run<Bits, false>(p);
 }
 
 #endif  // __x86_64__
@@ -192,20 +190,19 @@ void dispatch(const Problem& p, int64_t isa) {
 int64_t best_isa() {
 #if defined(__x86_64__)
   __builtin_cpu_init();
-  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   if (avx2 && __builtin_cpu_supports("avx512f")) return kIsaAvx512;
   if (avx2) return kIsaAvx2;
 #endif
   return kIsaNone;
 }
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, int64_t bits, bool half_scales,
-                  int64_t isa) {
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, int64_t bits, int64_t isa) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be [T, K] fp32, contiguous");
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
   const int64_t T = x.size(0), K = x.size(1);
   TORCH_CHECK(K % kBlock == 0, "K must be a multiple of 32");
-  const int64_t record = kTileRows * (2 * (half_scales ? 2 : 4) + bits * kBlock / 8);
+  const int64_t record = kTileRows * (2 * 4 + bits * kBlock / 8);
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() &&
                   packed.numel() == (N + kTileRows - 1) / kTileRows * (K / kBlock) * record,
               "packed must hold ceil(N / 4) * K / 32 records of ", record, " bytes");
@@ -215,8 +212,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, int6
   if (T == 0 || N == 0) return y;
   Problem p{x.data_ptr<float>(), packed.data_ptr<uint8_t>(), y.data_ptr<float>(), T, N, K};
 #if defined(__x86_64__)
-  if (bits == 4) half_scales ? dispatch<4, true>(p, isa) : dispatch<4, false>(p, isa);
-  else half_scales ? dispatch<8, true>(p, isa) : dispatch<8, false>(p, isa);
+  if (bits == 4) dispatch<4>(p, isa);
+  else dispatch<8>(p, isa);
 #endif
   return y;
 }
@@ -224,7 +221,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, int6
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvreuse_cpu, m) {
-  m.def("gguf_linear(Tensor x, Tensor packed, int N, int bits, bool half_scales, int isa) -> Tensor");
+  m.def("gguf_linear(Tensor x, Tensor packed, int N, int bits, int isa) -> Tensor");
   m.def("best_isa() -> int", &best_isa);
 }
 

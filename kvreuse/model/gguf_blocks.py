@@ -53,31 +53,28 @@ class QuantizedBlocks:
 
     def pack(self) -> PackedBlocks:
         """The kernel's layout (gguf_linear.cpp): per tile of TILE_ROWS output rows (the last one padded with zero
-        rows), per block, one record of the tile's scales, mins and codes. Scales and mins are stored as fp16 where
-        every one of them is exactly an fp16 (the 32-input formats' are), else fp32 (Q4_K's products)."""
+        rows), per block, one record of the tile's fp32 scales, fp32 mins and codes."""
         n, k = self.shape
         pad, num_blocks = -n % TILE_ROWS, k // BLOCK
         scales, mins, codes = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (self.scales, self.mins, self.codes))
-        half = all(torch.equal(t.half().float(), t) for t in (scales, mins))
         tiles = (n + pad) // TILE_ROWS
-        parts = [t.to(torch.float16 if half else torch.float32)[..., None].view(torch.uint8)   # [N', B, 2 | 4]
-                 for t in (scales, mins)] + [codes.view(n + pad, num_blocks, -1)]            # [N', B, bytes]
+        parts = [t[..., None].view(torch.uint8) for t in (scales, mins)]                     # [N', B, 4]
+        parts.append(codes.view(n + pad, num_blocks, -1))                                    # [N', B, bytes]
         widths = [TILE_ROWS * part.shape[-1] for part in parts]
         record = torch.empty(tiles, num_blocks, sum(widths), dtype=torch.uint8)  # written part by part: one copy each
         for part, start, width in zip(parts, [0, widths[0], widths[0] + widths[1]], widths, strict=True):
             # [N', B, w] -> [tiles, TILE_ROWS, B, w] -> the record's [tiles, B, TILE_ROWS, w] slice
             record[..., start:start + width].view(tiles, num_blocks, TILE_ROWS, -1).copy_(
                 part.view(tiles, TILE_ROWS, num_blocks, -1).transpose(1, 2))
-        return PackedBlocks(record.view(-1), n, self.bits, half)
+        return PackedBlocks(record.view(-1), n, self.bits)
 
 
 @dataclass(frozen=True)
 class PackedBlocks:
-    """QuantizedBlocks in the kernel's layout: `data` uint8, the weight's `out_features`, code width, scale dtype."""
+    """QuantizedBlocks in the kernel's layout: `data` uint8, the weight's `out_features`, code width."""
     data: torch.Tensor
     out_features: int
     bits: int
-    half_scales: bool
 
 
 def concat(parts: list[QuantizedBlocks]) -> QuantizedBlocks | None:
