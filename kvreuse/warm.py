@@ -76,10 +76,11 @@ class WarmError(ValueError):
         self.line = line
 
 
-def warm_up(engine: LLMEngine) -> None:
-    """One tiny request through the engine, so the first client's does not pay for lazy initialization."""
+def warm_up(engine: LLMEngine) -> LLMEngine:
+    """One tiny request through the engine, so the first client's does not pay for lazy initialization; `engine`."""
     run_to_completion(engine, [engine.front_end.make_sequence("warm up", SamplingParams(max_tokens=2),
                                                               use_cache=False)])
+    return engine
 
 
 def run_to_completion(engine: LLMEngine, seqs: list[Sequence], between_steps: Callable[[], None] | None = None

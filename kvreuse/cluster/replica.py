@@ -19,10 +19,9 @@ from kvreuse.cluster.spec import AdminSpec, RequestSpec
 from kvreuse.config import Config
 from kvreuse.engine.engine import LLMEngine
 from kvreuse.engine.stats import EngineSnapshot
-from kvreuse.server.async_engine import AsyncEngine
+from kvreuse.server.async_engine import AsyncEngine, load_engine
 from kvreuse.server.deltas import Delta, EngineDied
 from kvreuse.server.engine_client import EngineDeadError
-from kvreuse.warm import warm_up
 
 
 def held_keys(engine: LLMEngine, key_bytes: int) -> bytes:
@@ -35,8 +34,7 @@ class EngineReplica:
     def __init__(self, config: Config):
         # Its share of the cores: replicas side by side must not each start a thread per core.
         torch.set_num_threads(max(1, int(config.cluster.cpus_per_replica)))
-        self.engine = LLMEngine(config)
-        warm_up(self.engine)
+        self.engine = load_engine(config)
         self.runner = AsyncEngine(self.engine)
         self.runner.start()
         self.name = serve.get_replica_context().replica_id.unique_id

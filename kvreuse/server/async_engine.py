@@ -17,8 +17,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from kvreuse.config import Config
 from kvreuse.engine.engine import LLMEngine
 from kvreuse.engine.front_end import FrontEnd
+from kvreuse.engine.omp_thread import on_passing_thread
 from kvreuse.engine.output import RequestOutput
 from kvreuse.engine.sequence import Sequence
 from kvreuse.engine.stats import EngineSnapshot
@@ -26,11 +28,18 @@ from kvreuse.kvcache.pins import PinResult
 from kvreuse.kvcache.tiers.store import TieredStore
 from kvreuse.server.deltas import Delta, EngineDied
 from kvreuse.server.engine_client import EngineDeadError
+from kvreuse.warm import warm_up
 
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.5
 T = TypeVar("T")
+
+
+def load_engine(config: Config) -> LLMEngine:
+    """The engine an AsyncEngine will step, loaded and warmed up on a passing thread: the caller's thread (the
+    server's event loop) then holds no OpenMP team that would slow the engine thread's (omp_thread.py)."""
+    return on_passing_thread(lambda: warm_up(LLMEngine(config)))
 
 
 @dataclass

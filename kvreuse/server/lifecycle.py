@@ -11,11 +11,10 @@ from pathlib import Path
 import uvicorn
 
 from kvreuse.config import Config
-from kvreuse.engine.engine import LLMEngine
 from kvreuse.engine.front_end import FrontEnd
 from kvreuse.server.app import create_app
+from kvreuse.server.async_engine import load_engine
 from kvreuse.server.auth import load_api_keys
-from kvreuse.warm import warm_up
 
 logger = logging.getLogger(__name__)
 
@@ -29,8 +28,7 @@ def serve(config: Config, *, served_model_name: str | None = None, log_level: st
     `served_model_name` is the model id clients use (default: the weights file name without its
     quantization suffix). Raises ConfigError for a bad API key file, ModelLoadError for bad weights."""
     api_keys = load_api_keys(config.server.api_keys_file) if config.server.api_keys_file else None
-    engine = LLMEngine(config)
-    warm_up(engine)
+    engine = load_engine(config)
     model_name = served_model_name or model_name_of(engine.front_end.model_path)
     app = create_app(engine, model_name, api_keys)
     return run_http(app, config, describe(config, engine.front_end, model_name, api_keys), log_level)
