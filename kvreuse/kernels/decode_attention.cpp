@@ -159,7 +159,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   // One (sequence, head) per task: enough work to split once contexts are long, one thread when they are short.
   int64_t total_keys = 0;
   for (int64_t b = 0; b < B; ++b) total_keys += lens[b];
-  const int64_t grain = std::max<int64_t>(1, (B * H) * 4096 / std::max<int64_t>(1, total_keys * H));
+  const int64_t grain = std::max<int64_t>(1, (B * H) * 1024 / std::max<int64_t>(1, total_keys * H));
   if (dtype == at::kFloat) attend_all<float>(q, k_cache, v_cache, context, lens, max_len, group, row, s, out, grain);
   else attend_all<c10::BFloat16>(q, k_cache, v_cache, context, lens, max_len, group, row, s, out, grain);
   return out.view({B, H * D});

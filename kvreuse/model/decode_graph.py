@@ -56,7 +56,6 @@ def _cancel_at_exit() -> None:
         graph.close()
 
 
-@torch.library.custom_op("kvreuse::decode_attention", mutates_args=())
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_index: int, scale: float,
                      window: int) -> torch.Tensor:
     """`store_and_attend` for layer `layer_index` of the current thread's step (`window` 0: full attention). It
@@ -66,7 +65,14 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_in
     return store_and_attend(q, k, v, *kv.caches[layer_index], kv.metas[layer_index], scale, window or None)
 
 
-@decode_attention.register_fake
+# Defined on a torch.library.Library rather than with torch.library.custom_op: the dispatcher then calls the
+# function directly, 1.7 us a call against custom_op's 8 us (its autograd and aliasing checks), 30 calls a step.
+_library = torch.library.Library("kvreuse", "DEF")  # the op lives as long as this object: the process
+_library.define("decode_attention(Tensor q, Tensor k, Tensor v, int layer_index, float scale, int window) -> Tensor")
+_library.impl("decode_attention", decode_attention, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("kvreuse::decode_attention")
 def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_index: int, scale: float,
       window: int) -> torch.Tensor:
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
@@ -75,7 +81,7 @@ def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_index: int, scale
 def _step(model: CausalLM, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     def attend(layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         layer = model.layers[layer_index]
-        return decode_attention(q, k, v, layer_index, layer.scale, layer.window or 0)
+        return torch.ops.kvreuse.decode_attention(q, k, v, layer_index, layer.scale, layer.window or 0)
 
     return model.run_layers(input_ids, positions, None, attend)  # every row: the caller picks the ones it needs
 
