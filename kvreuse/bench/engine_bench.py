@@ -25,9 +25,10 @@ from kvreuse.bench.llamacpp_peer import LlamaCppPeer
 from kvreuse.bench.timing import Interleaved
 from kvreuse.config import load_config
 from kvreuse.engine.front_end import resolve_device
+from kvreuse.kvcache.layout import resolve_layout
 from kvreuse.llm import LLM
 from kvreuse.model import dtype_probe
-from kvreuse.model.loader import ModelArgs, resolve_model_path
+from kvreuse.model.loader import ModelArgs, load_model_info, resolve_model_path
 from kvreuse.sampling_params import SamplingParams
 
 
@@ -57,10 +58,11 @@ class KvreuseSystem:
         self.name = "-".join(["kvreuse", dtype, *([quantization] if quantization != "none" else []),
                               *([weights] if weights != "auto" else []), *(["eager"] if compile == "off" else [])])
         model = [f"model.path={target.model}"] if target.model else []
-        config = load_config(None, [*model, f"model.device={target.device}", f"model.dtype={dtype}",
-                                    f"model.quantization={quantization}", f"model.weights={weights}",
-                                    f"engine.compile={compile}", "cache.enabled=false",
-                                    *target.sizes.engine_settings()])
+        settings = [*model, f"model.device={target.device}", f"model.dtype={dtype}",
+                    f"model.quantization={quantization}", f"model.weights={weights}", f"engine.compile={compile}",
+                    "cache.enabled=false"]
+        layout = resolve_layout(load_model_info(target.model).args, load_config(None, settings).cache)
+        config = load_config(None, [*settings, *target.sizes.engine_settings(layout)])
         self.llm = LLM(config)
         self.llm.wait_compiled()
 

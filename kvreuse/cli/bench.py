@@ -10,6 +10,7 @@ from kvreuse.cli.bench_trace import add_scenario_trace, add_trace
 from kvreuse.cli.bench_windows import add_windows
 from kvreuse.cli.bench_workloads import add_cluster, add_replay, add_scenario
 from kvreuse.cli.common import (
+    MODEL_HELP,
     InputError,
     choices_of,
     log_level_flag,
@@ -43,7 +44,7 @@ def _add_engine(suites) -> None:
                                               "medians of interleaved rounds")
     repeats_flag(engine)
     engine.add_argument("--no-bf16", action="store_true", help="skip HF bf16 (slow without AVX512-BF16)")
-    engine.add_argument("--model", help="a Llama-family .gguf file or Hugging Face directory (default: embedded)")
+    engine.add_argument("--model", help=MODEL_HELP)
     engine.add_argument("--device", choices=choices_of(ModelConfig, "device"), default="auto",
                         help="where every system runs (model.device; default auto: CUDA when present)")
     engine.add_argument("--systems", nargs="+", metavar="SYSTEM",
@@ -87,7 +88,7 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
 def _add_prefix(suites) -> None:
     prefix = suites.add_parser("prefix", help="cold vs warm TTFT of a 2048-token prompt sharing 1984 tokens")
     repeats_flag(prefix)
-    prefix.add_argument("--model", help="gemma3-270m, or a .gguf file or Hugging Face directory (default: embedded)")
+    prefix.add_argument("--model", help=MODEL_HELP)
     prefix.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override one config key (cache.sliding_kv=full, say); repeatable")
     out_flag(prefix, "prefix")

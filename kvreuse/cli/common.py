@@ -38,7 +38,7 @@ SHORTHANDS = {
 }
 CONFIG_SECTIONS = ", ".join(f"[{section}]" for section in Config.model_fields)
 MODEL_HELP = ("gemma3-270m, or a .gguf file or Hugging Face directory of a supported architecture (llama, mistral, "
-              "qwen2, qwen3, gemma3) (default: the embedded SmolLM2-135M-Instruct)")
+              "qwen2, qwen3, gemma3, phi3) (default: the embedded SmolLM2-135M-Instruct)")
 CHAT_TEMPLATE_HELP = "a Jinja chat template file, used instead of the model's own (a base model has none)"
 
 
