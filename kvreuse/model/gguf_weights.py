@@ -3,8 +3,9 @@
 Each decoder linear and the LM head of a model loaded from a GGUF keep, beside the dense fp32 weight that prefill
 multiplies by, the file's blocks (gguf_blocks.py). Up to KERNEL_MAX_ROWS rows (decode steps, a few sampled rows of
 the head), the kernel (kvreuse/kernels) dequantizes them in registers to exactly the dense weight's values and
-multiplies in fp32: the dense product up to summation order, at a fifth to a sixth of the bytes streamed. Where the
-kernel is not built or the CPU lacks AVX2 the dense weight is used: the same numbers as `dense`, so no tag.
+multiplies in fp32: the dense product up to summation order, at a fifth (4-bit codes) to a third (8-bit) of the
+bytes. Where the kernel is not built or the CPU lacks AVX2 the dense weight is used: the same numbers as `dense`, so
+no tag.
 """
 
 from __future__ import annotations
