@@ -32,14 +32,16 @@ redis-server:
 	   (apt-get update -q >/dev/null && apt-get install -y -q redis-server >/dev/null)); } || \
 	  { echo "make test needs redis-server: install it with 'sudo apt-get install redis-server'" >&2; exit 1; }
 
-# llama-cpp-python, a peer of `kvreuse bench engine` (built from source: ~5-7 minutes). Portable flags, and no AMX: on
-# an AMX Xeon the default native build died with a segmentation fault at its first eval. AVX-512 only where the CPU
-# has it. The bench runs it in a worker process, so a build that still crashes is a failed row, not a failed bench.
+# llama-cpp-python, a peer of `kvreuse bench engine` and, as `python -m llama_cpp.server`, of `kvreuse bench replay`
+# (built from source: ~5-7 minutes). Portable flags, and no AMX: on an AMX Xeon the default native build died with a
+# segmentation fault at its first eval. AVX-512 only where the CPU has it. The bench runs it in a worker process, so
+# a build that still crashes is a failed row, not a failed bench.
 bench-peers: install
 	CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
 	  -DGGML_AVX512=$$(grep -q avx512f /proc/cpuinfo && echo ON || echo OFF) \
 	  -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" \
 	  $(BIN)/pip install -q llama-cpp-python==0.3.36
+	$(BIN)/pip install -q --no-deps sse-starlette==3.7.1 starlette-context==0.5.1  # its server, for bench replay
 
 # The GPU check (docs/features/gpu.md): gpu-carry fills .gpu/ here (the wheels the device lacks, the tokenizer); the
 # device tool then runs scripts/gpu_check.sh with carry [".gpu"]. gpu-check runs the same steps on this machine's CPU.
