@@ -52,6 +52,26 @@ def test_the_passing_thread_gives_back_the_result_or_the_error():
         on_passing_thread(lambda: (_ for _ in ()).throw(ValueError("bad weights")))
 
 
+def test_ctrl_c_waits_for_the_passing_thread_then_stops():
+    import _thread
+    import time
+
+    from kvreuse.engine.omp_thread import on_passing_thread
+
+    finished = []
+
+    def load() -> int:
+        time.sleep(0.2)
+        _thread.interrupt_main()  # Ctrl-C while the caller waits
+        time.sleep(0.3)
+        finished.append(True)
+        return 1
+
+    with pytest.raises(KeyboardInterrupt):
+        on_passing_thread(load)
+    assert finished == [True]
+
+
 def test_load_engine_leaves_the_callers_thread_without_a_team(tiny_model_dir):
     # The main thread starts a worker at its first parallel region after the load: it held no team before.
     after_load, after_region = run(f"""

@@ -18,7 +18,8 @@ T = TypeVar("T")
 
 
 def on_passing_thread(fn: Callable[[], T], name: str = "kvreuse-load") -> T:
-    """`fn()` on a new thread that ends when it returns; its result, or its exception re-raised here."""
+    """`fn()` on a new thread that ends when it returns; its result, or its exception re-raised here. Ctrl-C waits
+    for `fn` to end, then raises: a thread left inside torch when the interpreter exits aborts the process."""
     result: list = []
     failure: list[BaseException] = []
 
@@ -30,7 +31,14 @@ def on_passing_thread(fn: Callable[[], T], name: str = "kvreuse-load") -> T:
 
     thread = threading.Thread(target=run, name=name, daemon=True)
     thread.start()
-    thread.join()
+    interrupted: KeyboardInterrupt | None = None
+    while thread.is_alive():
+        try:
+            thread.join()
+        except KeyboardInterrupt as exc:
+            interrupted = exc
+    if interrupted is not None:
+        raise interrupted
     if failure:
         raise failure[0]
     return result[0]
