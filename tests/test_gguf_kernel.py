@@ -68,6 +68,8 @@ def test_kernel_equals_the_dequantized_product(qtype, isa, num_rows):
     data = random_tensor(qtype, 37, 768, seed=num_rows)
     blocks = from_gguf(data, qtype)
     packed = blocks.pack()
+    # 10 tiles x 24 blocks of records: 4 fp32 scales, 4 fp32 mins, 4 rows of codes
+    assert packed.data.numel() == 10 * 24 * 4 * (2 * 4 + blocks.bits * 32 // 8)
     weight = reference(data, qtype).double()                              # [37, 768]
     # A view one float into a buffer: contiguous, but not on a 64-byte (or 32-byte) boundary.
     buffer = torch.randn(num_rows * 768 + 1, generator=torch.Generator().manual_seed(num_rows))
@@ -88,6 +90,7 @@ def test_mins_beyond_fp16_are_exact(isa):
     data[:, 0:2] = np.frombuffer(np.float16(600).tobytes(), dtype=np.uint8)
     blocks = from_gguf(data, QType.Q8_0)
     packed = blocks.pack()
+    assert packed.data.view(-1, 4 * (2 * 4 + 32))[0, :16].view(torch.float32).tolist() == [600.0] * 4
     x = torch.randn(3, 64)
     y = torch.ops.kvreuse_cpu.gguf_linear(x, packed.data, 8, packed.bits, isa)
     expected = x.double() @ reference(data, QType.Q8_0).double().T

@@ -29,7 +29,7 @@ constexpr int kIsaNone = 0, kIsaAvx2 = 1, kIsaAvx512 = 2;
 // The packed weight: for each tile of 4 output rows, for each block of 32 inputs, one record of
 //   4 scales, 4 mins (fp32), then 4 x (16 or 32) code bytes,
 // so that one thread streams its rows' weights from one place in memory. The scales are fp32 even where the file's
-// are fp16: converting them in the loop cost more than the bytes they save (docs/features/gguf-weights.md).
+// are fp16: converting them in the loop cost more than the bytes they save (docs/design/performance.md).
 struct Problem {
   const float* x;         // [T, K]
   const uint8_t* packed;  // [ceil(N / 4), K / 32, record bytes]
