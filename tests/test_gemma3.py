@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvreuse.kernels import build as kernels
 from kvreuse.llm import LLM
 from kvreuse.model.named_models import resolve_named_model
 
@@ -53,6 +54,14 @@ def test_the_architecture_is_read_from_the_file(gemma):
     assert (args.rope.theta, args.sliding_rope.theta) == (1e6, 1e4)
     layout = gemma.engine.front_end.kv_layout
     assert layout.is_grouped and layout.layers_per_block == 3 and len(layout.groups) == 6
+
+
+@pytest.mark.skipif(not kernels.load().isa, reason=f"no GGUF kernel here: {kernels.load().reason}")
+def test_every_linear_decodes_from_the_files_blocks(gemma):
+    # 18 layers x (qkv, o, gate_up, down) + the head; half the down projections are Q6_K, half of v Q8_0
+    description = gemma.engine.weights_description
+    assert description.startswith("gguf: 73 of 73 linears"), description
+    assert all(kind in description for kind in ("Q4_K", "Q5_0", "Q6_K", "Q8_0")), description
 
 
 def test_a_2000_token_shared_prefix_is_cached_with_its_windows(gemma, hf_gemma):

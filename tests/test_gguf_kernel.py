@@ -25,7 +25,8 @@ STATUS = kernels.load()
 ISAS = [isa for isa in (1, 2) if isa <= STATUS.isa]
 needs_kernel = pytest.mark.skipif(not ISAS, reason=f"no kernel here: {STATUS.reason}")
 # Byte offsets of each type's fp16 fields within a block (d; Q4_1's m; Q4_K's dmin): set to finite halves.
-HALF_FIELDS = {QType.Q4_0: (0,), QType.Q4_1: (0, 2), QType.Q5_0: (0,), QType.Q8_0: (0,), QType.Q4_K: (0, 2)}
+HALF_FIELDS = {QType.Q4_0: (0,), QType.Q4_1: (0, 2), QType.Q5_0: (0,), QType.Q8_0: (0,), QType.Q4_K: (0, 2),
+               QType.Q6_K: (208,)}
 
 
 def random_tensor(qtype: QType, rows: int, cols: int, seed: int = 0, scale: float = 0.05) -> np.ndarray:
@@ -55,7 +56,7 @@ def test_blocks_dequantize_to_gguf_py_bit_for_bit(qtype):
 
 
 def test_unsupported_types_are_left_to_the_dense_path():
-    assert from_gguf(np.zeros((4, 64), dtype=np.uint8), QType.Q6_K) is None
+    assert from_gguf(np.zeros((4, 176), dtype=np.uint8), QType.Q5_K) is None
     assert from_gguf(np.zeros((4, 16), dtype=np.float32), QType.F32) is None
 
 
@@ -68,14 +69,16 @@ def test_kernel_equals_the_dequantized_product(qtype, isa, num_rows):
     data = random_tensor(qtype, 37, 768, seed=num_rows)
     blocks = from_gguf(data, qtype)
     packed = blocks.pack()
-    # 10 tiles x 24 blocks of records: 4 fp32 scales, 4 fp32 mins, 4 rows of codes
-    assert packed.data.numel() == 10 * 24 * 4 * (2 * 4 + blocks.bits * 32 // 8)
+    # 10 tiles x 24 blocks of records: 4 rows of fp32 scales, 4 of fp32 mins (2 a row for Q6_K), 4 rows of codes
+    groups = 2 if qtype == QType.Q6_K else 1
+    assert blocks.group == 32 // groups
+    assert packed.data.numel() == 10 * 24 * 4 * (2 * 4 * groups + blocks.bits * 32 // 8)
     weight = reference(data, qtype).double()                              # [37, 768]
     # A view one float into a buffer: contiguous, but not on a 64-byte (or 32-byte) boundary.
     buffer = torch.randn(num_rows * 768 + 1, generator=torch.Generator().manual_seed(num_rows))
     x = buffer[1:].view(num_rows, 768)
     assert x.data_ptr() % 32 != 0
-    y = torch.ops.kvreuse_cpu.gguf_linear(x, packed.data, 37, packed.bits, isa)
+    y = torch.ops.kvreuse_cpu.gguf_linear(x, packed.data, 37, packed.bits, packed.group, isa)
     expected = x.double() @ weight.T                                      # [T, 37]
     assert y.shape == (num_rows, 37) and y.dtype == torch.float32
     # fp32 accumulation over 768 terms: a few units in the last place of the largest output.
@@ -92,7 +95,7 @@ def test_mins_beyond_fp16_are_exact(isa):
     packed = blocks.pack()
     assert packed.data.view(-1, 4 * (2 * 4 + 32))[0, :16].view(torch.float32).tolist() == [600.0] * 4
     x = torch.randn(3, 64)
-    y = torch.ops.kvreuse_cpu.gguf_linear(x, packed.data, 8, packed.bits, isa)
+    y = torch.ops.kvreuse_cpu.gguf_linear(x, packed.data, 8, packed.bits, packed.group, isa)
     expected = x.double() @ reference(data, QType.Q8_0).double().T
     torch.testing.assert_close(y.double(), expected, rtol=0, atol=2e-6 * expected.abs().max().item())
 
@@ -101,11 +104,13 @@ def test_mins_beyond_fp16_are_exact(isa):
 def test_bad_calls_are_refused_with_the_reason():
     blocks = from_gguf(random_tensor(QType.Q4_1, 8, 64), QType.Q4_1).pack()
     with pytest.raises(RuntimeError, match="fp32"):
-        torch.ops.kvreuse_cpu.gguf_linear(torch.randn(1, 64).half(), blocks.data, 8, 4, ISAS[0])
+        torch.ops.kvreuse_cpu.gguf_linear(torch.randn(1, 64).half(), blocks.data, 8, 4, 32, ISAS[0])
     with pytest.raises(RuntimeError, match="records"):
-        torch.ops.kvreuse_cpu.gguf_linear(torch.randn(1, 64), blocks.data, 12, 4, ISAS[0])
+        torch.ops.kvreuse_cpu.gguf_linear(torch.randn(1, 64), blocks.data, 12, 4, 32, ISAS[0])
+    with pytest.raises(RuntimeError, match="bits and group"):
+        torch.ops.kvreuse_cpu.gguf_linear(torch.randn(1, 64), blocks.data, 8, 4, 16, ISAS[0])
     with pytest.raises(RuntimeError, match="isa"):
-        torch.ops.kvreuse_cpu.gguf_linear(torch.randn(1, 64), blocks.data, 8, 4, 7)
+        torch.ops.kvreuse_cpu.gguf_linear(torch.randn(1, 64), blocks.data, 8, 4, 32, 7)
 
 
 def test_the_build_is_kept_per_source_and_torch():
@@ -167,7 +172,7 @@ def test_both_ops_have_fake_functions_so_the_compiled_graph_can_call_them():
 
     with FakeTensorMode():
         product = torch.ops.kvreuse_cpu.gguf_linear(torch.empty(3, 64), torch.empty(100, dtype=torch.uint8), 8, 4,
-                                                    1)
+                                                    32, 1)
         q = torch.empty(2, 4, 16)
         attended = torch.ops.kvreuse_cpu.decode_attention(q, q[:, :1], q[:, :1], torch.empty(8, 4, 1, 16),
                                                           torch.empty(8, 4, 1, 16), torch.empty(2, dtype=torch.long),

@@ -1,9 +1,10 @@
 """A GGUF tensor's quantized blocks as the decode kernel reads them (kvreuse/kernels/gguf_linear.cpp).
 
 Every supported format is mapped, block of 32 inputs by block, onto one form: W[n, k] = scale * code + min, with
-integer codes of 4 bits (Q4_0, Q4_1, Q4_K) or 8 bits (Q5_0, Q8_0) and an fp32 scale and min per block. The mapping
-is exact: `dequantize()` gives bit for bit what gguf-py's dequantization gives (tests/test_gguf_kernel.py), because
-each format's scale * code is exact in fp32 and the min absorbs its offset (Q4_0's d * (q - 8) = d * q + (-8 d)).
+integer codes of 4 bits (Q4_0, Q4_1, Q4_K) or 8 bits (Q5_0, Q8_0, and Q6_K's 6-bit codes) and an fp32 scale and min
+per group of 32 inputs (16 for Q6_K). The mapping is exact: `dequantize()` gives bit for bit what gguf-py's
+dequantization gives (tests/test_gguf_kernel.py), because each format's scale * code is exact in fp32 and the min
+absorbs its offset (Q4_0's d * (q - 8) = d * q + (-8 d)).
 """
 
 from __future__ import annotations
@@ -17,22 +18,23 @@ from gguf import GGMLQuantizationType as QType
 
 BLOCK = 32
 TILE_ROWS = 4  # output rows whose blocks the kernel reads from one record (kTileRows in gguf_linear.cpp)
-SUPPORTED = (QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q8_0, QType.Q4_K)
+SUPPORTED = (QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q8_0, QType.Q4_K, QType.Q6_K)
 
 
 @dataclass(frozen=True)
 class QuantizedBlocks:
     """One weight [N, K] in blocks of 32 inputs: codes [N, K * bits / 8] uint8 (4-bit: per block, 16 bytes whose
-    low nibbles are inputs 0..15 and high nibbles 16..31), scales and mins [N, K / 32] fp32."""
+    low nibbles are inputs 0..15 and high nibbles 16..31), scales and mins [N, K / group] fp32."""
     codes: torch.Tensor
     scales: torch.Tensor
     mins: torch.Tensor
     bits: int
     source: str  # the GGUF type(s) it came from, e.g. "Q4_1"
+    group: int = BLOCK  # inputs per scale and min: 32, or 16 (Q6_K)
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.scales.shape[0], self.scales.shape[1] * BLOCK
+        return self.scales.shape[0], self.scales.shape[1] * self.group
 
     def dequantize(self) -> torch.Tensor:
         """The weight [N, K] fp32: scale * code + min, as the kernel computes it."""
@@ -40,25 +42,27 @@ class QuantizedBlocks:
         codes = self.codes.view(n, k // BLOCK, -1)                       # [N, B, 16 | 32]
         if self.bits == 4:
             codes = torch.cat([codes & 15, codes >> 4], dim=-1)          # [N, B, 32]
+        codes = codes.reshape(n, k // self.group, self.group)            # [N, groups, group]
         # min + code * scale in one pass: the product is exact in fp32 (module docstring), so it rounds once anyway
         return torch.addcmul(self.mins[..., None], codes.float(), self.scales[..., None]).reshape(n, k)
 
     def rows(self, index: torch.Tensor) -> QuantizedBlocks:
         """These blocks with their output rows reordered (or selected) by `index` [N']."""
         return QuantizedBlocks(self.codes[index].contiguous(), self.scales[index].contiguous(),
-                               self.mins[index].contiguous(), self.bits, self.source)
+                               self.mins[index].contiguous(), self.bits, self.source, self.group)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.mins))
 
     def pack(self) -> PackedBlocks:
         """The kernel's layout (gguf_linear.cpp): per tile of TILE_ROWS output rows (the last one padded with zero
-        rows), per block, one record of the tile's fp32 scales, fp32 mins and codes."""
+        rows), per block, one record of the tile's fp32 scales, fp32 mins (each [TILE_ROWS, 32 / group]) and
+        codes."""
         n, k = self.shape
         pad, num_blocks = -n % TILE_ROWS, k // BLOCK
         scales, mins, codes = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (self.scales, self.mins, self.codes))
         tiles = (n + pad) // TILE_ROWS
-        parts = [t[..., None].view(torch.uint8) for t in (scales, mins)]                     # [N', B, 4]
+        parts = [t.view(n + pad, num_blocks, -1).view(torch.uint8) for t in (scales, mins)]  # [N', B, 4 * groups]
         parts.append(codes.view(n + pad, num_blocks, -1))                                    # [N', B, bytes]
         widths = [TILE_ROWS * part.shape[-1] for part in parts]
         record = torch.empty(tiles, num_blocks, sum(widths), dtype=torch.uint8)  # written part by part: one copy each
@@ -66,24 +70,26 @@ class QuantizedBlocks:
             # [N', B, w] -> [tiles, TILE_ROWS, B, w] -> the record's [tiles, B, TILE_ROWS, w] slice
             record[..., start:start + width].view(tiles, num_blocks, TILE_ROWS, -1).copy_(
                 part.view(tiles, TILE_ROWS, num_blocks, -1).transpose(1, 2))
-        return PackedBlocks(record.view(-1), n, self.bits)
+        return PackedBlocks(record.view(-1), n, self.bits, self.group)
 
 
 @dataclass(frozen=True)
 class PackedBlocks:
-    """QuantizedBlocks in the kernel's layout: `data` uint8, the weight's `out_features`, code width."""
+    """QuantizedBlocks in the kernel's layout: `data` uint8, the weight's `out_features`, code width, group."""
     data: torch.Tensor
     out_features: int
     bits: int
+    group: int
 
 
 def concat(parts: list[QuantizedBlocks]) -> QuantizedBlocks | None:
-    """Blocks stacked along the output rows (a fused qkv or gate_up), or None where their code widths differ."""
-    if len({p.bits for p in parts}) != 1 or len({p.shape[1] for p in parts}) != 1:
+    """Blocks stacked along the output rows (a fused qkv or gate_up), or None where their code widths or groups
+    differ."""
+    if len({(p.bits, p.group, p.shape[1]) for p in parts}) != 1:
         return None
     return QuantizedBlocks(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
                            torch.cat([p.mins for p in parts]), parts[0].bits,
-                           "+".join(dict.fromkeys(p.source for p in parts)))
+                           "+".join(dict.fromkeys(p.source for p in parts)), parts[0].group)
 
 
 def from_gguf(data: np.ndarray, qtype: QType) -> QuantizedBlocks | None:
@@ -96,14 +102,15 @@ def from_gguf(data: np.ndarray, qtype: QType) -> QuantizedBlocks | None:
     with warnings.catch_warnings():  # read-only: every op below makes new tensors, none writes into the file
         warnings.filterwarnings("ignore", "The given NumPy array is not writable")
         raw = torch.from_numpy(data)
-    if qtype == QType.Q4_K:
-        codes, scales, mins = _q4_k(raw.reshape(-1, 144))
+    if qtype in _SUPER_BLOCK:
+        codes, scales, mins = _SUPER_BLOCK[qtype](raw.reshape(-1, _BLOCK_BYTES[qtype]))
     else:
         codes, scales, mins = _BLOCK_32[qtype](raw.reshape(n * data.shape[1] // _BLOCK_BYTES[qtype], -1))
     codes, scales, mins = codes.reshape(n, -1), scales.reshape(n, -1), mins.reshape(n, -1)
     bits = 4 if qtype in (QType.Q4_0, QType.Q4_1, QType.Q4_K) else 8
     packed = _pack4(codes) if bits == 4 else codes
-    return QuantizedBlocks(packed.contiguous(), scales.contiguous(), mins.contiguous(), bits, qtype.name)
+    return QuantizedBlocks(packed.contiguous(), scales.contiguous(), mins.contiguous(), bits, qtype.name,
+                           16 if qtype == QType.Q6_K else BLOCK)
 
 
 def _pack4(codes: torch.Tensor) -> torch.Tensor:
@@ -157,5 +164,19 @@ def _q4_k(b: torch.Tensor):
     return codes, scales, mins
 
 
+def _q6_k(b: torch.Tensor):
+    """Super-blocks of 256: 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales (one per 16 inputs),
+    fp16 d. Each half of 128 inputs takes its low nibbles from 64 bytes (low, then high nibbles) and its top bits
+    from 32 bytes (bits 0-1, 2-3, 4-5, 6-7: four runs of 32 inputs). code = q + 32, W = d * scale * (q - 32)."""
+    low = b[:, :128].reshape(-1, 2, 1, 64) >> torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 2, 1)
+    low = (low & 15).reshape(-1, 2, 128)                                 # [S, half, 128]
+    high = b[:, 128:192].reshape(-1, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)
+    high = (high & 3).reshape(-1, 2, 128)
+    codes = (low | (high << 4)).reshape(-1, 32)                          # [S * 8, 32] in 0..63
+    scales = (_half(b[:, 208:210])[:, None] * b[:, 192:208].contiguous().view(torch.int8).float()).reshape(-1)
+    return codes, scales, -32 * scales                                   # scales, mins: [S * 16]
+
+
 _BLOCK_32 = {QType.Q4_0: _q4_0, QType.Q4_1: _q4_1, QType.Q5_0: _q5_0, QType.Q8_0: _q8_0}
-_BLOCK_BYTES = {QType.Q4_0: 18, QType.Q4_1: 20, QType.Q5_0: 22, QType.Q8_0: 34}
+_SUPER_BLOCK = {QType.Q4_K: _q4_k, QType.Q6_K: _q6_k}
+_BLOCK_BYTES = {QType.Q4_0: 18, QType.Q4_1: 20, QType.Q5_0: 22, QType.Q8_0: 34, QType.Q4_K: 144, QType.Q6_K: 210}

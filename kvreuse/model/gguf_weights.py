@@ -59,7 +59,7 @@ class GGUFLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.weight = weight                                             # [out, in], the model dtype
         packed = blocks.pack()
-        self.bits, self.isa, self.source = packed.bits, isa, blocks.source
+        self.bits, self.group, self.isa, self.source = packed.bits, packed.group, isa, blocks.source
         self.register_buffer("packed", packed.data, persistent=False)   # uint8, the kernel's records
 
     def extra_repr(self) -> str:
@@ -71,7 +71,7 @@ class GGUFLinear(nn.Module):
         rows = x.reshape(-1, self.in_features)                           # [T, in]
         if self.isa and rows.shape[0] <= self.kernel_max_rows:
             y = torch.ops.kvreuse_cpu.gguf_linear(rows.float().contiguous(), self.packed, self.out_features,
-                                                  self.bits, self.isa).to(x.dtype)  # [T, out]
+                                                  self.bits, self.group, self.isa).to(x.dtype)  # [T, out]
         else:
             y = F.linear(rows, self.weight)                              # [T, out]
         return y.view(*x.shape[:-1], self.out_features)
