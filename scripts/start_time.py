@@ -38,7 +38,7 @@ def start(model: str, cache_dir: Path, timeout_s: float = 600.0) -> float:
         raise RuntimeError(f"no ready line from the server (exit {server.poll()})")
     finally:
         server.terminate()
-        server.wait(timeout=60)
+        server.communicate(timeout=60)  # drains the pipe: a server blocked writing to it would never exit
 
 
 def main() -> None:

@@ -87,10 +87,12 @@ def test_several_engines_in_one_process_each_run_compiled(compiling, tiny_model_
         assert calls == graph.num_steps == 6, f"{quantization} {dtype}: a step ran eagerly"
 
 
-def test_a_missing_compiler_is_detected(monkeypatch):
+def test_a_missing_compiler_is_detected():
     assert decode_graph.compiler_missing(torch.device("cpu")) is None      # this machine has one
-    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", ("/nonexistent/c++",))
-    assert "no C++ compiler" in decode_graph.compiler_missing(torch.device("cpu"))
+    # inductor's own patch: a monkeypatch of the sub-config, undone, left `cpp.cxx` missing in later threads
+    with torch._inductor.config.patch({"cpp.cxx": ("/nonexistent/c++",)}):
+        assert "no C++ compiler" in decode_graph.compiler_missing(torch.device("cpu"))
+    assert decode_graph.compiler_missing(torch.device("cpu")) is None
 
 
 def test_without_a_compiler_the_engine_decodes_eagerly(compiling, tiny_model_dir, monkeypatch, caplog):

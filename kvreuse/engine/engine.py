@@ -50,7 +50,9 @@ MAX_ADMISSION_FAULTS = 3
 class LLMEngine:
     """The model, its KV pool, the cache and the scheduler, with the front end that prepares their requests."""
 
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, *, compile_later: bool = False):
+        """`compile_later`: the decode step's compile waits for `start_compile()` (the server warms up first: a
+        compile beside the warm-up held the GIL and both cores, and delayed the ready line by seconds)."""
         self.device = resolve_device(config.model.device)
         path = resolve_model_path(config.model.path or None)
         mode = resolve_weights(config.model.weights, config.model.quantization, path, self.device)
@@ -80,8 +82,14 @@ class LLMEngine:
         self.sequences: dict[str, Sequence] = {}
         # Last, so that a failure above leaves no bound port or thread behind.
         self.events = self._start_events(config)
-        if decode_graph is not None:
-            decode_graph.start()
+        if not compile_later:
+            self.start_compile()
+
+    def start_compile(self) -> None:
+        """Compile the decode step in the background (engine.compile = decode), unless it has started already."""
+        graph = self.runner.decode_graph
+        if graph is not None and graph.state == "off":
+            graph.start()
 
     # The pool's and the model's shape, as the front end sized them.
     @property

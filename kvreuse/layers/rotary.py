@@ -12,11 +12,12 @@ from kvreuse.model.args import Rope
 
 def inv_frequencies(head_dim: int, rope: Rope) -> torch.Tensor:
     """The rotation speed of each of the head's D/2 pairs [D/2], float64, after `rope`'s scaling."""
-    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))  # [D/2]
+    pairs = torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu")
+    inv_freq = 1.0 / (rope.theta ** (pairs / head_dim))  # [D/2]
     if rope.freq_factors is not None:
         if len(rope.freq_factors) != head_dim // 2:
             raise ValueError(f"{len(rope.freq_factors)} rope frequency factors for a head of {head_dim}")
-        inv_freq = inv_freq / torch.tensor(rope.freq_factors, dtype=torch.float64)
+        inv_freq = inv_freq / torch.tensor(rope.freq_factors, dtype=torch.float64, device="cpu")
     if rope.kind == "linear":
         inv_freq = inv_freq / rope.factor
     elif rope.kind == "llama3":
@@ -37,8 +38,11 @@ class RotaryEmbedding(torch.nn.Module):
     def __init__(self, head_dim: int, max_position: int, rope: Rope | float):
         super().__init__()
         rope = rope if isinstance(rope, Rope) else Rope(float(rope))
-        # Angles in float64 so that rotating by p then by q - p matches rotating by q at large positions.
-        angles = torch.outer(torch.arange(max_position, dtype=torch.float64), inv_frequencies(head_dim, rope))
+        # Angles in float64 so that rotating by p then by q - p matches rotating by q at large positions. Computed
+        # on the CPU even inside a meta-device context (a model's skeleton): the table is not a checkpoint's, and
+        # arange on meta imports dynamo (~1 s of a server's start).
+        positions = torch.arange(max_position, dtype=torch.float64, device="cpu")
+        angles = torch.outer(positions, inv_frequencies(head_dim, rope))
         angles = torch.cat([angles, angles], dim=-1)  # [P, D]
         self.register_buffer("cos_table", angles.cos().float(), persistent=False)
         self.register_buffer("sin_table", angles.sin().float(), persistent=False)

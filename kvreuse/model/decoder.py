@@ -120,7 +120,10 @@ class CausalLM(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        # Not initialized: the weights come from a checkpoint (from_weights), and normal_ on the meta device
+        # imports dynamo (~1 s of a server's start, before its compile needs it).
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size,
+                                         _weight=torch.empty(args.vocab_size, args.hidden_size))
         self.layers = nn.ModuleList(self.layer_class(args, i) for i in range(args.num_layers))
         self.norm = self.layer_class.norm_class(args.hidden_size, args.rms_norm_eps)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
@@ -144,7 +147,6 @@ class CausalLM(nn.Module):
         model.load_state_dict(state, strict=False, assign=True)
         if model.args.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
-        model.rotaries = model._rotaries()  # buffers built on the meta device above
         missing = {name for name, p in model.named_parameters() if p.is_meta}
         if missing:
             raise ValueError(f"the checkpoint lacks {sorted(missing)[:4]}")
