@@ -52,6 +52,29 @@ def test_the_passing_thread_gives_back_the_result_or_the_error():
         on_passing_thread(lambda: (_ for _ in ()).throw(ValueError("bad weights")))
 
 
+def test_meanwhile_runs_on_the_callers_thread_and_its_error_waits_for_the_load():
+    import threading
+    import time
+
+    from kvreuse.engine.omp_thread import on_passing_thread
+
+    seen = []
+
+    def load() -> str:
+        time.sleep(0.2)
+        seen.append(("load", threading.current_thread().name))
+        return "engine"
+
+    caller = threading.current_thread().name
+    assert on_passing_thread(load, meanwhile=lambda: seen.append(("meanwhile", threading.current_thread().name))) \
+        == "engine"
+    assert seen == [("meanwhile", caller), ("load", "kvreuse-load")]   # it ran while the load slept
+    seen.clear()
+    with pytest.raises(ImportError, match="no app"):
+        on_passing_thread(load, meanwhile=lambda: (_ for _ in ()).throw(ImportError("no app")))
+    assert seen == [("load", "kvreuse-load")]                          # raised once the load had ended
+
+
 def test_ctrl_c_waits_for_the_passing_thread_then_stops():
     import _thread
     import time

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import pickle
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -327,3 +329,13 @@ def test_the_gpu_masking_path_agrees_with_the_cpu_path(compiler, real_tokenizer)
     apply_mask(expected, [None, matcher])
     _apply_device(logits, bitmask, [1], VOCAB)
     assert torch.equal(logits, expected)
+
+
+def test_the_http_app_imports_no_grammar_library_until_a_format_is_asked_for():
+    # xgrammar imports transformers (~0.5 s of a server's start); the structured names load on first use.
+    script = ("import sys; import kvreuse.server.app; import kvreuse.structured.errors; "
+              "print(sorted(m for m in ('xgrammar', 'transformers') if m in sys.modules)); "
+              "from kvreuse.structured import GrammarCompiler, apply_mask; print('xgrammar' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[:2] == ["[]", "True"]

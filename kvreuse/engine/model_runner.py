@@ -15,6 +15,7 @@ from kvreuse.config import SegmentConfig
 from kvreuse.engine.repair import RepairOutcome, forward_reusing
 from kvreuse.engine.sequence import Sequence
 from kvreuse.kvcache.layout import KVLayout
+from kvreuse.kvcache.pool_memory import zeroed
 from kvreuse.layers.attention import AttentionMetadata
 from kvreuse.layers.logits_processors import SamplingRow
 from kvreuse.layers.sampler import TokenLogprob, sample_rows
@@ -53,8 +54,8 @@ class ModelRunner:
         self.decode_graph = decode_graph  # the compiled decode step, used once it is ready
         self.eos_token_ids = eos_token_ids  # masked, with stop_token_ids, until min_tokens
         # [layers_per_block, K/V, num_blocks, block_size, num_kv_heads, head_dim]
-        self.kv_cache = torch.zeros(self.layout.layers_per_block, 2, num_blocks, block_size, args.num_kv_heads,
-                                    args.head_dim, dtype=dtype, device=device)
+        self.kv_cache = zeroed((self.layout.layers_per_block, 2, num_blocks, block_size, args.num_kv_heads,
+                                args.head_dim), dtype, device)
         slots = layer_caches(self.kv_cache)
         self.layer_caches = [slots[j] for j in self.layout.slot_of]  # each model layer's (k_cache, v_cache) views
 

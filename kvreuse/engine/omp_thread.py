@@ -17,9 +17,11 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
-def on_passing_thread(fn: Callable[[], T], name: str = "kvreuse-load") -> T:
-    """`fn()` on a new thread that ends when it returns; its result, or its exception re-raised here. Ctrl-C waits
-    for `fn` to end, then raises: a thread left inside torch when the interpreter exits aborts the process."""
+def on_passing_thread(fn: Callable[[], T], name: str = "kvreuse-load", *,
+                      meanwhile: Callable[[], object] | None = None) -> T:
+    """`fn()` on a new thread that ends when it returns; its result, or its exception re-raised here. `meanwhile()`
+    runs on the caller's thread in the meantime (work that runs no parallel torch op). Ctrl-C waits for `fn` to end,
+    then raises: a thread left inside torch when the interpreter exits aborts the process."""
     result: list = []
     failure: list[BaseException] = []
 
@@ -31,7 +33,12 @@ def on_passing_thread(fn: Callable[[], T], name: str = "kvreuse-load") -> T:
 
     thread = threading.Thread(target=run, name=name, daemon=True)
     thread.start()
-    interrupted: KeyboardInterrupt | None = None
+    interrupted: BaseException | None = None
+    if meanwhile is not None:
+        try:
+            meanwhile()
+        except BaseException as exc:  # raised once `fn` has ended, for the same reason as Ctrl-C
+            interrupted = exc
     while thread.is_alive():
         try:
             thread.join()

@@ -36,16 +36,17 @@ IDLE_WAIT_S = 0.5
 T = TypeVar("T")
 
 
-def load_engine(config: Config) -> LLMEngine:
+def load_engine(config: Config, meanwhile: Callable[[], object] | None = None) -> LLMEngine:
     """The engine an AsyncEngine will step, loaded and warmed up on a passing thread: the caller's thread (the
-    server's event loop) then holds no OpenMP team that would slow the engine thread's (omp_thread.py). The decode
-    step's compile starts after the warm-up, and runs on while the engine serves eagerly."""
+    server's event loop) then holds no OpenMP team that would slow the engine thread's (omp_thread.py), and runs
+    `meanwhile()` in the meantime. The decode step's compile starts after the warm-up, and runs on while the engine
+    serves eagerly."""
     def load() -> LLMEngine:
         engine = warm_up(LLMEngine(config, compile_later=True))
         engine.start_compile()
         return engine
 
-    return on_passing_thread(load)
+    return on_passing_thread(load, meanwhile=meanwhile)
 
 
 @dataclass
