@@ -5,6 +5,8 @@ and makes it all resident. calloc'd pages are zero until written, so a pool cost
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -15,7 +17,7 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     """A zero tensor of `shape`; on a CPU its pages are the OS's zero pages until written."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    nbytes = math.prod(shape) * dtype.itemsize
     buffer = np.zeros(nbytes + ALIGNMENT, dtype=np.uint8)  # calloc: no page is touched here
     start = -buffer.ctypes.data % ALIGNMENT
     return torch.from_numpy(buffer[start:start + nbytes]).view(dtype).view(shape)

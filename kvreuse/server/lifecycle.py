@@ -28,7 +28,7 @@ def serve(config: Config, *, served_model_name: str | None = None, log_level: st
     `served_model_name` is the model id clients use (default: the weights file name without its
     quantization suffix). Raises ConfigError for a bad API key file, ModelLoadError for bad weights."""
     api_keys = load_api_keys(config.server.api_keys_file) if config.server.api_keys_file else None
-    # The HTTP app's modules (fastapi, pydantic models, xgrammar: ~0.6 s) are imported while the model loads.
+    # The HTTP app's modules (fastapi, the pydantic models: ~0.14 s) are imported while the model loads.
     engine = load_engine(config, meanwhile=lambda: importlib.import_module("kvreuse.server.app"))
     from kvreuse.server.app import create_app
 
