@@ -29,7 +29,7 @@ END_TOKENS = ("<|endoftext|>", "<|im_end|>", "<end_of_turn>", "<|eot_id|>")
 
 def check_unicode(text: str) -> None:
     """ValueError if `text` holds a lone surrogate (legal in JSON and in Python strings, but not Unicode text)."""
-    found = _LONE_SURROGATE.search(text)
+    found = None if text.isascii() else _LONE_SURROGATE.search(text)  # isascii: one pass in C, no regex
     if found:
         raise ValueError(f"contains a lone surrogate (U+{ord(found.group()):04X} at character {found.start()}): "
                          f"not valid Unicode text")

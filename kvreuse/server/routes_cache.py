@@ -25,13 +25,14 @@ from kvreuse.server.admission import admit
 from kvreuse.server.auth import TenantDep, admin_only, authenticate
 from kvreuse.server.engine_client import PINS_UNSUPPORTED
 from kvreuse.server.errors import APIError
+from kvreuse.server.json_route import FastJSONRoute
 from kvreuse.server.prompts import chat_prompt, check_model, completion_prompts
 from kvreuse.server.protocol import ChatCompletionRequest, CompletionRequest, WarmItem, WarmRequest
 from kvreuse.server.responses import collect_admitted
 from kvreuse.server.state import ServerState, StateDep
 from kvreuse.warm import WARM_PARAMS, prompt_usage, tier_writes
 
-router = APIRouter(dependencies=[Depends(authenticate)])
+router = APIRouter(dependencies=[Depends(authenticate)], route_class=FastJSONRoute)
 
 FLUSH_TIMEOUT_S = 120.0
 

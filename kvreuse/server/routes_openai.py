@@ -11,12 +11,13 @@ from fastapi import APIRouter, Depends, Request
 
 from kvreuse.server.admission import request_sequences, reserve
 from kvreuse.server.auth import TenantDep, authenticate
+from kvreuse.server.json_route import FastJSONRoute
 from kvreuse.server.prompts import chat_prompt, check_model, completion_prompts
 from kvreuse.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvreuse.server.responses import respond
 from kvreuse.server.state import StateDep
 
-router = APIRouter(dependencies=[Depends(authenticate)])
+router = APIRouter(dependencies=[Depends(authenticate)], route_class=FastJSONRoute)
 
 
 @router.post("/v1/completions")

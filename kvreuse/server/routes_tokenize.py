@@ -8,11 +8,12 @@ from fastapi import APIRouter, Depends, Request
 from kvreuse.engine.front_end import FrontEnd
 from kvreuse.server.auth import TenantDep, authenticate
 from kvreuse.server.errors import APIError
+from kvreuse.server.json_route import FastJSONRoute
 from kvreuse.server.prompts import check_model, tokenize_body
 from kvreuse.server.protocol import DetokenizeRequest, TokenizeRequest
 from kvreuse.server.state import StateDep
 
-router = APIRouter(dependencies=[Depends(authenticate)])
+router = APIRouter(dependencies=[Depends(authenticate)], route_class=FastJSONRoute)
 
 
 class TokenizeBody(TokenizeRequest):
