@@ -95,20 +95,20 @@ def test_the_answer_is_measured_once_then_read_from_disk(measured, cache_dir):
     assert "cached in" in second.describe()
 
 
-@pytest.mark.parametrize("damage", ["{not json", "", '{"key": 1}', "[]", '{"key": null, "figures": {}}'])
+@pytest.mark.parametrize("damage", ["{not json", "", '{"key": 1}', "[]", '{"key": null, "value": {}}'])
 def test_a_corrupted_cache_file_is_ignored_and_rewritten(measured, damage):
     path = dtype_probe.probe(ARGS).cache_path
     path.write_text(damage)
     again = dtype_probe.probe(ARGS)
     assert measured.calls == 2 and not again.from_cache
-    assert json.loads(path.read_text())["figures"]["fp32_prefill_s"] == 3.0
+    assert json.loads(path.read_text())["value"]["fp32_prefill_s"] == 3.0
     assert dtype_probe.probe(ARGS).from_cache and measured.calls == 2
 
 
 def test_nonsense_figures_in_the_cache_are_measured_again(measured):
     path = dtype_probe.probe(ARGS).cache_path
     stored = json.loads(path.read_text())
-    stored["figures"]["bf16_prefill_s"] = 0
+    stored["value"]["bf16_prefill_s"] = 0
     path.write_text(json.dumps(stored))
     assert not dtype_probe.probe(ARGS).from_cache and measured.calls == 2
 

@@ -63,7 +63,7 @@ def test_unsupported_types_are_left_to_the_dense_path():
 @needs_kernel
 @pytest.mark.parametrize("isa", ISAS, ids=lambda i: kernels.ISAS[i])
 @pytest.mark.parametrize("qtype", SUPPORTED, ids=lambda t: t.name)
-@pytest.mark.parametrize("num_rows", [1, 2, 3, 5, 8, 13, 16])
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 5, 8, 13, 16, 17, 31, 32])  # up to kernel_rows.ROW_LIMITS[-1]
 def test_kernel_equals_the_dequantized_product(qtype, isa, num_rows):
     # 37 outputs: the last 4-row tile is padded; 768 inputs: 24 blocks (3 Q4_K super-blocks).
     data = random_tensor(qtype, 37, 768, seed=num_rows)

@@ -3,6 +3,7 @@ models assembled from their packages)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -33,3 +34,24 @@ def write_json_atomically(path: Path, value, what: str) -> bool:
         if tmp is not None:
             Path(tmp).unlink(missing_ok=True)
         return False
+
+
+def keyed_path(kind: str, key: dict) -> Path:
+    """Where the answer of a once-per-machine measurement of `kind` for `key` is kept: one file per key."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+    return cache_root() / kind / f"{digest[:16]}.json"
+
+
+def read_keyed(path: Path, key: dict) -> dict | None:
+    """The value stored at `path` (by `write_json_atomically`, as {"key": ..., "value": ...}) for `key`; None when
+    absent, unreadable, corrupted or written for another key (logged: it is measured again)."""
+    try:
+        stored = json.loads(path.read_text())
+        if not isinstance(stored, dict) or stored.get("key") != key or not isinstance(stored.get("value"), dict):
+            return None
+        return stored["value"]
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        logger.info("ignoring %s (it is measured again): %s", path, exc)
+        return None

@@ -5,9 +5,9 @@ What is compiled is `CausalLM.run_layers` itself, with attention behind one opaq
 that reads the K/V pool and the step's attention metadata from a per-thread context. So the graph depends only on
 the number of rows, not on context lengths or block tables (no recompiles as contexts grow), and the pool is written
 in place (a pool passed into the graph would be copied by functionalization, once per layer). One graph per row
-bucket (`row_buckets`: 1, 2-16 and 17-64 with GGUF weights) is compiled in a background thread
-while the engine runs eagerly. Once they are ready, the engine runs them without compiling anything more
-(`torch._dynamo.run`: a step no graph covers runs eagerly, never a compile in the serving thread).
+bucket (`row_buckets`: 1, 2-16 and 17-64; 17-32 and 33-64 where the linears branch on the row count) is compiled
+in a background thread while the engine runs eagerly. Once they are ready, the engine runs them without compiling
+anything more (`torch._dynamo.run`: a step no graph covers runs eagerly, never a compile in the serving thread).
 
 Compiling takes ~25-30 s on a 2-core CPU (each graph), ~4 s when inductor's on-disk cache holds it (a restart with the
 same model and torch). A compile still running when the engine closes or the interpreter exits is cancelled (`close`): a
@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 
 
 ROW_GRID = (1, 16, 64)  # the top row count of each compiled graph (row_buckets)
+BRANCHING_ROW_GRID = (1, 16, 32, 64)  # the same for a model whose linears branch on the row count
 COMPILED_ROWS = ROW_GRID[-1]  # steps of up to this many rows run compiled: decode batches, a chat turn's new tokens
 _current = threading.local()  # .value: the ForwardKV of the forward this thread runs
 _compiling: weakref.WeakSet[DecodeGraph] = weakref.WeakSet()  # graphs whose compile thread may still run
@@ -111,14 +112,16 @@ def _own_step() -> Callable:
 
 
 def row_buckets(model: CausalLM, max_rows: int) -> list[tuple[int, int]]:
-    """The row ranges compiled into one graph each, from one grid for every model: 1, 2-16, 17-64 (up to
-    `max_rows`). A range that one of the model's linears branches inside (`kernel_max_rows`: int8's 32) is left out
-    with every larger one: those steps run eagerly. The grid is fixed because inductor's on-disk cache keys a graph
-    without its range: a graph cached for 2-16 that is loaded for 2-64 brings in its `<= 16` guard, and the compile
-    fails. Ranges that never overlap partially never meet such an entry."""
+    """The row ranges compiled into one graph each (up to `max_rows`): 1, 2-16, 17-64 (ROW_GRID), and for a model
+    whose linears branch on the row count (`kernel_max_rows`: the GGUF kernel's limit, measured per CPU at 16 or 32;
+    int8's 32) 1, 2-16, 17-32, 33-64, so that no graph straddles the branch. A range that a limit still falls inside
+    is left out with every larger one: those steps run eagerly. The grid is fixed per model, whatever the limit,
+    because inductor's on-disk cache keys a graph without its range: a graph cached for 2-16 that is loaded for 2-64
+    brings in its `<= 16` guard, and the compile fails. Ranges that never overlap partially never meet such an
+    entry."""
     limits = {m.kernel_max_rows for m in model.modules() if hasattr(m, "kernel_max_rows")}
     buckets, low = [], 1
-    for high in ROW_GRID:
+    for high in BRANCHING_ROW_GRID if limits else ROW_GRID:
         if high > max_rows or any(low <= limit < high for limit in limits):
             break
         buckets.append((low, high))

@@ -4,8 +4,6 @@ several times slower), so it is measured, not guessed."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import platform
 import statistics
@@ -16,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kvreuse.model.cache_dir import cache_root, write_json_atomically
+from kvreuse.model.cache_dir import keyed_path, read_keyed, write_json_atomically
 from kvreuse.model.loader import ModelArgs
 
 logger = logging.getLogger(__name__)
@@ -160,22 +158,15 @@ def probe_key(shapes: list[tuple[int, int]]) -> dict:
             "threads": torch.get_num_threads(), "shapes": [list(s) for s in shapes]}
 
 
-def cache_path(key: dict) -> Path:
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
-    return cache_root() / "dtype_probe" / f"{digest[:16]}.json"
-
-
 def load_cached(path: Path, key: dict) -> Figures | None:
     """The figures kept at `path` for `key`; None when absent, unreadable, corrupted or for another key."""
+    stored = read_keyed(path, key)
     try:
-        stored = json.loads(path.read_text())
-        if stored["key"] != key:
-            return None
-        figures = Figures(**stored["figures"])
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+        figures = Figures(**stored) if stored is not None else None
+    except TypeError as exc:
         logger.info("ignoring the dtype probe cache %s (it is measured again): %s", path, exc)
+        return None
+    if figures is None:
         return None
     values = [getattr(figures, name) for name in ("fp32_prefill_s", "bf16_prefill_s", "fp32_decode_s",
                                                   "bf16_decode_s")]
@@ -184,14 +175,14 @@ def load_cached(path: Path, key: dict) -> Figures | None:
 
 def store(path: Path, key: dict, figures: Figures) -> bool:
     """Write the answer atomically (write_json_atomically); False, and logged, when it cannot be written."""
-    return write_json_atomically(path, {"key": key, "figures": asdict(figures)}, "cache the dtype probe")
+    return write_json_atomically(path, {"key": key, "value": asdict(figures)}, "cache the dtype probe")
 
 
 def probe(args: ModelArgs) -> ProbeResult:
     """fp32 against bf16 on this CPU for `args`' shapes: from the disk cache, or measured (and then cached)."""
     shapes = layer_shapes(args)
     key = probe_key(shapes)
-    path = cache_path(key)
+    path = keyed_path("dtype_probe", key)
     figures = load_cached(path, key)
     if figures is not None:
         return ProbeResult(figures, flops_per_token(shapes), path, from_cache=True)

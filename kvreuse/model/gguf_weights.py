@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvreuse.kernels import build as kernels
+from kvreuse.model import kernel_rows
 from kvreuse.model.decoder import FUSED_LINEARS, fused_parts
 from kvreuse.model.gguf_blocks import QuantizedBlocks, concat
 
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
     from kvreuse.model.decoder import CausalLM
     from kvreuse.model.loader import LoadedWeights
 
-# Rows up to which the kernel beats the dense fp32 GEMM on SmolLM2-135M's shapes (docs/benchmarks.md); more rows
+# Rows up to which a linear uses the kernel until the probe (kernel_rows.py) has measured this CPU; more rows
 # (prefill) are compute-bound, where the dense GEMM's blocking wins.
 KERNEL_MAX_ROWS = 16
 
@@ -52,7 +53,8 @@ def weights_tag(mode: str) -> str:
 class GGUFLinear(nn.Module):
     """A bias-free linear with a dense weight (prefill) and the GGUF blocks of the same values (decode)."""
 
-    kernel_max_rows = KERNEL_MAX_ROWS  # where forward branches (the compiled graphs split there: decode_graph.py)
+    # Where forward branches: one of kernel_rows.ROW_LIMITS, set by the probe (the compiled graphs split there).
+    kernel_max_rows = KERNEL_MAX_ROWS
 
     def __init__(self, weight: torch.Tensor, blocks: QuantizedBlocks, isa: int):
         super().__init__()
@@ -69,12 +71,18 @@ class GGUFLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., in] -> [..., out], in x's dtype."""
         rows = x.reshape(-1, self.in_features)                           # [T, in]
-        if self.isa and rows.shape[0] <= self.kernel_max_rows:
-            y = torch.ops.kvreuse_cpu.gguf_linear(rows.float().contiguous(), self.packed, self.out_features,
-                                                  self.bits, self.group, self.isa).to(x.dtype)  # [T, out]
-        else:
-            y = F.linear(rows, self.weight)                              # [T, out]
+        use_kernel = self.isa and rows.shape[0] <= self.kernel_max_rows
+        y = self.kernel_product(rows) if use_kernel else self.dense_product(rows)  # [T, out]
         return y.view(*x.shape[:-1], self.out_features)
+
+    def kernel_product(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows: [T, in] -> [T, out] from the blocks, multiplied in fp32 (rows' dtype in and out)."""
+        return torch.ops.kvreuse_cpu.gguf_linear(rows.float().contiguous(), self.packed, self.out_features,
+                                                 self.bits, self.group, self.isa).to(rows.dtype)
+
+    def dense_product(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows: [T, in] -> [T, out] from the dense weight."""
+        return F.linear(rows, self.weight)
 
 
 def fused_blocks(weights: LoadedWeights) -> dict[str, QuantizedBlocks]:
@@ -102,13 +110,24 @@ def use_gguf_blocks(model: CausalLM, weights: LoadedWeights) -> str:
     if not status.isa:
         return f"dense ({status.reason})"
     blocks = fused_blocks(weights)
-    targets = [(layer, name, f"layers.{i}.{name}") for i, layer in enumerate(model.layers) for name in FUSED_LINEARS]
-    targets.append((model, "lm_head", "lm_head"))
-    used = []
-    for owner, attr, key in targets:
+    targets = [(i, layer, name, f"layers.{i}.{name}") for i, layer in enumerate(model.layers)
+               for name in FUSED_LINEARS]
+    targets.append((None, model, "lm_head", "lm_head"))
+    used, per_layer = [], [[] for _ in model.layers]
+    for i, owner, attr, key in targets:
         linear = getattr(owner, attr)
         if key in blocks and blocks[key].shape == tuple(linear.weight.shape):
-            setattr(owner, attr, GGUFLinear(linear.weight, blocks[key], status.isa))
+            gguf = GGUFLinear(linear.weight, blocks[key], status.isa)
+            setattr(owner, attr, gguf)
             used.append(blocks[key].source)
+            if i is not None:
+                per_layer[i].append(gguf)
+    limit = ""
+    if any(per_layer):
+        rows = kernel_rows.probe([linears for linears in per_layer if linears])
+        for module in model.modules():
+            if isinstance(module, GGUFLinear):
+                module.kernel_max_rows = rows.limit
+        limit = f"; {rows.summary}"
     kinds = ", ".join(sorted(set(used)))
-    return f"gguf: {len(used)} of {len(targets)} linears read {kinds} blocks ({status.reason})"
+    return f"gguf: {len(used)} of {len(targets)} linears read {kinds} blocks ({status.reason}){limit}"

@@ -1,0 +1,126 @@
+"""Up to how many rows a step's linears read the GGUF blocks (the kernel) rather than the dense weight, measured once
+per CPU on the model's own linears and kept on disk, as the dtype probe is. The kernel streams a fifth to a third of
+the dense bytes but dequantizes every weight again for each 4 rows, so past some row count the dense GEMM's blocking
+wins; where depends on the CPU (16 rows on an AVX2 EPYC, ~48 on an AVX-512 Xeon: docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvreuse.model.cache_dir import keyed_path, read_keyed, write_json_atomically
+from kvreuse.model.dtype_probe import cpu_identity
+
+if TYPE_CHECKING:
+    from kvreuse.model.gguf_weights import GGUFLinear
+
+PROBE_VERSION = 1
+# The row limits to choose from: the compiled graphs' row boundaries (decode_graph.BRANCHING_ROW_GRID), so that no
+# graph straddles the linears' branch. The first is not measured: up to 16 rows the kernel was faster in fp32 on
+# every CPU measured (docs/benchmarks.md).
+ROW_LIMITS = (16, 32)
+MIN_GAIN = 1.1         # the kernel takes a limit's rows only if it is this much faster there: a tie is noise
+MEASURED_LAYERS = 6    # layers sampled evenly: their linears at 32 rows take ~25 ms a pass on a 2-core Xeon
+REPEATS = 5
+
+
+@dataclass(frozen=True)
+class RowTimes:
+    """Seconds (medians) for the sampled linears at `rows` rows, through the kernel and through the dense weight."""
+    rows: int
+    kernel_s: float
+    dense_s: float
+
+
+@dataclass(frozen=True)
+class KernelRows:
+    limit: int
+    times: tuple[RowTimes, ...]
+    from_cache: bool
+
+    @property
+    def summary(self) -> str:
+        """For the weights line: `kernel up to 32 rows (kernel/dense 0.80 at 32; cached)`."""
+        ratios = ", ".join(f"{t.kernel_s / t.dense_s:.2f} at {t.rows}" for t in self.times)
+        return f"kernel up to {self.limit} rows (kernel/dense {ratios}; {'cached' if self.from_cache else 'measured'})"
+
+
+def choose_limit(times: Sequence[RowTimes]) -> int:
+    """The largest of ROW_LIMITS up to which the kernel was MIN_GAIN times faster at every measured row count."""
+    limit = ROW_LIMITS[0]
+    for t in sorted(times, key=lambda t: t.rows):
+        if t.kernel_s * MIN_GAIN > t.dense_s:
+            break
+        limit = t.rows
+    return limit
+
+
+def sampled(layers: Sequence[Sequence[GGUFLinear]]) -> list[GGUFLinear]:
+    """The GGUF linears of MEASURED_LAYERS layers spread evenly over the model (`layers`: each layer's)."""
+    step = max(1, len(layers) // MEASURED_LAYERS)
+    return [lin for linears in layers[::step][:MEASURED_LAYERS] for lin in linears]
+
+
+def measure(linears: Sequence[GGUFLinear]) -> tuple[RowTimes, ...]:
+    """Time `linears` at each measured limit's rows, kernel and dense interleaved (alternating which goes first):
+    one warm-up, then the median of REPEATS."""
+    g = torch.Generator().manual_seed(0)
+    counts = ROW_LIMITS[1:]
+    inputs = {(rows, lin.in_features): torch.randn(rows, lin.in_features, generator=g).to(lin.weight.dtype)
+              for rows in counts for lin in linears}
+
+    def one_pass(rows: int, kernel: bool) -> float:
+        pairs = [(lin, inputs[rows, lin.in_features]) for lin in linears]
+        t0 = time.perf_counter()
+        for lin, x in pairs:
+            lin.kernel_product(x) if kernel else lin.dense_product(x)
+        return time.perf_counter() - t0
+
+    kinds = [(rows, kernel) for rows in counts for kernel in (True, False)]
+    samples: dict[tuple[int, bool], list[float]] = {kind: [] for kind in kinds}
+    with torch.inference_mode():
+        for kind in kinds:
+            one_pass(*kind)
+        for repeat in range(REPEATS):
+            for kind in (kinds if repeat % 2 == 0 else kinds[::-1]):
+                samples[kind].append(one_pass(*kind))
+    return tuple(RowTimes(rows, statistics.median(samples[rows, True]), statistics.median(samples[rows, False]))
+                 for rows in counts)
+
+
+def probe_key(linears: Sequence[GGUFLinear]) -> dict:
+    """Everything the answer depends on; a change in any of it measures again."""
+    return {"version": PROBE_VERSION, **cpu_identity(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "limits": list(ROW_LIMITS),
+            "linears": [[lin.out_features, lin.in_features, lin.bits, lin.group, lin.isa, str(lin.weight.dtype)]
+                        for lin in linears]}
+
+
+def load_cached(key: dict) -> tuple[RowTimes, ...] | None:
+    """The times kept for `key`; None when absent, corrupted or for another key."""
+    stored = read_keyed(keyed_path("kernel_rows", key), key)
+    try:
+        times = tuple(RowTimes(**t) for t in stored["times"]) if stored is not None else None
+    except (KeyError, TypeError):
+        return None
+    valid = times and all(isinstance(v, (int, float)) and v > 0 for t in times for v in (t.kernel_s, t.dense_s))
+    return times if valid else None
+
+
+def probe(layers: Sequence[Sequence[GGUFLinear]]) -> KernelRows:
+    """The row limit for a model whose layers have the GGUF linears `layers` (each layer's): from the disk cache, or
+    measured on a sample of them (and then cached)."""
+    linears = sampled(layers)
+    key = probe_key(linears)
+    times = load_cached(key)
+    if times is not None:
+        return KernelRows(choose_limit(times), times, from_cache=True)
+    times = measure(linears)
+    write_json_atomically(keyed_path("kernel_rows", key), {"key": key, "value": {"times": [asdict(t) for t in times]}},
+                          "cache the kernel's row limit")
+    return KernelRows(choose_limit(times), times, from_cache=False)
