@@ -13,7 +13,7 @@ from torch import nn
 
 from kvreuse.kernels import build as kernels
 from kvreuse.model import kernel_rows
-from kvreuse.model.decode_graph import row_buckets
+from kvreuse.model.decode_graph import BRANCHING_ROW_GRID, row_buckets
 from kvreuse.model.kernel_rows import MIN_GAIN, RowTimes, choose_limit
 
 needs_kernel = pytest.mark.skipif(not kernels.load().isa, reason=f"no GGUF kernel here: {kernels.load().reason}")
@@ -116,6 +116,7 @@ class Branching(nn.Module):
 ])
 def test_the_compiled_graphs_split_where_the_linears_branch(children, max_rows, buckets):
     assert row_buckets(nn.Sequential(*children), max_rows) == buckets
+    assert set(kernel_rows.ROW_LIMITS) <= set(BRANCHING_ROW_GRID)  # every limit the probe picks is a split
 
 
 @pytest.mark.slow

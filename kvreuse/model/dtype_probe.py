@@ -161,12 +161,12 @@ def probe_key(shapes: list[tuple[int, int]]) -> dict:
 def load_cached(path: Path, key: dict) -> Figures | None:
     """The figures kept at `path` for `key`; None when absent, unreadable, corrupted or for another key."""
     stored = read_keyed(path, key)
+    if stored is None:
+        return None
     try:
-        figures = Figures(**stored) if stored is not None else None
+        figures = Figures(**stored)
     except TypeError as exc:
         logger.info("ignoring the dtype probe cache %s (it is measured again): %s", path, exc)
-        return None
-    if figures is None:
         return None
     values = [getattr(figures, name) for name in ("fp32_prefill_s", "bf16_prefill_s", "fp32_decode_s",
                                                   "bf16_decode_s")]

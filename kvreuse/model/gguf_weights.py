@@ -1,11 +1,11 @@
 """`model.weights = gguf`: decode-shaped products read the GGUF file's own quantized blocks.
 
 Each decoder linear and the LM head of a model loaded from a GGUF keep, beside the dense fp32 weight that prefill
-multiplies by, the file's blocks (gguf_blocks.py). Up to KERNEL_MAX_ROWS rows (decode steps, a few sampled rows of
-the head), the kernel (kvreuse/kernels) dequantizes them in registers to exactly the dense weight's values and
-multiplies in fp32: the dense product up to summation order, at a fifth (4-bit codes) to a third (8-bit) of the
-bytes. Where the kernel is not built or the CPU lacks AVX2 the dense weight is used: the same numbers as `dense`, so
-no tag.
+multiplies by, the file's blocks (gguf_blocks.py). Up to `kernel_max_rows` rows (16 or 32, measured per CPU:
+kernel_rows.py; decode steps, short prompt chunks, a few sampled rows of the head), the kernel (kvreuse/kernels)
+dequantizes them in registers to exactly the dense weight's values and multiplies in fp32: the dense product up to
+summation order, at a fifth (4-bit codes) to a third (8-bit) of the bytes. Where the kernel is not built or the CPU
+lacks AVX2 the dense weight is used: the same numbers as `dense`, so no tag.
 """
 
 from __future__ import annotations
@@ -25,10 +25,6 @@ from kvreuse.model.gguf_blocks import QuantizedBlocks, concat
 if TYPE_CHECKING:
     from kvreuse.model.decoder import CausalLM
     from kvreuse.model.loader import LoadedWeights
-
-# Rows up to which a linear uses the kernel until the probe (kernel_rows.py) has measured this CPU; more rows
-# (prefill) are compute-bound, where the dense GEMM's blocking wins.
-KERNEL_MAX_ROWS = 16
 
 
 def resolve_weights(mode: str, quantization: str, path: Path, device: torch.device) -> str:
@@ -53,8 +49,9 @@ def weights_tag(mode: str) -> str:
 class GGUFLinear(nn.Module):
     """A bias-free linear with a dense weight (prefill) and the GGUF blocks of the same values (decode)."""
 
-    # Where forward branches: one of kernel_rows.ROW_LIMITS, set by the probe (the compiled graphs split there).
-    kernel_max_rows = KERNEL_MAX_ROWS
+    # Where forward branches: one of kernel_rows.ROW_LIMITS, set by the probe (the compiled graphs split there); more
+    # rows (prefill) are compute-bound, where the dense GEMM's blocking wins.
+    kernel_max_rows = kernel_rows.ROW_LIMITS[0]
 
     def __init__(self, weight: torch.Tensor, blocks: QuantizedBlocks, isa: int):
         super().__init__()
@@ -113,21 +110,19 @@ def use_gguf_blocks(model: CausalLM, weights: LoadedWeights) -> str:
     targets = [(i, layer, name, f"layers.{i}.{name}") for i, layer in enumerate(model.layers)
                for name in FUSED_LINEARS]
     targets.append((None, model, "lm_head", "lm_head"))
-    used, per_layer = [], [[] for _ in model.layers]
+    made: list[tuple[int | None, GGUFLinear]] = []  # (layer index, or None for the head; the linear)
     for i, owner, attr, key in targets:
         linear = getattr(owner, attr)
         if key in blocks and blocks[key].shape == tuple(linear.weight.shape):
             gguf = GGUFLinear(linear.weight, blocks[key], status.isa)
             setattr(owner, attr, gguf)
-            used.append(blocks[key].source)
-            if i is not None:
-                per_layer[i].append(gguf)
+            made.append((i, gguf))
+    per_layer = [[lin for j, lin in made if j == i] for i in range(len(model.layers))]
     limit = ""
     if any(per_layer):
         rows = kernel_rows.probe([linears for linears in per_layer if linears])
-        for module in model.modules():
-            if isinstance(module, GGUFLinear):
-                module.kernel_max_rows = rows.limit
+        for _, lin in made:
+            lin.kernel_max_rows = rows.limit
         limit = f"; {rows.summary}"
-    kinds = ", ".join(sorted(set(used)))
-    return f"gguf: {len(used)} of {len(targets)} linears read {kinds} blocks ({status.reason}){limit}"
+    kinds = ", ".join(sorted({lin.source for _, lin in made}))
+    return f"gguf: {len(made)} of {len(targets)} linears read {kinds} blocks ({status.reason}){limit}"
