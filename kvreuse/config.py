@@ -187,11 +187,13 @@ class CacheConfig(_Section):
     max_blocks: int = Field(4096, ge=0, description=(
         "Cached blocks kept while no request holds them; beyond it the policy's victim is dropped at once. Blocks "
         "that requests hold are never evicted."))
-    policy: Literal["lru", "lfu", "s3fifo", "chain"] = Field("lru", description=(
+    policy: Literal["lru", "lfu", "s3fifo", "chain", "learned"] = Field("lru", description=(
         "Which unreferenced cached block is evicted first: `lru` (least recently used), `lfu` (fewest hits, then "
-        "least recent), `s3fifo` (S3-FIFO: new blocks pass a small FIFO first, so prompts seen once leave early) or "
+        "least recent), `s3fifo` (S3-FIFO: new blocks pass a small FIFO first, so prompts seen once leave early), "
         "`chain` (blocks of prefix chains that came back, hit or continued where an earlier prompt ended, are kept "
-        "8x longer than a prompt seen once; docs/features/prefix-caching.md)."))
+        "8x longer than a prompt seen once) or `learned` (a freed block is kept in proportion to how often requests "
+        "of its kind, by output and prompt length and whether they hit, have come back, counted as the cache runs; "
+        "docs/features/prefix-caching.md)."))
     sliding_kv: Literal["auto", "window", "full"] = Field("auto", description=(
         "K/V of a model's sliding-window layers (Gemma 3): `window` keeps only what each window still reads, in "
         "layer groups with their own block tables (a fraction of the memory at long contexts; a prefix hit also "

@@ -55,7 +55,8 @@ min_match_blocks = 1
 Booleans take `true`/`false`, `yes`/`no`, `on`/`off` or `1`/`0`; numbers must be finite. An error names the key,
 the value and what is allowed, with the closest valid name for a typo:
 `unknown config key 'cache.blok_size'; did you mean 'cache.block_size'?`,
-`config key 'cache.policy' must be one of lru, lfu, s3fifo, chain, got 'fifo'`; the command line then exits with code 2.
+`config key 'cache.policy' must be one of lru, lfu, s3fifo, chain, learned, got 'fifo'`; the command line then exits
+with code 2.
 
 From Python, each section is a pydantic model (`kvreuse.config.load_config(path, overrides)` returns a `Config`);
 values are checked when built and when assigned. `cache.suffix` is immutable: derive a variant with

@@ -69,7 +69,7 @@ class ScriptedPolicy:
     def publish(self, block, parent):
         pass
 
-    def add(self, block):
+    def add(self, block, release=None):
         self._blocks[block.block_id] = block
 
     def remove(self, block):

@@ -273,7 +273,7 @@ def test_parse_value_conversions():
     ("cache.suffix.guard_margin=-0.1",
      "config key 'cache.suffix.guard_margin' must be between 0.0 and 100.0, got -0.1"),
     ("engine.max_num_batched_tokens=0", "config key 'engine.max_num_batched_tokens' must be >= 1, got 0"),
-    ("cache.policy=fifo", "config key 'cache.policy' must be one of lru, lfu, s3fifo, chain, got 'fifo'"),
+    ("cache.policy=fifo", "config key 'cache.policy' must be one of lru, lfu, s3fifo, chain, learned, got 'fifo'"),
     ("model.dtype=fp16", "config key 'model.dtype' must be one of auto, fp32, bf16, got 'fp16'"),
     ("server.truncate=newest", "config key 'server.truncate' must be one of error, oldest, got 'newest'"),
     ("cache.blok_size=32", "unknown config key 'cache.blok_size'; did you mean 'cache.block_size'?"),

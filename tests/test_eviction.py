@@ -12,7 +12,7 @@ import random
 import pytest
 
 from kvreuse.kvcache.block import KVCacheBlock
-from kvreuse.kvcache.eviction import POLICIES, ChainPolicy, LFUPolicy, LRUPolicy, S3FIFOPolicy
+from kvreuse.kvcache.eviction import POLICIES, ChainPolicy, LearnedPolicy, LFUPolicy, LRUPolicy, S3FIFOPolicy
 
 
 def blocks(n: int) -> list[KVCacheBlock]:
@@ -27,7 +27,8 @@ def drain(policy) -> list[int]:
 
 
 def test_policies_registry():
-    assert POLICIES == {"lru": LRUPolicy, "lfu": LFUPolicy, "s3fifo": S3FIFOPolicy, "chain": ChainPolicy}
+    assert POLICIES == {"lru": LRUPolicy, "lfu": LFUPolicy, "s3fifo": S3FIFOPolicy, "chain": ChainPolicy,
+                        "learned": LearnedPolicy}
     assert all(cls.name == name for name, cls in POLICIES.items())
 
 
@@ -53,7 +54,8 @@ def test_contains_and_len(policy_cls):
 
 
 @pytest.mark.parametrize(("policy_cls", "error"), [(LRUPolicy, KeyError), (LFUPolicy, IndexError),
-                                                   (S3FIFOPolicy, IndexError), (ChainPolicy, KeyError)])
+                                                   (S3FIFOPolicy, IndexError), (ChainPolicy, KeyError),
+                                                   (LearnedPolicy, KeyError)])
 def test_pop_on_empty_raises(policy_cls, error):
     policy = policy_cls()
     with pytest.raises(error):

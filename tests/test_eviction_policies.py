@@ -1,6 +1,7 @@
-"""S3-FIFO and `chain` against small reference implementations, driven through the pool's protocol by hypothesis:
-blocks are published (held), freed (added), taken again (removed, or hit while another request holds them),
-dropped as orphans (removed, then reset without being popped) and evicted. Every victim must be the reference's.
+"""S3-FIFO, `chain` and `learned` against small reference implementations, driven through the pool's protocol by
+hypothesis: blocks are published (held), freed (added, with the end of a request or without), taken again (removed,
+or hit while another request holds them), dropped as orphans (removed, then reset without being popped) and evicted.
+Every victim must be the reference's.
 
 The references are written from the policies' descriptions with plain lists, and know blocks only through what the
 pool shows a policy (the calls, a block's id, uid, key, num_hits, position)."""
@@ -13,9 +14,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvreuse.config import CacheConfig
 from kvreuse.kvcache.block import KVCacheBlock
 from kvreuse.kvcache.block_pool import BlockPool
-from kvreuse.kvcache.eviction import POLICIES, ChainPolicy, S3FIFOPolicy
+from kvreuse.kvcache.eviction import POLICIES, ChainPolicy, LearnedPolicy, Release, S3FIFOPolicy
+from kvreuse.kvcache.eviction.learned import PRIOR_RATE
+from kvreuse.kvcache.manager import KVCacheManager
+from kvreuse.kvcache.simulate import CacheSimulator
 
 
 class S3FIFOReference:
@@ -47,7 +52,7 @@ class S3FIFOReference:
         self.freq[key] = min(3, self.freq[key] + block.num_hits - self.seen_hits[key])
         self.seen_hits[key] = block.num_hits
 
-    def add(self, block: KVCacheBlock) -> None:
+    def add(self, block: KVCacheBlock, release=None) -> None:
         key = (block.block_id, block.uid)
         if key not in self.freq or self._queue_of(block.block_id) is None:
             self._drop_slots(block.block_id)
@@ -122,7 +127,7 @@ class ChainReference:
         if parent is not None:
             self.links[block.block_id] = (parent.block_id, parent.uid)
 
-    def add(self, block: KVCacheBlock) -> None:
+    def add(self, block: KVCacheBlock, release=None) -> None:
         self.tick += 1
         self.since[block.block_id] = (self.tick, self._proven(block))
         self.ghost_size = max(self.ghost_size, len(self.since))
@@ -145,11 +150,72 @@ class ChainReference:
         return victim
 
 
+class LearnedReference:
+    """A freed block's kind: (the prompt's cached share: 0 none, 1 up to a quarter, 2 more; the bit lengths of the
+    output and prompt lengths), () with no release. A kind's rate: from 0.5, at each of its levels (), (share,),
+    (share, output), the whole kind: (returns + 10 x rate) / (releases + 10). A release counts when its last key's
+    block is added; it returns when a later release adds a block under that key while it is among the last N
+    releases waiting (N: the most blocks ever evictable at once, before this add). The victim: the oldest block of
+    the kind with the largest (age + 1) / rate, ties to the older block."""
+
+    def __init__(self):
+        self.entries: dict[int, tuple[int, tuple]] = {}  # evictable block id -> (tick, kind)
+        self.released: list[tuple] = []
+        self.returned: list[tuple] = []
+        self.waiting: list[tuple[bytes, tuple]] = []     # (last key, kind), oldest first
+        self.most = 1
+        self.tick = 0
+
+    def rate(self, kind: tuple) -> float:
+        rate = 0.5
+        for depth in range(len(kind) + 1):
+            level = kind[:depth]
+            releases = sum(k[:depth] == level for k in self.released)
+            returns = sum(k[:depth] == level for k in self.returned)
+            rate = (returns + 10 * rate) / (releases + 10)
+        return rate
+
+    def publish(self, block: KVCacheBlock, parent) -> None:
+        pass
+
+    def add(self, block: KVCacheBlock, release: Release | None = None) -> None:
+        if release is None:
+            kind = ()
+        else:
+            cached = release.num_cached_tokens
+            share = 0 if cached == 0 else 1 if cached <= release.num_prompt_tokens / 4 else 2
+            kind = (share, release.num_output_tokens.bit_length(), release.num_prompt_tokens.bit_length())
+        if release is not None:
+            back = [i for i, (key, _) in enumerate(self.waiting) if key == block.block_key]
+            if back:
+                self.returned.append(self.waiting.pop(back[0])[1])
+            if block.block_key == release.last_key:
+                self.released.append(kind)
+                self.waiting = (self.waiting + [(block.block_key, kind)])[-self.most:]
+        self.tick += 1
+        self.entries[block.block_id] = (self.tick, kind)
+        self.most = max(self.most, len(self.entries))
+
+    def remove(self, block: KVCacheBlock) -> None:
+        del self.entries[block.block_id]
+
+    def pop(self, blocks: list[KVCacheBlock]) -> int:
+        heads = {}
+        for block_id, (tick, kind) in self.entries.items():
+            if kind not in heads or tick < heads[kind][0]:
+                heads[kind] = (tick, block_id)
+        _, _, victim = max(((self.tick - tick + 1) / self.rate(kind), -tick, block_id)
+                           for kind, (tick, block_id) in heads.items())
+        del self.entries[victim]
+        return victim
+
+
 OPS = ["publish", "free", "hold", "hold_held", "drop", "pop"]
 
 
 @pytest.mark.parametrize(("policy_cls", "reference_cls"), [(S3FIFOPolicy, S3FIFOReference),
-                                                           (ChainPolicy, ChainReference)])
+                                                           (ChainPolicy, ChainReference),
+                                                           (LearnedPolicy, LearnedReference)])
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), num_blocks=st.integers(1, 8), num_keys=st.integers(1, 12))
 def test_policy_evicts_what_its_reference_evicts(policy_cls, reference_cls, data, num_blocks, num_keys):
@@ -178,8 +244,11 @@ def test_policy_evicts_what_its_reference_evicts(policy_cls, reference_cls, data
             state[block.block_id] = "held"
         elif op == "free":
             block = blocks[data.draw(st.sampled_from(where["held"]), label="block")]
-            policy.add(block)
-            reference.add(block)
+            last_keys = st.sampled_from([None, block.block_key, *sorted(used_keys)])
+            release = data.draw(st.none() | st.builds(Release, st.integers(0, 40), st.integers(0, 40),
+                                                      st.integers(0, 40), last_keys), label="release")
+            policy.add(block, release)
+            reference.add(block, release)
             state[block.block_id] = "evictable"
         elif op in ("hold", "drop"):
             block = blocks[data.draw(st.sampled_from(where["evictable"]), label="block")]
@@ -198,6 +267,9 @@ def test_policy_evicts_what_its_reference_evicts(policy_cls, reference_cls, data
             assert victim.block_id == reference.pop(blocks), "the policy and its reference evicted different blocks"
             victim.reset()
             state[victim.block_id] = "free"
+        if isinstance(reference, LearnedReference):  # what it learned, not only what it evicted
+            assert {k: policy.rate(k) for _, k in reference.entries.values()} == \
+                {k: reference.rate(k) for _, k in reference.entries.values()}, "learned rates differ"
         policy.check_integrity()
         assert len(policy) == state.count("evictable")
         assert all((b in policy) == (state[b.block_id] == "evictable") for b in blocks)
@@ -332,3 +404,52 @@ def test_s3fifo_finds_the_small_queues_victim_when_every_main_block_is_held():
     pool.free(new)
     assert pool.allocate(1) == new
     pool.check_integrity()
+
+
+def test_learned_keeps_a_prompt_whose_kind_comes_back_where_lru_drops_it():
+    """Short answers come back (their next turn follows), long ones never do. After six of each, a short answer's
+    prompt outlives six long ones under `learned`; under LRU they push it out (12 blocks of 4 tokens)."""
+    def next_turn_hit(policy: str) -> int:
+        simulator = CacheSimulator(CacheConfig(block_size=4, max_blocks=12, policy=policy), "test", 12,
+                                   enable_segments=False)
+        fresh = itertools.count(1000)
+
+        def prompt() -> list[int]:  # two full blocks and a partial one
+            return [next(fresh) for _ in range(9)]
+        for _ in range(6):
+            chat = prompt()
+            simulator.run(chat, num_output_tokens=2)
+            simulator.run(chat + prompt(), num_output_tokens=2)
+            simulator.run(prompt(), num_output_tokens=64)
+        chat = prompt()
+        simulator.run(chat, num_output_tokens=2)
+        for _ in range(6):
+            simulator.run(prompt(), num_output_tokens=64)
+        simulator.manager.check_integrity([])
+        return simulator.run(chat + prompt(), num_output_tokens=2).cached_tokens
+
+    assert next_turn_hit("lru") == 0
+    assert next_turn_hit("learned") == 8
+
+
+def test_a_request_end_is_learned_from_and_a_preemption_is_not():
+    manager = KVCacheManager.from_config(CacheConfig(block_size=4, policy="learned"), 16, "test")
+    policy = manager.pool.evictable
+    kind = (0, 2, 4)  # nothing cached, 3 tokens generated, a 10-token prompt
+
+    def run(token_ids: list[int], finished: bool) -> None:
+        req = manager.new_request(token_ids)
+        match = manager.match(req)
+        manager.admit(req, match, req.num_tokens - match.num_cached_tokens)
+        manager.update(req, req.num_tokens)
+        req.token_ids += [1, 2, 3]  # what it generated
+        manager.free(req, finished=finished)
+        manager.check_integrity([])
+
+    run(list(range(10)), finished=False)
+    assert policy.rate(kind) == PRIOR_RATE               # a preempted request comes back by design: not counted
+    run(list(range(100, 110)), finished=True)
+    never_back = policy.rate(kind)
+    assert never_back < PRIOR_RATE                       # one release of its kind, not back (yet)
+    run(list(range(100, 110)) + [5, 6, 7, 8], finished=True)  # its next turn frees a block under its last key
+    assert policy.rate(kind) > never_back

@@ -128,7 +128,7 @@ def test_every_policy_is_replayed_beside_the_infinite_cache_and_min():
     assert all(by[10_000, p]["hit_rate"] == infinite["hit_rate"] > 0.3 for p in POLICY_NAMES)
     assert by[40, "belady"]["hit_rate"] > by[40, "lru"]["hit_rate"]
     table = markdown(report)
-    assert "| capacity (hash blocks) | trace tokens | lru | lfu | s3fifo | chain | belady |" in table
+    assert "| capacity (hash blocks) | trace tokens | lru | lfu | s3fifo | chain | learned | belady |" in table
     assert f"| 100 | 51k | {by[100, 'lru']['hit_rate']:.3f} |" in table
 
 

@@ -49,6 +49,11 @@ class Scale:
     def prompt(self, request: TraceRequest) -> list[int]:
         return prompt_tokens(request, self.tokens_per_hash, self.hash_block_tokens)
 
+    def num_output_tokens(self, request: TraceRequest) -> int:
+        """The answer's length as the trace gives it, unscaled: nothing generated is cached, and `learned` reads its
+        magnitude."""
+        return request.output_length
+
     def cache_blocks(self, hash_blocks: int) -> int:
         return hash_blocks * self.tokens_per_hash // self.block_size
 
@@ -78,7 +83,7 @@ def replay(requests: Sequence[TraceRequest], scale: Scale, capacity: int | None,
     for index, request in enumerate(requests):
         if future is not None:
             future.now = index
-        total += simulator.run(scale.prompt(request))
+        total += simulator.run(scale.prompt(request), scale.num_output_tokens(request))
     seconds = time.perf_counter() - start
     return {"policy": policy, "capacity": capacity, "hit_rate": round(total.hit_rate, 4),
             "prompt_tokens": total.prompt_tokens, "cached_tokens": total.cached_tokens,

@@ -165,7 +165,7 @@ class Scheduler:
 
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.kv_manager.free(seq.kv)
+        self.kv_manager.free(seq.kv, finished=False)
         seq.num_computed_tokens = 0
         seq.num_scheduled_tokens = 0
         seq.num_preemptions += 1

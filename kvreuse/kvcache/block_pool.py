@@ -16,7 +16,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Sequence
 
 from kvreuse.kvcache.block import KVCacheBlock
-from kvreuse.kvcache.eviction import EvictionPolicy, make_policy
+from kvreuse.kvcache.eviction import EvictionPolicy, Release, make_policy
 
 
 class BlockPool:
@@ -79,9 +79,10 @@ class BlockPool:
             block.num_hits += 1
             block.last_access = tick
 
-    def free(self, block_ids: Sequence[int], cold: bool = False) -> None:
+    def free(self, block_ids: Sequence[int], cold: bool = False, release: Release | None = None) -> None:
         """Release one reference to each block. `cold`: those that become unreferenced are evicted before any other
-        cached block, unless a hit has reused them already (they proved useful)."""
+        cached block, unless a hit has reused them already (they proved useful). `release`: the request whose end
+        this is, told to the policy with each block it leaves evictable."""
         # Released tail first, so under LRU a sequence's last blocks are evicted before its first ones
         # (a prefix is only usable up to its first missing block).
         for block_id in reversed(block_ids):
@@ -98,7 +99,7 @@ class BlockPool:
             elif cold and block.num_hits <= 1:
                 self.cold[block_id] = block
             else:
-                self.evictable.add(block)
+                self.evictable.add(block, release)
         while self.num_cached_blocks > self.max_cached_blocks:
             self.free_block_ids.append(self._evict().block_id)
 

@@ -10,7 +10,7 @@ from concurrent.futures import TimeoutError as FutureTimeout  # the builtin from
 from kvreuse.config import CacheConfig
 from kvreuse.kvcache.block_pool import BlockPool
 from kvreuse.kvcache.copy_jobs import CopyJobs
-from kvreuse.kvcache.eviction import EvictionPolicy
+from kvreuse.kvcache.eviction import EvictionPolicy, Release
 from kvreuse.kvcache.hashing import BlockHashFn, extend_chain, sha256_block_key
 from kvreuse.kvcache.layout import RELEASED, KVLayout
 from kvreuse.kvcache.match import NO_MATCH, Match
@@ -461,14 +461,24 @@ also needs, in every window group, the blocks its window reads before position n
         child.num_exact_tokens = parent.num_exact_tokens
         return jobs
 
-    def free(self, req: CacheRequest) -> None:
+    def free(self, req: CacheRequest, finished: bool = True) -> None:
+        """Let go of every block `req` holds. `finished`: this is its end, which the eviction policy is told
+        (False: a preemption, which admits it again)."""
         self._release_sources(req)
         req.tier_load = None
-        self.pool.free(req.block_table if self.window_groups is None else self.window_groups.release_order(req))
+        release = self._release(req) if finished else None
+        self.pool.free(req.block_table if self.window_groups is None else self.window_groups.release_order(req),
+                       release=release)
         req.block_table, req.window_tables, req.window_starts = [], [], []
         req.block_uids = []
         req.num_window_published = 0
         req.num_exact_tokens = None
+
+    @staticmethod
+    def _release(req: CacheRequest) -> Release:
+        num_published = next((i for i, uid in enumerate(req.block_uids) if uid is None), len(req.block_uids))
+        return Release(req.num_prompt_tokens, req.num_tokens - req.num_prompt_tokens, req.num_cached_tokens,
+                       req.block_keys[num_published - 1] if num_published else None)
 
     # --- reporting -----------------------------------------------------------------------------------
     @property

@@ -26,10 +26,11 @@ class CacheSimulator:
                                                   policy=policy, layout=layout)
         self.num_skipped = 0
 
-    def run(self, token_ids: list[int]) -> ReuseRecord:
-        """Admit, 'compute' and free one prompt; its reuse record. When the prompt with its hits cannot fit, the cache
-        is dropped first (the engine would evict it); a prompt larger than the whole pool is skipped, as the engine
-        refuses it (an empty record, counted in `num_skipped`)."""
+    def run(self, token_ids: list[int], num_output_tokens: int = 0) -> ReuseRecord:
+        """Admit, 'compute' and free one prompt that generates `num_output_tokens` (extending its tokens as the
+        engine's sequence does, but never cached); its reuse record. When the prompt with its hits cannot fit, the
+        cache is dropped first (the engine would evict it); a prompt larger than the whole pool is skipped, as the
+        engine refuses it (an empty record, counted in `num_skipped`)."""
         manager = self.manager
         req = manager.new_request(list(token_ids))
         match = manager.match(req)
@@ -42,6 +43,7 @@ class CacheSimulator:
         manager.admit(req, match, req.num_tokens - match.num_cached_tokens)
         record = ReuseRecord.admitted(req.num_tokens, req)
         manager.update(req, req.num_tokens)
+        req.token_ids += [0] * num_output_tokens
         manager.free(req)
         return record
 

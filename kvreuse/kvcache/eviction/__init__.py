@@ -7,13 +7,14 @@ engine runs. Belady's MIN (belady.py) is the offline limit and is not in it: it 
 from __future__ import annotations
 
 from kvreuse.kvcache.eviction.chain import ChainPolicy
+from kvreuse.kvcache.eviction.learned import LearnedPolicy
 from kvreuse.kvcache.eviction.lfu import LFUPolicy
 from kvreuse.kvcache.eviction.lru import LRUPolicy
-from kvreuse.kvcache.eviction.policy import EvictionPolicy
+from kvreuse.kvcache.eviction.policy import EvictionPolicy, Release
 from kvreuse.kvcache.eviction.s3fifo import S3FIFOPolicy
 
 POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRUPolicy, "lfu": LFUPolicy, "s3fifo": S3FIFOPolicy,
-                                             "chain": ChainPolicy}
+                                             "chain": ChainPolicy, "learned": LearnedPolicy}
 
 
 def make_policy(policy: str | EvictionPolicy) -> EvictionPolicy:
@@ -21,4 +22,5 @@ def make_policy(policy: str | EvictionPolicy) -> EvictionPolicy:
     return POLICIES[policy]() if isinstance(policy, str) else policy
 
 
-__all__ = ["POLICIES", "ChainPolicy", "EvictionPolicy", "LFUPolicy", "LRUPolicy", "S3FIFOPolicy", "make_policy"]
+__all__ = ["POLICIES", "ChainPolicy", "EvictionPolicy", "LFUPolicy", "LRUPolicy", "LearnedPolicy", "Release",
+           "S3FIFOPolicy", "make_policy"]

@@ -19,6 +19,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 
 from kvreuse.kvcache.block import KVCacheBlock
+from kvreuse.kvcache.eviction.policy import Release
 
 
 class FutureUses:
@@ -55,7 +56,7 @@ class BeladyPolicy:
     def publish(self, block: KVCacheBlock, parent: KVCacheBlock | None) -> None:
         pass
 
-    def add(self, block: KVCacheBlock) -> None:
+    def add(self, block: KVCacheBlock, release: Release | None = None) -> None:
         self._serial += 1
         self._serials[block.block_id] = self._serial
         self._blocks[block.block_id] = block

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from kvreuse.kvcache.block import KVCacheBlock
+from kvreuse.kvcache.eviction.policy import Release
 
 PROVEN_WEIGHT = 8
 
@@ -71,7 +72,7 @@ class ChainPolicy:
         if parent_id is not None and uid == parent_uid:
             self._children[parent_id] = (uid, count - 1)
 
-    def add(self, block: KVCacheBlock) -> None:
+    def add(self, block: KVCacheBlock, release: Release | None = None) -> None:
         self._tick += 1
         self._since[block.block_id] = self._tick
         (self._proven if self.is_proven(block) else self._probation)[block.block_id] = block

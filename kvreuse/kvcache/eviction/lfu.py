@@ -5,6 +5,7 @@ from __future__ import annotations
 import heapq
 
 from kvreuse.kvcache.block import KVCacheBlock
+from kvreuse.kvcache.eviction.policy import Release
 
 
 class LFUPolicy:
@@ -20,7 +21,7 @@ class LFUPolicy:
     def publish(self, block: KVCacheBlock, parent: KVCacheBlock | None) -> None:
         pass
 
-    def add(self, block: KVCacheBlock) -> None:
+    def add(self, block: KVCacheBlock, release: Release | None = None) -> None:
         self._blocks[block.block_id] = block
         heapq.heappush(self._heap, (block.num_hits, block.last_access, block.block_id))
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from kvreuse.kvcache.block import KVCacheBlock
+from kvreuse.kvcache.eviction.policy import Release
 
 
 class LRUPolicy:
@@ -19,7 +20,7 @@ class LRUPolicy:
     def publish(self, block: KVCacheBlock, parent: KVCacheBlock | None) -> None:
         pass
 
-    def add(self, block: KVCacheBlock) -> None:
+    def add(self, block: KVCacheBlock, release: Release | None = None) -> None:
         self._blocks[block.block_id] = block
 
     def remove(self, block: KVCacheBlock) -> None:

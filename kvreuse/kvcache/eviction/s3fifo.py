@@ -17,6 +17,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from kvreuse.kvcache.block import KVCacheBlock
+from kvreuse.kvcache.eviction.policy import Release
 
 SMALL_SHARE = 0.1
 MAX_FREQ = 3
@@ -51,7 +52,7 @@ class S3FIFOPolicy:
         elif entry is not None:
             self._num_main -= 1
 
-    def add(self, block: KVCacheBlock) -> None:
+    def add(self, block: KVCacheBlock, release: Release | None = None) -> None:
         entry = self._entries.get(block.block_id)
         if entry is None or entry.uid != block.uid:  # contents new to the policy
             self._forget(block.block_id)
