@@ -236,11 +236,11 @@ class CacheConfig(_Section):
 # The policy is measured, not the article's (lru for chat, lfu for eval): docs/bench/preset-policies.md.
 PRESETS: dict[str, dict[str, str]] = {
     "none": {},
-    "chat": {"block_size": "16", "policy": "chain"},
-    "eval": {"block_size": "32", "policy": "chain", "suffix.enabled": "true", "suffix.guard_margin": "0"},
-    "agent": {"block_size": "16", "policy": "chain", "normalize_input": "true", "suffix.enabled": "true",
+    "chat": {"block_size": "16", "policy": "learned"},
+    "eval": {"block_size": "32", "policy": "learned", "suffix.enabled": "true", "suffix.guard_margin": "0"},
+    "agent": {"block_size": "16", "policy": "learned", "normalize_input": "true", "suffix.enabled": "true",
               "suffix.recompute_ratio": "0.1"},
-    "rag": {"block_size": "16", "policy": "chain", "suffix.enabled": "true", "suffix.recompute_ratio": "0.3"},
+    "rag": {"block_size": "16", "policy": "learned", "suffix.enabled": "true", "suffix.recompute_ratio": "0.3"},
 }
 # What each preset is for (docs/configuration.md shows these beside the keys).
 PRESET_DESCRIPTIONS: dict[str, str] = {

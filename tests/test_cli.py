@@ -109,7 +109,7 @@ def test_every_shorthand_maps_to_its_key():
                         "--no-enable-prefix-caching", "--preset", "eval"])
     assert (config.model.path, config.model.device, config.model.dtype) == ("m.gguf", "cpu", "bf16")
     assert (config.server.max_tokens, config.cache.enabled, config.cache.preset) == (512, False, "eval")
-    assert config.cache.policy == "chain"  # from the preset
+    assert config.cache.policy == "learned"  # from the preset
 
 
 def test_building_the_config_leaves_the_arguments_alone():

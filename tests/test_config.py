@@ -377,7 +377,7 @@ def test_as_dict():
 
 def test_presets_set_the_article_advice_and_explicit_keys_override_them(tmp_path):
     eval_preset = load_config(None, ["cache.preset=eval"]).cache
-    assert (eval_preset.block_size, eval_preset.policy) == (32, "chain")
+    assert (eval_preset.block_size, eval_preset.policy) == (32, "learned")
     assert eval_preset.suffix.enabled and eval_preset.suffix.guard_margin == 0
     agent = load_config(None, ["cache.preset=agent"]).cache
     assert agent.normalize_input and agent.suffix.enabled and agent.suffix.recompute_ratio == 0.1
@@ -387,7 +387,7 @@ def test_presets_set_the_article_advice_and_explicit_keys_override_them(tmp_path
     # An explicit key wins over the preset whether it comes before or after it, in the file or on the CLI.
     path.write_text("[cache]\nblock_size = 64\npreset = eval\n")
     config = load_config(path)
-    assert (config.cache.preset, config.cache.block_size, config.cache.policy) == ("eval", 64, "chain")
+    assert (config.cache.preset, config.cache.block_size, config.cache.policy) == ("eval", 64, "learned")
     config = load_config(path, ["cache.preset=chat", "cache.policy=lfu"])
     assert (config.cache.preset, config.cache.block_size, config.cache.policy) == ("chat", 64, "lfu")
     assert error_of(None, ["cache.preset=fast"]) == (
