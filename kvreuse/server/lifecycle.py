@@ -28,13 +28,29 @@ def serve(config: Config, *, served_model_name: str | None = None, log_level: st
     `served_model_name` is the model id clients use (default: the weights file name without its
     quantization suffix). Raises ConfigError for a bad API key file, ModelLoadError for bad weights."""
     api_keys = load_api_keys(config.server.api_keys_file) if config.server.api_keys_file else None
-    # The HTTP app's modules (fastapi, the pydantic models: ~0.14 s) are imported while the model loads.
-    engine = load_engine(config, meanwhile=lambda: importlib.import_module("kvreuse.server.app"))
+    prefetched: list[bool] = []
+    engine = load_engine(config, meanwhile=lambda: prefetched.append(prefetch_app()))
+    if not all(prefetched):
+        importlib.invalidate_caches()
     from kvreuse.server.app import create_app
 
     model_name = served_model_name or model_name_of(engine.front_end.model_path)
     app = create_app(engine, model_name, api_keys)
     return run_http(app, config, describe(config, engine.front_end, model_name, api_keys), log_level)
+
+
+def prefetch_app() -> bool:
+    """Import the HTTP app's modules (fastapi, the pydantic models: ~0.14 s) while the model loads on another thread.
+    Python 3.11's imports on two threads at once can fail for a module that exists (a ModuleNotFoundError for
+    kvreuse.server.usage, seen once in CI); such a failure is left to the import after the load, on one thread, which
+    raises if the error is real. False if it failed."""
+    try:
+        importlib.import_module("kvreuse.server.app")
+    except ImportError as exc:
+        logger.warning("importing the HTTP app while the model loaded failed (%s: %s); importing it again after",
+                       type(exc).__name__, exc)
+        return False
+    return True
 
 
 def describe(config: Config, front: FrontEnd, model_name: str, api_keys: dict | None, cluster: str = "") -> str:
