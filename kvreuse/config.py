@@ -192,8 +192,8 @@ class CacheConfig(_Section):
         "least recent), `s3fifo` (S3-FIFO: new blocks pass a small FIFO first, so prompts seen once leave early), "
         "`chain` (blocks of prefix chains that came back, hit or continued where an earlier prompt ended, are kept "
         "8x longer than a prompt seen once) or `learned` (a freed block is kept in proportion to how often requests "
-        "of its kind, by output and prompt length and whether they hit, have come back, counted as the cache runs; "
-        "docs/features/prefix-caching.md)."))
+        "of its kind, by output and prompt length and the share of the prompt that was cached, have come back, "
+        "counted as the cache runs; docs/features/prefix-caching.md)."))
     sliding_kv: Literal["auto", "window", "full"] = Field("auto", description=(
         "K/V of a model's sliding-window layers (Gemma 3): `window` keeps only what each window still reads, in "
         "layer groups with their own block tables (a fraction of the memory at long contexts; a prefix hit also "

@@ -7,6 +7,7 @@ import importlib
 import logging
 import re
 import signal
+import sys
 from pathlib import Path
 
 import uvicorn
@@ -21,6 +22,7 @@ logger = logging.getLogger(__name__)
 # After the drain deadline, the time the cut requests have to send their last bytes before uvicorn cancels
 # whatever still runs (a request still uploading its body, say).
 CUT_GRACE_S = 5
+APP_MODULE = "kvreuse.server.app"
 
 
 def serve(config: Config, *, served_model_name: str | None = None, log_level: str = "warning") -> int:
@@ -28,9 +30,8 @@ def serve(config: Config, *, served_model_name: str | None = None, log_level: st
     `served_model_name` is the model id clients use (default: the weights file name without its
     quantization suffix). Raises ConfigError for a bad API key file, ModelLoadError for bad weights."""
     api_keys = load_api_keys(config.server.api_keys_file) if config.server.api_keys_file else None
-    prefetched: list[bool] = []
-    engine = load_engine(config, meanwhile=lambda: prefetched.append(prefetch_app()))
-    if not all(prefetched):
+    engine = load_engine(config, meanwhile=prefetch_app)
+    if APP_MODULE not in sys.modules:  # the prefetch failed: import again, on one thread, from fresh directory listings
         importlib.invalidate_caches()
     from kvreuse.server.app import create_app
 
@@ -39,18 +40,16 @@ def serve(config: Config, *, served_model_name: str | None = None, log_level: st
     return run_http(app, config, describe(config, engine.front_end, model_name, api_keys), log_level)
 
 
-def prefetch_app() -> bool:
+def prefetch_app() -> None:
     """Import the HTTP app's modules (fastapi, the pydantic models: ~0.14 s) while the model loads on another thread.
     Python 3.11's imports on two threads at once can fail for a module that exists (a ModuleNotFoundError for
-    kvreuse.server.usage, seen once in CI); such a failure is left to the import after the load, on one thread, which
-    raises if the error is real. False if it failed."""
+    kvreuse.server.usage, seen once in CI); such a failure is only logged, and left to the import after the load,
+    which raises if the error is real."""
     try:
-        importlib.import_module("kvreuse.server.app")
+        importlib.import_module(APP_MODULE)
     except ImportError as exc:
         logger.warning("importing the HTTP app while the model loaded failed (%s: %s); importing it again after",
                        type(exc).__name__, exc)
-        return False
-    return True
 
 
 def describe(config: Config, front: FrontEnd, model_name: str, api_keys: dict | None, cluster: str = "") -> str:

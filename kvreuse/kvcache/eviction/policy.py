@@ -2,9 +2,9 @@
 
 A policy tracks only evictable blocks (ref_cnt 0, holding a key): the pool calls `publish` when a block gets a key,
 `add` when it becomes evictable (with the `Release` of the request that ended, when one did), `remove` when a request
-takes it again and `pop` to evict. Whatever else a policy
-remembers (queues, counters, a ghost list of evicted keys) is its own, keyed by block id and checked against the
-block's uid, since a physical block is reused for other contents after it is evicted.
+takes it again and `pop` to evict. Whatever else a policy remembers (queues, counters, a ghost list of evicted keys)
+is its own, keyed by block id and checked against the block's uid, since a physical block is reused for other
+contents after it is evicted.
 """
 
 from __future__ import annotations
