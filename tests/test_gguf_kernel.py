@@ -63,22 +63,25 @@ def test_unsupported_types_are_left_to_the_dense_path():
 @needs_kernel
 @pytest.mark.parametrize("isa", ISAS, ids=lambda i: kernels.ISAS[i])
 @pytest.mark.parametrize("qtype", SUPPORTED, ids=lambda t: t.name)
-@pytest.mark.parametrize("num_rows", [1, 2, 3, 5, 8, 13, 16, 17, 31, 32])  # up to kernel_rows.ROW_LIMITS[-1]
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 5, 8, 13, 16, 17, 31, 32, 45, 64])  # to ROW_LIMITS[-1]
 def test_kernel_equals_the_dequantized_product(qtype, isa, num_rows):
-    # 37 outputs: the last 4-row tile is padded; 768 inputs: 24 blocks (3 Q4_K super-blocks).
+    # 37 outputs: the last 16-row panel is padded; 768 inputs: 24 blocks (3 Q4_K super-blocks).
     data = random_tensor(qtype, 37, 768, seed=num_rows)
     blocks = from_gguf(data, qtype)
     packed = blocks.pack()
-    # 10 tiles x 24 blocks of records: 4 rows of fp32 scales, 4 of fp32 mins (2 a row for Q6_K), 4 rows of codes
+    # 3 panels x 24 blocks of records: 16 scales, 16 mins (twice for Q6_K), 16 rows of codes. The 32-input formats'
+    # scales and mins are fp16 numbers (their d is), the super-block formats' products of two scales are not.
     groups = 2 if qtype == QType.Q6_K else 1
     assert blocks.group == 32 // groups
-    assert packed.data.numel() == 10 * 24 * 4 * (2 * 4 * groups + blocks.bits * 32 // 8)
+    assert packed.half_scales == (qtype not in (QType.Q4_K, QType.Q6_K))
+    scale_bytes = 2 if packed.half_scales else 4
+    assert packed.data.numel() == 3 * 24 * 16 * (2 * scale_bytes * groups + blocks.bits * 32 // 8)
     weight = reference(data, qtype).double()                              # [37, 768]
     # A view one float into a buffer: contiguous, but not on a 64-byte (or 32-byte) boundary.
     buffer = torch.randn(num_rows * 768 + 1, generator=torch.Generator().manual_seed(num_rows))
     x = buffer[1:].view(num_rows, 768)
     assert x.data_ptr() % 32 != 0
-    y = torch.ops.kvreuse_cpu.gguf_linear(x, packed.data, 37, packed.bits, packed.group, isa)
+    y = torch.ops.kvreuse_cpu.gguf_linear(x, packed.data, 37, packed.bits, packed.group, packed.half_scales, isa)
     expected = x.double() @ weight.T                                      # [T, 37]
     assert y.shape == (num_rows, 37) and y.dtype == torch.float32
     # fp32 accumulation over 768 terms: a few units in the last place of the largest output.
@@ -93,9 +96,10 @@ def test_mins_beyond_fp16_are_exact(isa):
     data[:, 0:2] = np.frombuffer(np.float16(600).tobytes(), dtype=np.uint8)
     blocks = from_gguf(data, QType.Q8_0)
     packed = blocks.pack()
-    assert packed.data.view(-1, 4 * (2 * 4 + 32))[0, :16].view(torch.float32).tolist() == [600.0] * 4
+    assert not packed.half_scales
+    assert packed.data.view(-1, 16 * (2 * 4 + 32))[0, :32].view(torch.float32).tolist() == [600.0] * 8
     x = torch.randn(3, 64)
-    y = torch.ops.kvreuse_cpu.gguf_linear(x, packed.data, 8, packed.bits, packed.group, isa)
+    y = torch.ops.kvreuse_cpu.gguf_linear(x, packed.data, 8, packed.bits, packed.group, False, isa)
     expected = x.double() @ reference(data, QType.Q8_0).double().T
     torch.testing.assert_close(y.double(), expected, rtol=0, atol=2e-6 * expected.abs().max().item())
 
@@ -104,13 +108,15 @@ def test_mins_beyond_fp16_are_exact(isa):
 def test_bad_calls_are_refused_with_the_reason():
     blocks = from_gguf(random_tensor(QType.Q4_1, 8, 64), QType.Q4_1).pack()
     with pytest.raises(RuntimeError, match="fp32"):
-        torch.ops.kvreuse_cpu.gguf_linear(torch.randn(1, 64).half(), blocks.data, 8, 4, 32, ISAS[0])
+        torch.ops.kvreuse_cpu.gguf_linear(torch.randn(1, 64).half(), blocks.data, 8, 4, 32, True, ISAS[0])
     with pytest.raises(RuntimeError, match="records"):
-        torch.ops.kvreuse_cpu.gguf_linear(torch.randn(1, 64), blocks.data, 12, 4, 32, ISAS[0])
+        torch.ops.kvreuse_cpu.gguf_linear(torch.randn(1, 64), blocks.data, 20, 4, 32, True, ISAS[0])
+    with pytest.raises(RuntimeError, match="records"):  # records of fp32 scales are longer
+        torch.ops.kvreuse_cpu.gguf_linear(torch.randn(1, 64), blocks.data, 8, 4, 32, False, ISAS[0])
     with pytest.raises(RuntimeError, match="bits and group"):
-        torch.ops.kvreuse_cpu.gguf_linear(torch.randn(1, 64), blocks.data, 8, 4, 16, ISAS[0])
+        torch.ops.kvreuse_cpu.gguf_linear(torch.randn(1, 64), blocks.data, 8, 4, 16, True, ISAS[0])
     with pytest.raises(RuntimeError, match="isa"):
-        torch.ops.kvreuse_cpu.gguf_linear(torch.randn(1, 64), blocks.data, 8, 4, 32, 7)
+        torch.ops.kvreuse_cpu.gguf_linear(torch.randn(1, 64), blocks.data, 8, 4, 32, True, 7)
 
 
 def test_the_build_is_kept_per_source_and_torch():
@@ -172,7 +178,7 @@ def test_both_ops_have_fake_functions_so_the_compiled_graph_can_call_them():
 
     with FakeTensorMode():
         product = torch.ops.kvreuse_cpu.gguf_linear(torch.empty(3, 64), torch.empty(100, dtype=torch.uint8), 8, 4,
-                                                    32, 1)
+                                                    32, True, 1)
         q = torch.empty(2, 4, 16)
         attended = torch.ops.kvreuse_cpu.decode_attention(q, q[:, :1], q[:, :1], torch.empty(8, 4, 1, 16),
                                                           torch.empty(8, 4, 1, 16), torch.empty(2, dtype=torch.long),

@@ -116,7 +116,7 @@ def _build() -> None:
                        is_python_module=False, verbose=False)
 
     @torch.library.register_fake("kvreuse_cpu::gguf_linear")
-    def _(x, packed, out_features, bits, group, isa):
+    def _(x, packed, out_features, bits, group, half_scales, isa):
         return x.new_empty(x.shape[0], out_features)
 
     @torch.library.register_fake("kvreuse_cpu::decode_attention")

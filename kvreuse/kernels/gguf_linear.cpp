@@ -1,10 +1,18 @@
-// y = x @ W.T for decode-shaped x (a few rows), with W kept in quantized blocks of 32 inputs, each with one scale
-// and min per group of 32 or 16 inputs (g = j / group):
+// y = x @ W.T for decode-shaped x (up to a few dozen rows), with W kept in quantized blocks of 32 inputs, each with
+// one scale and min per group of 32 or 16 inputs (g = j / group):
 //   W[n, b*32 + j] = scales[n, b, g] * code(n, b, j) + mins[n, b, g]
-// codes are 4-bit (16 bytes per block: the low nibbles are inputs 0..15, the high ones 16..31, as in ggml's
-// Q4_0/Q4_1/Q4_K) or 8-bit (32 bytes per block; Q6_K's 6-bit codes, with groups of 16). The weights are dequantized in registers, in fp32, with the very
-// expression the fp32 path dequantizes with (scale * code + min, exact for every GGUF format mapped here), and
-// multiplied by fp32 activations with fp32 accumulation: the fp32 path's product up to summation order.
+// codes are 4-bit (Q4_0/Q4_1/Q4_K) or 8-bit (Q5_0/Q8_0, and Q6_K's 6-bit codes, with groups of 16). The weights
+// are dequantized in registers, in fp32, with the very expression the fp32 path dequantizes with (scale * code +
+// min, exact for every GGUF format mapped here), and multiplied by fp32 activations with fp32 accumulation: the
+// fp32 path's product up to summation order.
+//
+// The layout (gguf_blocks.py packs it): for each panel of 16 output rows, for each block of 32 inputs, one record of
+//   G x 16 scales, G x 16 mins (fp16 where every one is an fp16 number, else fp32; G = 32 / group), then the codes
+//   as vectors across the panel's rows: 4-bit: 16 x 16 bytes, byte r of vector j holding row r's inputs j (low
+//   nibble) and j + 16 (high); 8-bit: 32 x 16 bytes, vector j holding row r's input j.
+// A vector of 16 codes dequantizes into the weights of 16 output rows at one input, which then multiply a broadcast
+// input of every row of x (an outer product): a dequantized weight serves up to 16 rows of x, and no sum is reduced
+// across lanes. One thread streams its panels' records from one place in memory.
 //
 // One source, compiled once for the baseline x86-64 target: the AVX-512 and AVX2 variants carry their own target
 // attributes and `best_isa()` says which one this CPU runs (0: neither; the caller then dequantizes in torch).
@@ -14,8 +22,10 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
-#include <cstring>
+#include <utility>
+#include <vector>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -24,173 +34,333 @@
 namespace {
 
 constexpr int64_t kBlock = 32;
-constexpr int64_t kTileRows = 4;  // output rows whose blocks are stored together (the packing, gguf_blocks.py)
+constexpr int64_t kPanel = 16;  // output rows per record (gguf_blocks.PANEL_ROWS)
+constexpr int64_t kChunkBlocks = 4;  // blocks dequantized at a time for several passes: 8 KiB, in L1
 constexpr int kIsaNone = 0, kIsaAvx2 = 1, kIsaAvx512 = 2;
 
-// The packed weight: for each tile of 4 output rows, for each block of 32 inputs, one record of
-//   4 x G scales, 4 x G mins (fp32; G = 32 / group, row-major), then 4 x (16 or 32) code bytes,
-// so that one thread streams its rows' weights from one place in memory. The scales are fp32 even where the file's
-// are fp16: converting them in the loop cost more than the bytes they save (docs/design/performance.md).
 struct Problem {
   const float* x;         // [T, K]
-  const uint8_t* packed;  // [ceil(N / 4), K / 32, record bytes]
+  const uint8_t* packed;  // [ceil(N / 16), K / 32, record bytes]
   float* y;               // [T, N]
   int64_t T, N, K;
 };
 
 // G: groups (scale and min pairs) per block and row: 1, or 2 for groups of 16 inputs.
-constexpr int64_t record_bytes(int64_t bits, int64_t groups) {
-  return kTileRows * (2 * 4 * groups + bits * kBlock / 8);
+constexpr int64_t record_bytes(int64_t bits, int64_t groups, bool half) {
+  return kPanel * (2 * groups * (half ? 2 : 4) + bits * kBlock / 8);
 }
 
 #if defined(__x86_64__)
 
-inline float scale_at(const uint8_t* p, int i) {
-  float f;
-  std::memcpy(&f, p + 4 * i, 4);
-  return f;
+// ---- AVX-512: a panel's 16 rows are one vector ----
+
+template <bool Half>
+__attribute__((target("avx512f,f16c"))) inline __m512 scales512(const uint8_t* p, int i) {
+  if constexpr (Half) return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p) + i));
+  else return _mm512_loadu_ps(reinterpret_cast<const float*>(p) + kPanel * i);
 }
 
-// ---- AVX-512: one block is two 16-lane vectors ----
-
-// One block of one row: inputs 0..15 in lo, 16..31 in hi, with (d0, m0) and, for two groups, (d1, m1) for hi.
-// 4-bit codes take their weights from a table of the 16 values scale * code + min (the same fma as per lane, so
-// the same bits): one fma per block instead of two, and no masking (vpermps reads only an index's low 4 bits).
-template <int Bits>
-__attribute__((target("avx512f,fma"))) inline void dequant512(const uint8_t* c, __m512 d0, __m512 m0, __m512 d1,
-                                                               __m512 m1, __m512 iota, __m512& lo, __m512& hi) {
-  if constexpr (Bits == 4) {
-    const __m512 table = _mm512_fmadd_ps(iota, d0, m0);                                        // [16] weights
-    __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));  // 16 bytes
-    lo = _mm512_permutexvar_ps(q, table);
-    hi = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
-  } else {
-    lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
-                             reinterpret_cast<const __m128i*>(c)))), d0, m0);
-    hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
-                             reinterpret_cast<const __m128i*>(c + 16)))), d1, m1);
-  }
-}
-
-// One tile of 4 output rows against TR input rows from t0.
-template <int Bits, int G, int TR>
-__attribute__((target("avx512f,fma,avx2"))) void tile512(const Problem& p, int64_t tile, int64_t t0) {
-  constexpr int64_t kRecord = record_bytes(Bits, G), kCodes = Bits * kBlock / 8;
-  constexpr int64_t kScales = kTileRows * G * 4;
+// One panel against TR rows of x from t0. Fewer than 16 rows accumulate in two sets (inputs j and j + 16, or even
+// and odd), so that each fma chain has time to finish.
+template <int Bits, int G, bool Half, int TR>
+__attribute__((target("avx512f,fma,avx2,f16c"))) void panel512(const Problem& p, int64_t panel, int64_t t0) {
+  constexpr int64_t kRecord = record_bytes(Bits, G, Half);
+  constexpr int kSets = TR >= 16 ? 1 : 2;
   const int64_t num_blocks = p.K / kBlock;
-  const uint8_t* record = p.packed + tile * num_blocks * kRecord;
-  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  __m512 acc[kTileRows][TR];
-  for (int r = 0; r < kTileRows; ++r)
-    for (int t = 0; t < TR; ++t) acc[r][t] = _mm512_setzero_ps();
+  const uint8_t* record = p.packed + panel * num_blocks * kRecord;
+  const float* x = p.x + t0 * p.K;
+  __m512 acc[kSets][TR];
+  for (int s = 0; s < kSets; ++s)
+    for (int t = 0; t < TR; ++t) acc[s][t] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi32(15);
   for (int64_t b = 0; b < num_blocks; ++b, record += kRecord) {
-    _mm_prefetch(reinterpret_cast<const char*>(record + 8 * kRecord), _MM_HINT_T0);
-    __m512 xlo[TR], xhi[TR];
-    for (int t = 0; t < TR; ++t) {
-      const float* xb = p.x + (t0 + t) * p.K + b * kBlock;
-      xlo[t] = _mm512_loadu_ps(xb);
-      xhi[t] = _mm512_loadu_ps(xb + 16);
-    }
-    for (int r = 0; r < kTileRows; ++r) {
-      __m512 lo, hi;
-      const __m512 d0 = _mm512_set1_ps(scale_at(record, r * G)), m0 = _mm512_set1_ps(scale_at(record + kScales, r * G));
-      const __m512 d1 = G == 1 ? d0 : _mm512_set1_ps(scale_at(record, r * G + 1));
-      const __m512 m1 = G == 1 ? m0 : _mm512_set1_ps(scale_at(record + kScales, r * G + 1));
-      dequant512<Bits>(record + 2 * kScales + r * kCodes, d0, m0, d1, m1, iota, lo, hi);
-      for (int t = 0; t < TR; ++t) acc[r][t] = _mm512_fmadd_ps(hi, xhi[t], _mm512_fmadd_ps(lo, xlo[t], acc[r][t]));
-    }
-  }
-  for (int r = 0; r < kTileRows && tile * kTileRows + r < p.N; ++r)
-    for (int t = 0; t < TR; ++t) p.y[(t0 + t) * p.N + tile * kTileRows + r] = _mm512_reduce_add_ps(acc[r][t]);
-}
-
-// ---- AVX2: one block is four 8-lane vectors ----
-
-// One block of one row as four 8-lane vectors: w[0..1] are inputs 0..15 (group 0), w[2..3] 16..31 (group G - 1).
-template <int Bits>
-__attribute__((target("avx2,fma"))) inline void dequant256(const uint8_t* c, __m256 d0, __m256 m0, __m256 d1,
-                                                            __m256 m1, __m256 w[4]) {
-  if constexpr (Bits == 4) {
-    __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
-    __m256i q0 = _mm256_cvtepu8_epi32(bytes), q1 = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
-    __m256i low = _mm256_set1_epi32(15);
-    w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q0, low)), d0, m0);
-    w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q1, low)), d0, m0);
-    w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(q0, 4)), d1, m1);
-    w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(q1, 4)), d1, m1);
-  } else {
-    for (int i = 0; i < 4; ++i)
-      w[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
-                                 reinterpret_cast<const __m128i*>(c + 8 * i)))), i < 2 ? d0 : d1, i < 2 ? m0 : m1);
-  }
-}
-
-__attribute__((target("avx2,fma"))) inline float hsum256(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-template <int Bits, int G, int TR>
-__attribute__((target("avx2,fma"))) void tile256(const Problem& p, int64_t tile, int64_t t0) {
-  constexpr int64_t kRecord = record_bytes(Bits, G), kCodes = Bits * kBlock / 8;
-  constexpr int64_t kScales = kTileRows * G * 4;
-  const int64_t num_blocks = p.K / kBlock;
-  const uint8_t* record = p.packed + tile * num_blocks * kRecord;
-  __m256 acc[kTileRows][TR];
-  for (int r = 0; r < kTileRows; ++r)
-    for (int t = 0; t < TR; ++t) acc[r][t] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < num_blocks; ++b, record += kRecord) {
-    _mm_prefetch(reinterpret_cast<const char*>(record + 8 * kRecord), _MM_HINT_T0);
-    for (int r = 0; r < kTileRows; ++r) {
-      __m256 w[4];
-      const __m256 d0 = _mm256_set1_ps(scale_at(record, r * G)), m0 = _mm256_set1_ps(scale_at(record + kScales, r * G));
-      const __m256 d1 = G == 1 ? d0 : _mm256_set1_ps(scale_at(record, r * G + 1));
-      const __m256 m1 = G == 1 ? m0 : _mm256_set1_ps(scale_at(record + kScales, r * G + 1));
-      dequant256<Bits>(record + 2 * kScales + r * kCodes, d0, m0, d1, m1, w);
-      for (int t = 0; t < TR; ++t) {
-        const float* xb = p.x + (t0 + t) * p.K + b * kBlock;
-        __m256 a = acc[r][t];
-        for (int i = 0; i < 4; ++i) a = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(xb + 8 * i), a);
-        acc[r][t] = a;
+    for (int64_t line = 0; line < kRecord; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(record + 4 * kRecord + line), _MM_HINT_T0);
+    const __m512 d0 = scales512<Half>(record, 0), m0 = scales512<Half>(record, G);
+    const __m512 d1 = G == 1 ? d0 : scales512<Half>(record, 1), m1 = G == 1 ? m0 : scales512<Half>(record, G + 1);
+    const uint8_t* codes = record + 2 * G * kPanel * (Half ? 2 : 4);
+    const float* xb = x + b * kBlock;
+    if constexpr (Bits == 4) {
+#pragma GCC unroll 4
+      for (int j = 0; j < 16; ++j) {
+        const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * j)));
+        const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, low)), d0, m0);   // inputs j
+        const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), d1, m1);   // j + 16
+        for (int t = 0; t < TR; ++t) {
+          acc[0][t] = _mm512_fmadd_ps(lo, _mm512_set1_ps(xb[t * p.K + j]), acc[0][t]);
+          acc[kSets - 1][t] = _mm512_fmadd_ps(hi, _mm512_set1_ps(xb[t * p.K + j + 16]), acc[kSets - 1][t]);
+        }
+      }
+    } else {
+#pragma GCC unroll 4
+      for (int j = 0; j < 32; ++j) {
+        const __m512 w = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
+                                             reinterpret_cast<const __m128i*>(codes + 16 * j)))),
+                                         j < 16 ? d0 : d1, j < 16 ? m0 : m1);
+        for (int t = 0; t < TR; ++t)
+          acc[j % kSets][t] = _mm512_fmadd_ps(w, _mm512_set1_ps(xb[t * p.K + j]), acc[j % kSets][t]);
       }
     }
   }
-  for (int r = 0; r < kTileRows && tile * kTileRows + r < p.N; ++r)
-    for (int t = 0; t < TR; ++t) p.y[(t0 + t) * p.N + tile * kTileRows + r] = hsum256(acc[r][t]);
+  const int64_t n0 = panel * kPanel, valid = std::min(kPanel, p.N - n0);
+  const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
+  for (int t = 0; t < TR; ++t)
+    _mm512_mask_storeu_ps(p.y + (t0 + t) * p.N + n0, mask,
+                          kSets == 2 ? _mm512_add_ps(acc[0][t], acc[kSets - 1][t]) : acc[0][t]);
 }
 
-// Input rows in groups of TR (4 with AVX-512's 32 registers, 2 with AVX2's 16), then the rest.
-template <int Bits, int G, bool Wide>
-void tile_rows(const Problem& p, int64_t tile) {
-  int64_t t0 = 0;
-  if constexpr (Wide) {
-    for (; t0 + 4 <= p.T; t0 += 4) tile512<Bits, G, 4>(p, tile, t0);
-    switch (p.T - t0) {
-      case 3: tile512<Bits, G, 3>(p, tile, t0); break;
-      case 2: tile512<Bits, G, 2>(p, tile, t0); break;
-      case 1: tile512<Bits, G, 1>(p, tile, t0); break;
-      default: break;
+// ---- AVX2: a panel's 16 rows are two 8-lane halves, each its own pass (16 registers) ----
+
+template <bool Half>
+__attribute__((target("avx2,f16c"))) inline __m256 scales256(const uint8_t* p, int i, int half) {
+  if constexpr (Half)
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * (kPanel * i + 8 * half))));
+  else return _mm256_loadu_ps(reinterpret_cast<const float*>(p) + kPanel * i + 8 * half);
+}
+
+template <int Bits, int G, bool Half, int TR>
+__attribute__((target("avx2,fma,f16c"))) void panel256(const Problem& p, int64_t panel, int64_t t0, int half) {
+  constexpr int64_t kRecord = record_bytes(Bits, G, Half);
+  constexpr int kSets = TR >= 8 ? 1 : 2;
+  const int64_t num_blocks = p.K / kBlock;
+  const uint8_t* record = p.packed + panel * num_blocks * kRecord;
+  const float* x = p.x + t0 * p.K;
+  __m256 acc[kSets][TR];
+  for (int s = 0; s < kSets; ++s)
+    for (int t = 0; t < TR; ++t) acc[s][t] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < num_blocks; ++b, record += kRecord) {
+    for (int64_t line = 0; line < kRecord; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(record + 4 * kRecord + line), _MM_HINT_T0);
+    const __m256 d0 = scales256<Half>(record, 0, half), m0 = scales256<Half>(record, G, half);
+    const __m256 d1 = G == 1 ? d0 : scales256<Half>(record, 1, half);
+    const __m256 m1 = G == 1 ? m0 : scales256<Half>(record, G + 1, half);
+    const uint8_t* codes = record + 2 * G * kPanel * (Half ? 2 : 4) + 8 * half;
+    const float* xb = x + b * kBlock;
+    if constexpr (Bits == 4) {
+      const __m256i low = _mm256_set1_epi32(15);
+#pragma GCC unroll 2
+      for (int j = 0; j < 16; ++j) {
+        const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 16 * j)));
+        const __m256 lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q, low)), d0, m0);
+        const __m256 hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4)), d1, m1);
+        for (int t = 0; t < TR; ++t) {
+          acc[0][t] = _mm256_fmadd_ps(lo, _mm256_broadcast_ss(xb + t * p.K + j), acc[0][t]);
+          acc[kSets - 1][t] = _mm256_fmadd_ps(hi, _mm256_broadcast_ss(xb + t * p.K + j + 16), acc[kSets - 1][t]);
+        }
+      }
+    } else {
+#pragma GCC unroll 2
+      for (int j = 0; j < 32; ++j) {
+        const __m256 w = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                                             reinterpret_cast<const __m128i*>(codes + 16 * j)))),
+                                         j < 16 ? d0 : d1, j < 16 ? m0 : m1);
+        for (int t = 0; t < TR; ++t)
+          acc[j % kSets][t] = _mm256_fmadd_ps(w, _mm256_broadcast_ss(xb + t * p.K + j), acc[j % kSets][t]);
+      }
     }
-  } else {
-    for (; t0 + 2 <= p.T; t0 += 2) tile256<Bits, G, 2>(p, tile, t0);
-    if (t0 < p.T) tile256<Bits, G, 1>(p, tile, t0);
+  }
+  const int64_t n0 = panel * kPanel + 8 * half, valid = std::min<int64_t>(8, p.N - n0);
+  if (valid <= 0) return;
+  for (int t = 0; t < TR; ++t) {
+    const __m256 v = kSets == 2 ? _mm256_add_ps(acc[0][t], acc[kSets - 1][t]) : acc[0][t];
+    float* out = p.y + (t0 + t) * p.N + n0;
+    if (valid == 8) {
+      _mm256_storeu_ps(out, v);
+    } else {
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, v);
+      std::copy(lanes, lanes + valid, out);
+    }
   }
 }
 
-template <int Bits, int G, bool Wide>
-void run(const Problem& p) {
-  const int64_t num_tiles = (p.N + kTileRows - 1) / kTileRows;
-  at::parallel_for(0, num_tiles, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t tile = begin; tile < end; ++tile) tile_rows<Bits, G, Wide>(p, tile);
+// ---- More rows than one pass holds: the panel is dequantized once, into a buffer [K, 16] that every pass reads ----
+
+template <int Bits, int G, bool Half>
+__attribute__((target("avx512f,fma,avx2,f16c"))) void dequantize512(const Problem& p, int64_t panel, int64_t b0,
+                                                                   int64_t b1, float* w) {
+  constexpr int64_t kRecord = record_bytes(Bits, G, Half);
+  const uint8_t* record = p.packed + (panel * (p.K / kBlock) + b0) * kRecord;
+  const __m512i low = _mm512_set1_epi32(15);
+  for (int64_t b = b0; b < b1; ++b, record += kRecord, w += kBlock * kPanel) {
+    const __m512 d0 = scales512<Half>(record, 0), m0 = scales512<Half>(record, G);
+    const __m512 d1 = G == 1 ? d0 : scales512<Half>(record, 1), m1 = G == 1 ? m0 : scales512<Half>(record, G + 1);
+    const uint8_t* codes = record + 2 * G * kPanel * (Half ? 2 : 4);
+    for (int j = 0; j < (Bits == 4 ? 16 : 32); ++j) {
+      const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * j)));
+      if constexpr (Bits == 4) {
+        _mm512_storeu_ps(w + kPanel * j, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, low)), d0, m0));
+        _mm512_storeu_ps(w + kPanel * (j + 16), _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), d1, m1));
+      } else {
+        _mm512_storeu_ps(w + kPanel * j, _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), j < 16 ? d0 : d1, j < 16 ? m0 : m1));
+      }
+    }
+  }
+}
+
+template <int TR>
+__attribute__((target("avx512f,fma"))) void buffered512(const Problem& p, const float* w, int64_t panel, int64_t t0,
+                                                        int64_t k0, int64_t k1) {
+  constexpr int kSets = TR >= 16 ? 1 : 2;
+  const float* x = p.x + t0 * p.K;
+  const int64_t n0 = panel * kPanel, valid = std::min(kPanel, p.N - n0);
+  const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
+  __m512 acc[kSets][TR];
+  for (int t = 0; t < TR; ++t) {
+    acc[0][t] = k0 == 0 ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask, p.y + (t0 + t) * p.N + n0);
+    acc[kSets - 1][t] = kSets == 1 ? acc[0][t] : _mm512_setzero_ps();
+  }
+#pragma GCC unroll 2
+  for (int64_t k = k0; k < k1; k += 2) {
+    const __m512 w0 = _mm512_loadu_ps(w + kPanel * (k - k0)), w1 = _mm512_loadu_ps(w + kPanel * (k + 1 - k0));
+    for (int t = 0; t < TR; ++t) {
+      acc[0][t] = _mm512_fmadd_ps(w0, _mm512_set1_ps(x[t * p.K + k]), acc[0][t]);
+      acc[kSets - 1][t] = _mm512_fmadd_ps(w1, _mm512_set1_ps(x[t * p.K + k + 1]), acc[kSets - 1][t]);
+    }
+  }
+  for (int t = 0; t < TR; ++t)
+    _mm512_mask_storeu_ps(p.y + (t0 + t) * p.N + n0, mask,
+                          kSets == 2 ? _mm512_add_ps(acc[0][t], acc[kSets - 1][t]) : acc[0][t]);
+}
+
+template <int Bits, int G, bool Half>
+__attribute__((target("avx2,fma,f16c"))) void dequantize256(const Problem& p, int64_t panel, int64_t b0, int64_t b1,
+                                                            float* w) {
+  constexpr int64_t kRecord = record_bytes(Bits, G, Half);
+  const uint8_t* record = p.packed + (panel * (p.K / kBlock) + b0) * kRecord;
+  const __m256i low = _mm256_set1_epi32(15);
+  for (int64_t b = b0; b < b1; ++b, record += kRecord, w += kBlock * kPanel) {
+    const uint8_t* codes = record + 2 * G * kPanel * (Half ? 2 : 4);
+    for (int half = 0; half < 2; ++half) {
+      const __m256 d0 = scales256<Half>(record, 0, half), m0 = scales256<Half>(record, G, half);
+      const __m256 d1 = G == 1 ? d0 : scales256<Half>(record, 1, half);
+      const __m256 m1 = G == 1 ? m0 : scales256<Half>(record, G + 1, half);
+      float* out = w + 8 * half;
+      for (int j = 0; j < (Bits == 4 ? 16 : 32); ++j) {
+        const __m256i q = _mm256_cvtepu8_epi32(
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 16 * j + 8 * half)));
+        if constexpr (Bits == 4) {
+          _mm256_storeu_ps(out + kPanel * j, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q, low)), d0, m0));
+          _mm256_storeu_ps(out + kPanel * (j + 16),
+                           _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4)), d1, m1));
+        } else {
+          _mm256_storeu_ps(out + kPanel * j,
+                           _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), j < 16 ? d0 : d1, j < 16 ? m0 : m1));
+        }
+      }
+    }
+  }
+}
+
+template <int TR>
+__attribute__((target("avx2,fma"))) void buffered256(const Problem& p, const float* w, int64_t panel, int64_t t0,
+                                                     int half, int64_t k0, int64_t k1) {
+  constexpr int kSets = TR >= 8 ? 1 : 2;
+  const float* x = p.x + t0 * p.K;
+  const int64_t n0 = panel * kPanel + 8 * half, valid = std::min<int64_t>(8, p.N - n0);
+  if (valid <= 0) return;
+  __m256 acc[kSets][TR];
+  for (int t = 0; t < TR; ++t) {
+    alignas(32) float lanes[8] = {};
+    if (k0 > 0) std::copy(p.y + (t0 + t) * p.N + n0, p.y + (t0 + t) * p.N + n0 + valid, lanes);
+    acc[0][t] = _mm256_load_ps(lanes);
+    acc[kSets - 1][t] = kSets == 1 ? acc[0][t] : _mm256_setzero_ps();
+  }
+  w += 8 * half;
+  for (int64_t k = k0; k < k1; k += 2) {
+    const __m256 w0 = _mm256_loadu_ps(w + kPanel * (k - k0)), w1 = _mm256_loadu_ps(w + kPanel * (k + 1 - k0));
+    for (int t = 0; t < TR; ++t) {
+      acc[0][t] = _mm256_fmadd_ps(w0, _mm256_broadcast_ss(x + t * p.K + k), acc[0][t]);
+      acc[kSets - 1][t] = _mm256_fmadd_ps(w1, _mm256_broadcast_ss(x + t * p.K + k + 1), acc[kSets - 1][t]);
+    }
+  }
+  for (int t = 0; t < TR; ++t) {
+    const __m256 v = kSets == 2 ? _mm256_add_ps(acc[0][t], acc[kSets - 1][t]) : acc[0][t];
+    float* out = p.y + (t0 + t) * p.N + n0;
+    if (valid == 8) {
+      _mm256_storeu_ps(out, v);
+    } else {
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, v);
+      std::copy(lanes, lanes + valid, out);
+    }
+  }
+}
+
+// Up to 16 (AVX-512) or 8 (AVX2) rows of x are one pass, which dequantizes in registers (one instance per row count,
+// so that the accumulators stay in registers). More rows take passes of 16 or 8, then fewer, over chunks of the panel
+// dequantized once into `w`.
+template <int Bits, int G, bool Half, int... I>
+void one_pass512(const Problem& p, int64_t panel, std::integer_sequence<int, I...>) {
+  ((p.T == I + 1 ? panel512<Bits, G, Half, I + 1>(p, panel, 0) : void()), ...);
+}
+
+template <int... I>
+void rest512(const Problem& p, const float* w, int64_t panel, int64_t t0, int64_t k0, int64_t k1,
+             std::integer_sequence<int, I...>) {
+  ((p.T - t0 == I + 1 ? buffered512<I + 1>(p, w, panel, t0, k0, k1) : void()), ...);
+}
+
+template <int... I>
+void rest256(const Problem& p, const float* w, int64_t panel, int64_t t0, int half, int64_t k0, int64_t k1,
+             std::integer_sequence<int, I...>) {
+  ((p.T - t0 == I + 1 ? buffered256<I + 1>(p, w, panel, t0, half, k0, k1) : void()), ...);
+}
+
+template <int Bits, int G, bool Half, int... I>
+void one_pass256(const Problem& p, int64_t panel, int half, std::integer_sequence<int, I...>) {
+  ((p.T == I + 1 ? panel256<Bits, G, Half, I + 1>(p, panel, 0, half) : void()), ...);
+}
+
+template <int Bits, int G, bool Half>
+void panel_rows512(const Problem& p, int64_t panel, float* w) {
+  if (p.T <= 16) {
+    one_pass512<Bits, G, Half>(p, panel, std::make_integer_sequence<int, 16>{});
+    return;
+  }
+  for (int64_t b0 = 0; b0 < p.K / kBlock; b0 += kChunkBlocks) {
+    const int64_t b1 = std::min(b0 + kChunkBlocks, p.K / kBlock), k0 = b0 * kBlock, k1 = b1 * kBlock;
+    dequantize512<Bits, G, Half>(p, panel, b0, b1, w);
+    int64_t t0 = 0;
+    for (; t0 + 16 <= p.T; t0 += 16) buffered512<16>(p, w, panel, t0, k0, k1);
+    rest512(p, w, panel, t0, k0, k1, std::make_integer_sequence<int, 15>{});
+  }
+}
+
+template <int Bits, int G, bool Half>
+void panel_rows256(const Problem& p, int64_t panel, float* w) {
+  if (p.T <= 8) {
+    for (int half = 0; half < 2; ++half) one_pass256<Bits, G, Half>(p, panel, half, std::make_integer_sequence<int, 8>{});
+    return;
+  }
+  for (int64_t b0 = 0; b0 < p.K / kBlock; b0 += kChunkBlocks) {
+    const int64_t b1 = std::min(b0 + kChunkBlocks, p.K / kBlock), k0 = b0 * kBlock, k1 = b1 * kBlock;
+    dequantize256<Bits, G, Half>(p, panel, b0, b1, w);
+    for (int half = 0; half < 2; ++half) {
+      int64_t t0 = 0;
+      for (; t0 + 8 <= p.T; t0 += 8) buffered256<8>(p, w, panel, t0, half, k0, k1);
+      rest256(p, w, panel, t0, half, k0, k1, std::make_integer_sequence<int, 7>{});
+    }
+  }
+}
+
+template <int Bits, int G, bool Half>
+void run(const Problem& p, int64_t isa) {
+  const int64_t num_panels = (p.N + kPanel - 1) / kPanel;
+  at::parallel_for(0, num_panels, 2, [&](int64_t begin, int64_t end) {
+    std::vector<float> w(kChunkBlocks * kBlock * kPanel);  // a dequantized chunk, when several passes read it
+    for (int64_t panel = begin; panel < end; ++panel) {
+      if (isa == kIsaAvx512) panel_rows512<Bits, G, Half>(p, panel, w.data());
+      else panel_rows256<Bits, G, Half>(p, panel, w.data());
+    }
   });
 }
 
-template <int Bits, int G>
-void dispatch(const Problem& p, int64_t isa) {
-  if (isa == kIsaAvx512) run<Bits, G, true>(p);
-  else run<Bits, G, false>(p);
+template <bool Half>
+void dispatch(const Problem& p, int64_t bits, int64_t group, int64_t isa) {
+  if (bits == 4) run<4, 1, Half>(p, isa);
+  else if (group == 32) run<8, 1, Half>(p, isa);
+  else run<8, 2, Half>(p, isa);
 }
 
 #endif  // __x86_64__
@@ -198,7 +368,7 @@ void dispatch(const Problem& p, int64_t isa) {
 int64_t best_isa() {
 #if defined(__x86_64__)
   __builtin_cpu_init();
-  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
   if (avx2 && __builtin_cpu_supports("avx512f")) return kIsaAvx512;
   if (avx2) return kIsaAvx2;
 #endif
@@ -206,25 +376,24 @@ int64_t best_isa() {
 }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, int64_t bits, int64_t group,
-                  int64_t isa) {
+                  bool half_scales, int64_t isa) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be [T, K] fp32, contiguous");
   TORCH_CHECK((bits == 4 && group == 32) || (bits == 8 && (group == 32 || group == 16)),
               "bits and group must be 4 and 32, or 8 and 32 or 16 (got ", bits, " and ", group, ")");
   const int64_t T = x.size(0), K = x.size(1);
   TORCH_CHECK(K % kBlock == 0, "K must be a multiple of 32");
-  const int64_t record = record_bytes(bits, kBlock / group);
+  const int64_t record = record_bytes(bits, kBlock / group, half_scales);
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-                  packed.numel() == (N + kTileRows - 1) / kTileRows * (K / kBlock) * record,
-              "packed must hold ceil(N / 4) * K / 32 records of ", record, " bytes");
+                  packed.numel() == (N + kPanel - 1) / kPanel * (K / kBlock) * record,
+              "packed must hold ceil(N / 16) * K / 32 records of ", record, " bytes");
   TORCH_CHECK(isa == kIsaAvx2 || isa == kIsaAvx512, "isa must be 1 (AVX2) or 2 (AVX-512)");
   TORCH_CHECK(isa <= best_isa(), "this CPU does not run isa ", isa);
   at::Tensor y = at::empty({T, N}, x.options());
   if (T == 0 || N == 0) return y;
   Problem p{x.data_ptr<float>(), packed.data_ptr<uint8_t>(), y.data_ptr<float>(), T, N, K};
 #if defined(__x86_64__)
-  if (bits == 4) dispatch<4, 1>(p, isa);
-  else if (group == 32) dispatch<8, 1>(p, isa);
-  else dispatch<8, 2>(p, isa);
+  if (half_scales) dispatch<true>(p, bits, group, isa);
+  else dispatch<false>(p, bits, group, isa);
 #endif
   return y;
 }
@@ -232,7 +401,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, int6
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvreuse_cpu, m) {
-  m.def("gguf_linear(Tensor x, Tensor packed, int N, int bits, int group, int isa) -> Tensor");
+  m.def("gguf_linear(Tensor x, Tensor packed, int N, int bits, int group, bool half_scales, int isa) -> Tensor");
   m.def("best_isa() -> int", &best_isa);
 }
 

@@ -17,7 +17,7 @@ import torch
 from gguf import GGMLQuantizationType as QType
 
 BLOCK = 32
-TILE_ROWS = 4  # output rows whose blocks the kernel reads from one record (kTileRows in gguf_linear.cpp)
+PANEL_ROWS = 16  # output rows whose blocks the kernel reads from one record (kPanel in gguf_linear.cpp)
 SUPPORTED = (QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q8_0, QType.Q4_K, QType.Q6_K)
 
 
@@ -55,31 +55,33 @@ class QuantizedBlocks:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.mins))
 
     def pack(self) -> PackedBlocks:
-        """The kernel's layout (gguf_linear.cpp): per tile of TILE_ROWS output rows (the last one padded with zero
-        rows), per block, one record of the tile's fp32 scales, fp32 mins (each [TILE_ROWS, 32 / group]) and
-        codes."""
+        """The kernel's layout (gguf_linear.cpp): per panel of PANEL_ROWS output rows (the last one padded with zero
+        rows), per block, one record of the panel's scales, its mins (each [32 / group, PANEL_ROWS]; fp16 where every
+        one is an fp16 number, else fp32) and its codes as vectors across the panel's rows ([16 | 32, PANEL_ROWS])."""
         n, k = self.shape
-        pad, num_blocks = -n % TILE_ROWS, k // BLOCK
+        pad, num_blocks = -n % PANEL_ROWS, k // BLOCK
         scales, mins, codes = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (self.scales, self.mins, self.codes))
-        tiles = (n + pad) // TILE_ROWS
-        parts = [t.view(n + pad, num_blocks, -1).view(torch.uint8) for t in (scales, mins)]  # [N', B, 4 * groups]
-        parts.append(codes.view(n + pad, num_blocks, -1))                                    # [N', B, bytes]
-        widths = [TILE_ROWS * part.shape[-1] for part in parts]
-        record = torch.empty(tiles, num_blocks, sum(widths), dtype=torch.uint8)  # written part by part: one copy each
-        for part, start, width in zip(parts, [0, widths[0], widths[0] + widths[1]], widths, strict=True):
-            # [N', B, w] -> [tiles, TILE_ROWS, B, w] -> the record's [tiles, B, TILE_ROWS, w] slice
-            record[..., start:start + width].view(tiles, num_blocks, TILE_ROWS, -1).copy_(
-                part.view(tiles, TILE_ROWS, num_blocks, -1).transpose(1, 2))
-        return PackedBlocks(record.view(-1), n, self.bits, self.group)
+        half = all(torch.equal(t.half().float(), t) for t in (scales, mins))
+        panels = (n + pad) // PANEL_ROWS
+
+        def across_rows(t: torch.Tensor) -> torch.Tensor:  # [N', B * w] -> [panels, B, w * PANEL_ROWS] bytes
+            t = t.view(panels, PANEL_ROWS, num_blocks, -1).permute(0, 2, 3, 1)    # [panels, B, w, PANEL_ROWS]
+            return t.contiguous().view(torch.uint8).view(panels, num_blocks, -1)
+
+        wide = torch.float16 if half else torch.float32
+        parts = [across_rows(scales.to(wide)), across_rows(mins.to(wide)), across_rows(codes)]
+        return PackedBlocks(torch.cat(parts, dim=-1).view(-1), n, self.bits, self.group, half)
 
 
 @dataclass(frozen=True)
 class PackedBlocks:
-    """QuantizedBlocks in the kernel's layout: `data` uint8, the weight's `out_features`, code width, group."""
+    """QuantizedBlocks in the kernel's layout: `data` uint8, the weight's `out_features`, code width, group, and
+    whether the scales and mins are held as fp16."""
     data: torch.Tensor
     out_features: int
     bits: int
     group: int
+    half_scales: bool
 
 
 def concat(parts: list[QuantizedBlocks]) -> QuantizedBlocks | None:

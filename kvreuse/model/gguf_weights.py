@@ -20,7 +20,7 @@ from torch import nn
 from kvreuse.kernels import build as kernels
 from kvreuse.model import kernel_rows
 from kvreuse.model.decoder import FUSED_LINEARS, fused_parts
-from kvreuse.model.gguf_blocks import QuantizedBlocks, concat
+from kvreuse.model.gguf_blocks import PANEL_ROWS, QuantizedBlocks, concat
 
 if TYPE_CHECKING:
     from kvreuse.model.decoder import CausalLM
@@ -38,12 +38,13 @@ def resolve_weights(mode: str, quantization: str, path: Path, device: torch.devi
 
 def weights_tag(mode: str) -> str:
     """The fingerprint tag of `mode` as resolved ("gguf" or "dense") on this machine: "" where its numbers are the
-    dense path's, else the kernel's variant ("gguf.avx512", "gguf.avx2"), whose summation orders differ. Decided by
-    torch's CPU capability, so that a front end that loads no kernel (a cluster's ingress) keys blocks alike."""
+    dense path's, else the kernel's panel rows and variant ("gguf16.avx512", "gguf16.avx2"), which fix its
+    summation order. Decided by torch's CPU capability, so that a front end that loads no kernel (a cluster's
+    ingress) keys blocks alike."""
     if mode != "gguf":
         return ""
     isa = {"AVX512": "avx512", "AVX2": "avx2"}.get(torch.backends.cpu.get_cpu_capability())
-    return f"gguf.{isa}" if isa else ""
+    return f"gguf{PANEL_ROWS}.{isa}" if isa else ""
 
 
 class GGUFLinear(nn.Module):
@@ -58,7 +59,8 @@ class GGUFLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.weight = weight                                             # [out, in], the model dtype
         packed = blocks.pack()
-        self.bits, self.group, self.isa, self.source = packed.bits, packed.group, isa, blocks.source
+        self.bits, self.group, self.half_scales = packed.bits, packed.group, packed.half_scales
+        self.isa, self.source = isa, blocks.source
         self.register_buffer("packed", packed.data, persistent=False)   # uint8, the kernel's records
 
     def extra_repr(self) -> str:
@@ -75,7 +77,7 @@ class GGUFLinear(nn.Module):
     def kernel_product(self, rows: torch.Tensor) -> torch.Tensor:
         """rows: [T, in] -> [T, out] from the blocks, multiplied in fp32 (rows' dtype in and out)."""
         return torch.ops.kvreuse_cpu.gguf_linear(rows.float().contiguous(), self.packed, self.out_features,
-                                                 self.bits, self.group, self.isa).to(rows.dtype)
+                                                 self.bits, self.group, self.half_scales, self.isa).to(rows.dtype)
 
     def dense_product(self, rows: torch.Tensor) -> torch.Tensor:
         """rows: [T, in] -> [T, out] from the dense weight."""

@@ -1,11 +1,10 @@
 """Up to how many rows a step's linears read the GGUF blocks (the kernel) rather than the dense weight, measured once
 per CPU on the model's own linears and kept on disk, as the dtype probe is. The kernel streams a fifth to a third of
-the dense bytes but dequantizes every weight again for each 4 rows, so past some row count the dense GEMM's blocking
-wins; where depends on the CPU (16 rows on an AVX2 EPYC, ~48 on an AVX-512 Xeon: docs/benchmarks.md)."""
+the dense bytes but dequantizes every weight again for each 16 rows, and past some row count the dense GEMM's
+blocking wins; where depends on the CPU (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -13,25 +12,26 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvreuse.kernels import build as kernels
 from kvreuse.model.cache_dir import keyed_path, read_keyed, write_json_atomically
 from kvreuse.model.dtype_probe import cpu_identity
 
 if TYPE_CHECKING:
     from kvreuse.model.gguf_weights import GGUFLinear
 
-PROBE_VERSION = 1
+PROBE_VERSION = 2  # 2: the kernel named in the key
 # The row limits to choose from: the compiled graphs' row boundaries (decode_graph.BRANCHING_ROW_GRID), so that no
 # graph straddles the linears' branch. The first is not measured: up to 16 rows the kernel was faster in fp32 on
 # every CPU measured (docs/benchmarks.md).
-ROW_LIMITS = (16, 32)
+ROW_LIMITS = (16, 32, 64)
 MIN_GAIN = 1.1         # the kernel takes a limit's rows only if it is this much faster there: a tie is noise
-MEASURED_LAYERS = 6    # layers sampled evenly: their linears at 32 rows take ~25 ms a pass on a 2-core Xeon
+MEASURED_LAYERS = 6    # layers sampled evenly: their linears at 64 rows take ~10-15 ms a pass on a 2-core Xeon
 REPEATS = 5
 
 
 @dataclass(frozen=True)
 class RowTimes:
-    """Seconds (medians) for the sampled linears at `rows` rows, through the kernel and through the dense weight."""
+    """Seconds (the fastest pass) for the sampled linears at `rows` rows, through the kernel and the dense weight."""
     rows: int
     kernel_s: float
     dense_s: float
@@ -68,7 +68,7 @@ def sampled(layers: Sequence[Sequence[GGUFLinear]]) -> list[GGUFLinear]:
 
 def measure(linears: Sequence[GGUFLinear]) -> tuple[RowTimes, ...]:
     """Time `linears` at each measured limit's rows, kernel and dense interleaved (alternating which goes first):
-    one warm-up, then the median of REPEATS."""
+    one warm-up, then the fastest of REPEATS (another process's load only ever adds time)."""
     g = torch.Generator().manual_seed(0)
     counts = ROW_LIMITS[1:]
     inputs = {(rows, lin.in_features): torch.randn(rows, lin.in_features, generator=g).to(lin.weight.dtype)
@@ -89,14 +89,14 @@ def measure(linears: Sequence[GGUFLinear]) -> tuple[RowTimes, ...]:
         for repeat in range(REPEATS):
             for kind in (kinds if repeat % 2 == 0 else kinds[::-1]):
                 samples[kind].append(one_pass(*kind))
-    return tuple(RowTimes(rows, statistics.median(samples[rows, True]), statistics.median(samples[rows, False]))
+    return tuple(RowTimes(rows, min(samples[rows, True]), min(samples[rows, False]))
                  for rows in counts)
 
 
 def probe_key(linears: Sequence[GGUFLinear]) -> dict:
     """Everything the answer depends on; a change in any of it measures again."""
     return {"version": PROBE_VERSION, **cpu_identity(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "limits": list(ROW_LIMITS),
+            "limits": list(ROW_LIMITS), "kernel": kernels.build_dir().name,  # keyed by the kernel's source
             "linears": [[lin.out_features, lin.in_features, lin.bits, lin.group, lin.isa, str(lin.weight.dtype)]
                         for lin in linears]}
 
