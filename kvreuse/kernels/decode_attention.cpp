@@ -40,6 +40,17 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
+// Keys are read through the block table, a few hundred bytes at a time from scattered slots, which the hardware's
+// prefetcher does not follow: each loop asks for the row kAhead keys on (8 sequences over 1,000 keys, caches
+// evicted: 30 layers in 31.1 ms instead of 34.6; no change at 160 keys).
+constexpr int64_t kAhead = 8;
+
+template <typename T>
+__attribute__((always_inline)) inline void prefetch_row(const T* p, int64_t D) {
+  for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(T)); b += 64)
+    __builtin_prefetch(reinterpret_cast<const char*>(p) + b, 0, 3);
+}
+
 // One query head against its context: out[D] = softmax(scale * q . K) V, in fp32 whatever the pool's dtype T.
 template <typename T>
 __attribute__((always_inline)) inline void attend_one(const float* q, const T* kc, const T* vc, const int64_t* ctx,
@@ -47,6 +58,7 @@ __attribute__((always_inline)) inline void attend_one(const float* q, const T* k
                                                       float scale, float* scores, float* out) {
   float top = -INFINITY;
   for (int64_t j = 0; j < len; ++j) {
+    if (j + kAhead < len) prefetch_row(kc + ctx[j + kAhead] * row + offset, D);
     const T* kj = kc + ctx[j] * row + offset;
     float s = 0.f;
 #pragma omp simd reduction(+ : s)
@@ -62,6 +74,7 @@ __attribute__((always_inline)) inline void attend_one(const float* q, const T* k
   }
   for (int64_t d = 0; d < D; ++d) out[d] = 0.f;
   for (int64_t j = 0; j < len; ++j) {
+    if (j + kAhead < len) prefetch_row(vc + ctx[j + kAhead] * row + offset, D);
     const T* vj = vc + ctx[j] * row + offset;
     const float w = scores[j] / total;
 #pragma omp simd
