@@ -19,7 +19,7 @@ from kvreuse.model.dtype_probe import cpu_identity
 if TYPE_CHECKING:
     from kvreuse.model.gguf_weights import GGUFLinear
 
-PROBE_VERSION = 2  # 2: the kernel named in the key
+PROBE_VERSION = 3  # 3: passes from evicted caches
 # The row limits to choose from: the compiled graphs' row boundaries (decode_graph.BRANCHING_ROW_GRID), so that no
 # graph straddles the linears' branch. The first is not measured: up to 16 rows the kernel was faster in fp32 on
 # every CPU measured (docs/benchmarks.md).
@@ -27,6 +27,7 @@ ROW_LIMITS = (16, 32, 64)
 MIN_GAIN = 1.1         # the kernel takes a limit's rows only if it is this much faster there: a tie is noise
 MEASURED_LAYERS = 6    # layers sampled evenly: their linears at 64 rows take ~10-15 ms a pass on a 2-core Xeon
 REPEATS = 5
+EVICT_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -68,14 +69,18 @@ def sampled(layers: Sequence[Sequence[GGUFLinear]]) -> list[GGUFLinear]:
 
 def measure(linears: Sequence[GGUFLinear]) -> tuple[RowTimes, ...]:
     """Time `linears` at each measured limit's rows, kernel and dense interleaved (alternating which goes first):
-    one warm-up, then the fastest of REPEATS (another process's load only ever adds time)."""
+    one warm-up, then the fastest of REPEATS (another process's load only ever adds time). Each pass starts from
+    caches that hold none of its weights, as in a step, where every linear's weights were evicted by the others'."""
     g = torch.Generator().manual_seed(0)
     counts = ROW_LIMITS[1:]
     inputs = {(rows, lin.in_features): torch.randn(rows, lin.in_features, generator=g).to(lin.weight.dtype)
               for rows in counts for lin in linears}
+    dense_bytes = sum(lin.weight.numel() * lin.weight.element_size() for lin in linears)
+    evict = torch.ones(max(EVICT_BYTES, 2 * dense_bytes) // 4)  # read between passes: more than any cache holds
 
     def one_pass(rows: int, kernel: bool) -> float:
         pairs = [(lin, inputs[rows, lin.in_features]) for lin in linears]
+        evict.sum()
         t0 = time.perf_counter()
         for lin, x in pairs:
             lin.kernel_product(x) if kernel else lin.dense_product(x)
