@@ -1,0 +1,94 @@
+"""`kvreuse bench agent`: an agent loop with tool calls, against servers the bench starts or given by URL."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from kvreuse.cli.common import MODEL_HELP, InputError, log_level_flag, out_flag, positive_int, progress, publish
+
+DEFAULT_SYSTEMS = ("kvreuse", "kvreuse-nocache")
+
+
+def add_agent(suites) -> None:
+    """`bench agent`: N concurrent sessions x K steps of tool calls; TTFT per step, reuse and job completion time."""
+    agent = suites.add_parser(
+        "agent", help="concurrent agent sessions calling tools: TTFT per step, computed vs new prompt tokens, "
+                      "job completion time",
+        description="N agent sessions side by side, K steps each: steps 1..K-1 must call a tool (tool_choice "
+                    "required), whose simulated result is appended before the next step; step K answers in text. "
+                    "Without --url the bench starts `kvreuse serve` for each of --systems in turn.")
+    agent.add_argument("--url", action="append", default=[], metavar="URL",
+                       help="an OpenAI-compatible server already running (its root, with or without /v1); "
+                            "repeatable; with --url, --systems defaults to none")
+    agent.add_argument("--name", action="append", default=[], metavar="LABEL",
+                       help="the label of each --url in order (default: server, server-2, ...)")
+    agent.add_argument("--systems", nargs="*", metavar="SYSTEM",
+                       help=f"servers to start, one after another: {', '.join(DEFAULT_SYSTEMS)} (default: all, or "
+                            "none with --url)")
+    agent.add_argument("--model", help=f"model of the started servers: {MODEL_HELP}")
+    agent.add_argument("--block-size", type=positive_int, help="cache.block_size of the started servers")
+    agent.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                       help="a config key of the started servers; repeatable")
+    agent.add_argument("--served-model", help="model name to send (default: the first of GET /v1/models)")
+    agent.add_argument("--api-key", default="EMPTY", help="bearer token")
+    _workload_flags(agent)
+    out_flag(agent, "agent", ", and agent_ttft.png (TTFT per step)")
+    log_level_flag(agent)
+    agent.set_defaults(func=cmd_bench_agent)
+
+
+def _workload_flags(agent: argparse.ArgumentParser) -> None:
+    agent.add_argument("--sessions", type=positive_int, default=4, help="concurrent agent sessions (default 4)")
+    agent.add_argument("--steps", type=positive_int, default=6,
+                       help="steps per session, the last one the final answer (default 6)")
+    agent.add_argument("--max-tokens", type=positive_int, default=96,
+                       help="max_tokens of a tool-call step (default 96)")
+    agent.add_argument("--answer-tokens", type=positive_int, default=64,
+                       help="tokens of the final answer, sent with ignore_eos (default 64)")
+    agent.add_argument("--tool-latency-s", type=float, default=0.5, help="simulated tool latency (default 0.5)")
+    agent.add_argument("--tool-result-tokens", type=positive_int, default=150,
+                       help="approximate size of each tool result (default 150)")
+    agent.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+
+
+def _systems(args: argparse.Namespace) -> list:
+    from kvreuse.bench import agent_bench
+
+    if len(args.name) > len(args.url):
+        raise InputError("more --name labels than --url servers")
+    names = args.systems if args.systems is not None else ([] if args.url else list(DEFAULT_SYSTEMS))
+    shared = [*(("--model", args.model) if args.model else ()),
+              *(("--block-size", str(args.block_size)) if args.block_size else ()),
+              *(arg for item in args.overrides for arg in ("--set", item))]
+    try:
+        systems = agent_bench.started_systems(names, shared)
+    except ValueError as exc:
+        raise InputError(str(exc)) from exc
+    labels = [*args.name, *(f"server-{i + 1}" if i else "server" for i in range(len(args.name), len(args.url)))]
+    systems += [agent_bench.System(label, url=url) for label, url in zip(labels, args.url, strict=True)]
+    if not systems:
+        raise InputError("nothing to measure: give --url or --systems")
+    if len({s.name for s in systems}) < len(systems):
+        raise InputError("two systems share a name: label each --url with --name")
+    return systems
+
+
+def cmd_bench_agent(args: argparse.Namespace) -> int:
+    """Run the agent loop against each system, print the tables; with --out also the report and the TTFT plot."""
+    from kvreuse.bench import agent_bench
+
+    if args.tool_latency_s < 0:
+        raise InputError("--tool-latency-s must be >= 0")
+    options = agent_bench.Options(sessions=args.sessions, steps=args.steps, call_tokens=args.max_tokens,
+                                  answer_tokens=args.answer_tokens, tool_latency_s=args.tool_latency_s,
+                                  tool_result_tokens=args.tool_result_tokens, seed=args.seed)
+    try:
+        report = agent_bench.run(_systems(args), options, model=args.served_model, api_key=args.api_key,
+                                 progress=progress)
+    except RuntimeError as exc:
+        raise InputError(str(exc)) from exc
+    code = publish("agent", report, agent_bench.markdown(report), args.out)
+    if args.out:
+        progress(f"wrote {agent_bench.ttft_plot(report, Path(args.out) / agent_bench.TTFT_PNG)}")
+    return code

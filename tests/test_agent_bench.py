@@ -1,0 +1,212 @@
+"""`kvreuse bench agent`: the workload, the streamed-call reassembly, the token accounting and the report maths
+without a server (a scripted client stands in for one), and one slow run of the CLI against a real `kvreuse serve`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from types import SimpleNamespace as NS
+
+import pytest
+
+from kvreuse.bench import agent_bench
+from kvreuse.bench.agent_bench import Options, StepRecord
+from tests.server_process import REPO_ROOT
+
+
+def test_workload_is_deterministic_from_the_seed():
+    first, again, other = (agent_bench.make_sessions(6, seed) for seed in (0, 0, 1))
+    assert first == again and first != other
+    assert len({s.task for s in first}) == 6
+    assert all(2 <= len(s.tools) <= 4 for s in first)
+    assert len({s.messages()[0]["content"] for s in first}) == 1  # one system prompt for all
+    names = [t["function"]["name"] for t in agent_bench.TOOLS]
+    assert all(t["function"]["parameters"]["type"] == "object" for t in agent_bench.TOOLS)
+    assert {"search_docs", "read_file", "run_tests", "get_weather"} <= set(names)
+
+
+def test_more_sessions_than_tasks_keep_distinct_tasks():
+    sessions = agent_bench.make_sessions(len(agent_bench.TASKS) + 3)
+    assert len({s.task for s in sessions}) == len(sessions)
+
+
+def test_tool_result_depends_on_the_call_and_seed_and_has_the_asked_size():
+    result = agent_bench.tool_result("read_file", '{"path": "src/io.py"}', seed=0, tokens=150)
+    assert result == agent_bench.tool_result("read_file", '{"path": "src/io.py"}', seed=0, tokens=150)
+    assert result != agent_bench.tool_result("read_file", '{"path": "src/cli.py"}', seed=0, tokens=150)
+    assert result != agent_bench.tool_result("read_file", '{"path": "src/io.py"}', seed=1, tokens=150)
+    parsed = json.loads(result)
+    assert parsed["tool"] == "read_file" and parsed["arguments"] == {"path": "src/io.py"}
+    assert 600 <= len(result) < 900
+    big = agent_bench.tool_result("search_docs", "not json", tokens=400)
+    assert json.loads(big)["arguments"] == {} and len(big) >= 1600
+    for tool in agent_bench.TOOLS:
+        assert json.loads(agent_bench.tool_result(tool["function"]["name"], '{"target": "tests", "city": "Oslo"}'))
+
+
+def call_delta(index: int, id: str | None = None, name: str | None = None, arguments: str | None = None) -> NS:
+    return NS(index=index, id=id, type="function" if id else None, function=NS(name=name, arguments=arguments))
+
+
+def test_streamed_call_deltas_are_reassembled_by_index():
+    calls: dict = {}
+    for delta in (call_delta(0, "call_a", "read_file", ""), call_delta(0, arguments='{"path": '),
+                  call_delta(1, "call_b", "run_tests", '{"target"'), call_delta(0, arguments='"a.py"}'),
+                  call_delta(1, arguments=': "tests"}')):
+        agent_bench._add_call_delta(calls, delta)
+    assert calls[0] == {"id": "call_a", "type": "function",
+                        "function": {"name": "read_file", "arguments": '{"path": "a.py"}'}}
+    assert calls[1]["function"] == {"name": "run_tests", "arguments": '{"target": "tests"}'}
+
+
+def test_usage_counts_prefer_the_servers_computed_tokens():
+    ours = {"prompt_tokens": 500, "completion_tokens": 30, "computed_prompt_tokens": 120,
+            "prompt_tokens_details": {"cached_tokens": 384}}
+    assert agent_bench.usage_counts(ours) == (500, 384, 120, 30)
+    theirs = {"prompt_tokens": 500, "completion_tokens": 30, "prompt_tokens_details": {"cached_tokens": 400}}
+    assert agent_bench.usage_counts(theirs) == (500, 400, 100, 30)
+    assert agent_bench.usage_counts({"prompt_tokens": 500, "completion_tokens": 30}) == (500, None, 500, 30)
+    assert agent_bench.usage_counts({}) == (None, None, None, None)
+
+
+def record(step: int, prompt: int, cached: int, completion: int, ttft: float = 0.1, session: int = 0) -> StepRecord:
+    return StepRecord(session, step, ttft_s=ttft, latency_s=ttft * 2, prompt_tokens=prompt, cached_tokens=cached,
+                      computed_tokens=prompt - cached, completion_tokens=completion)
+
+
+def test_new_tokens_are_the_prompt_beyond_the_previous_prompt_and_completion():
+    records = [record(1, 400, 0, 30), record(2, 600, 416, 25), record(3, 790, 608, 40)]
+    agent_bench.account_new_tokens(records)
+    assert [r.new_tokens for r in records] == [400, 600 - 430, 790 - 625]
+    unknown = [record(1, 400, 0, 30), StepRecord(0, 2, error="boom")]
+    agent_bench.account_new_tokens(unknown)
+    assert unknown[1].new_tokens is None
+
+
+def two_sessions() -> list[StepRecord]:
+    records = []
+    for session, ttfts in ((0, (0.5, 0.1, 0.2)), (1, (0.7, 0.3, 0.4))):
+        steps = [record(1, 400, 0, 30, ttfts[0], session), record(2, 600, 420, 25, ttfts[1], session),
+                 record(3, 800, 630, 40, ttfts[2], session)]
+        agent_bench.account_new_tokens(steps)
+        records += steps
+    return records
+
+
+def test_per_step_rows_and_totals():
+    rows = agent_bench.per_step(two_sessions(), 4)
+    assert [r["answered"] for r in rows] == [2, 2, 2, 0]
+    assert rows[0]["median_ttft_ms"] == pytest.approx(600) and rows[1]["median_ttft_ms"] == pytest.approx(200)
+    assert rows[1]["cached_share"] == pytest.approx(420 / 600)
+    assert rows[1]["new_tokens"] == 2 * 170 and rows[1]["computed_tokens"] == 2 * 180
+    assert rows[1]["computed_per_new"] == pytest.approx(180 / 170)
+    assert rows[3]["median_ttft_ms"] is None and rows[3]["computed_per_new"] is None
+    totals = agent_bench.totals([*two_sessions(), StepRecord(1, 4, error="HTTP 500")], wall_s=3.5)
+    assert totals["job_completion_s"] == 3.5 and totals["steps_answered"] == 6 and totals["steps_failed"] == 1
+    assert totals["prompt_tokens"] == 2 * 1800 and totals["computed_tokens"] == 2 * (400 + 180 + 170)
+    # Steps 2 and 3: computed 180 + 170 against new 170 + 175, per session.
+    assert totals["later_computed_per_new"] == pytest.approx(350 / 345)
+
+
+def test_job_ratios_are_the_reference_over_each_other():
+    systems = {name: {"totals": {"job_completion_s": s}} for name, s in (("kvreuse", 2.0), ("llama-server", 5.0),
+                                                                          ("kvreuse-nocache", 4.0))}
+    assert agent_bench.job_ratios(systems, "kvreuse") == {"kvreuse/llama-server": 0.4, "kvreuse/kvreuse-nocache": 0.5}
+
+
+def report(tmp_systems: dict | None = None) -> dict:
+    result = {"per_step": agent_bench.per_step(two_sessions(), 3), "totals": agent_bench.totals(two_sessions(), 2.0),
+              "first_error": None}
+    slow = {**result, "totals": {**result["totals"], "job_completion_s": 4.0}, "first_error": "HTTP 400: no tools"}
+    systems = tmp_systems or {"kvreuse": result, "kvreuse-nocache": slow}
+    return {"suite": "agent", "options": vars(Options(sessions=2, steps=3)), "systems": systems,
+            "machine": {"cpu": "Test CPU", "flags": ["avx2"], "cores": 2}, "reference": "kvreuse",
+            "ratios": agent_bench.job_ratios(systems, "kvreuse")}
+
+
+def test_markdown_has_a_row_per_system_and_step_and_the_totals(tmp_path):
+    table = agent_bench.markdown(report())
+    assert "| kvreuse | 2 | 2 | 200 | 400 | 1200 | 340 | 360 | 70.0% | 1.06 |" in table
+    assert "| kvreuse-nocache | 4.00 | 6 | 0 | 3600 | 1500 | 41.7% | 1.01 |" in table
+    assert "Job completion time kvreuse/kvreuse-nocache: 0.50x." in table
+    assert "First failure, kvreuse-nocache: HTTP 400" in table and "Test CPU (avx2)" in table
+    png = agent_bench.ttft_plot(report(), tmp_path / agent_bench.TTFT_PNG)
+    assert png.read_bytes().startswith(b"\x89PNG")
+
+
+class ScriptedServer:
+    """Stands in for AsyncOpenAI: answers each streamed request with a call (or text when tool_choice is none),
+    reporting usage as if the previous turns were all cached; keeps the requests it got."""
+
+    def __init__(self):
+        self.requests: list[dict] = []
+        self.chat = NS(completions=NS(create=self.create))
+
+    async def create(self, **request):
+        self.requests.append(request)
+        prompt = 100 * len(request["messages"])
+        usage = NS(model_dump=lambda: {"prompt_tokens": prompt, "completion_tokens": 20,
+                                       "prompt_tokens_details": {"cached_tokens": max(0, prompt - 150)}})
+        final = request["tool_choice"] == "none"
+        n = len(self.requests)
+        deltas = ([NS(content="Done.", tool_calls=None)] if final else
+                  [NS(content=None, tool_calls=[call_delta(0, f"call_{n}", "read_file", '{"path": ')]),
+                   NS(content=None, tool_calls=[call_delta(0, arguments=f'"f{n}.py"}}')])])
+
+        async def chunks():
+            for delta in deltas:
+                yield NS(usage=None, choices=[NS(delta=delta, finish_reason=None)])
+            yield NS(usage=None, choices=[NS(delta=NS(content=None, tool_calls=None),
+                                             finish_reason="stop" if final else "tool_calls")])
+            yield NS(usage=usage, choices=[])
+        return chunks()
+
+
+def test_a_session_echoes_each_call_and_appends_its_result():
+    server, session = ScriptedServer(), agent_bench.make_sessions(1)[0]
+    options = Options(sessions=1, steps=3, tool_latency_s=0)
+    records = asyncio.run(agent_bench.run_session(server, "m", session, options))
+    assert [r.step for r in records] == [1, 2, 3] and not any(r.error for r in records)
+    assert [r.tool_calls for r in records] == [1, 1, 0] and records[-1].finish_reason == "stop"
+    assert [r.new_tokens for r in records] == [200, 180, 180]  # 2 messages, then +2 a step, less 20 completed
+    assert [q["tool_choice"] for q in server.requests] == ["required", "required", "none"]
+    assert server.requests[2]["extra_body"] == {"ignore_eos": True} and "extra_body" not in server.requests[0]
+    last = server.requests[2]["messages"]
+    assert last[2] == {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "read_file", "arguments": '{"path": "f1.py"}'}}]}
+    assert last[3]["role"] == "tool" and last[3]["tool_call_id"] == "call_1"
+    assert last[3]["content"] == agent_bench.tool_result("read_file", '{"path": "f1.py"}', 0, 150)
+    assert len(last) == 6 and server.requests[0]["tools"] == session.tools
+
+
+def test_a_step_that_calls_no_tool_ends_the_session():
+    class Texter(ScriptedServer):
+        async def create(self, **request):
+            return await super().create(**{**request, "tool_choice": "none"})
+
+    records = asyncio.run(agent_bench.run_session(Texter(), "m", agent_bench.make_sessions(1)[0],
+                                                  Options(steps=4, tool_latency_s=0)))
+    assert len(records) == 1 and records[0].error.startswith("no tool call in the answer")
+
+
+def test_unknown_system_is_refused():
+    with pytest.raises(ValueError, match="unknown system 'vllm'"):
+        agent_bench.started_systems(["kvreuse", "vllm"], [])
+    nocache = agent_bench.started_systems(["kvreuse-nocache"], ["--block-size", "4"])[0]
+    assert nocache.server_args == ["--block-size", "4", "--set", "cache.enabled=false"]
+
+
+@pytest.mark.slow
+def test_cli_runs_the_agent_loop_against_kvreuse_serve(tmp_path):
+    command = [sys.executable, "-m", "kvreuse", "bench", "agent", "--systems", "kvreuse", "--sessions", "2",
+               "--steps", "3", "--tool-latency-s", "0", "--max-tokens", "48", "--answer-tokens", "8",
+               "--tool-result-tokens", "60", "--block-size", "4", "--set", "engine.compile=off",
+               "--out", str(tmp_path)]
+    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "| kvreuse | 3 | 2 |" in done.stdout and "steps 2+ computed/new" in done.stdout
+    saved = json.loads((tmp_path / "agent.json").read_text())
+    assert saved["systems"]["kvreuse"]["totals"]["steps_failed"] == 0
+    assert (tmp_path / agent_bench.TTFT_PNG).exists()
