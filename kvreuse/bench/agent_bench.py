@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import statistics
 import time
@@ -27,7 +28,7 @@ from pathlib import Path
 from kvreuse.bench.workloads import documents
 
 TTFT_PNG = "agent_ttft.png"
-CHARS_PER_TOKEN = 4  # how tool results are sized: about this many characters of JSON per token
+CHARS_PER_TOKEN = 2.5  # how tool results are sized: characters of JSON per token (SmolLM2: 2.5-3.3)
 
 SYSTEM_PROMPT = """You are a careful software engineering agent working in a sandboxed copy of a customer's
 repository. You act only through the tools you are given, one step at a time.
@@ -405,7 +406,7 @@ def run(systems: list[System], options: Options, model: str | None = None, api_k
     """Each system in turn (a started server is stopped before the next starts), then the report: the options, the
     machine, each system's `run_system` result, and the job-time ratios of the first kvreuse system (else the
     first system) to the others."""
-    from kvreuse.bench.engine_bench import machine
+    from kvreuse.model.dtype_probe import cpu_identity
 
     results = {}
     for system in systems:
@@ -415,7 +416,8 @@ def run(systems: list[System], options: Options, model: str | None = None, api_k
             t = results[system.name]["totals"]
             progress(f"{system.name}: job {t['job_completion_s']:.1f} s, {t['steps_failed']} steps failed")
     reference = next((name for name in results if name.startswith("kvreuse")), next(iter(results)))
-    return {"suite": "agent", "options": asdict(options), "machine": machine(), "systems": results,
+    machine = {**cpu_identity(), "cores": os.cpu_count()}  # the client's: a server given by URL may run elsewhere
+    return {"suite": "agent", "options": asdict(options), "machine": machine, "systems": results,
             "reference": reference, "ratios": job_ratios(results, reference)}
 
 
