@@ -210,3 +210,22 @@ def test_cli_runs_the_agent_loop_against_kvreuse_serve(tmp_path):
     saved = json.loads((tmp_path / "agent.json").read_text())
     assert saved["systems"]["kvreuse"]["totals"]["steps_failed"] == 0
     assert (tmp_path / agent_bench.TTFT_PNG).exists()
+
+
+def test_a_system_that_fails_is_reported_beside_the_others(monkeypatch):
+    def fake_run_system(url, options, model, api_key):
+        if "bad" in url:
+            raise RuntimeError("no agent step succeeded")
+        return {"per_step": [], "totals": agent_bench.totals(two_sessions(), 2.0), "first_error": None}
+
+    monkeypatch.setattr(agent_bench, "run_system", fake_run_system)
+    systems = [agent_bench.System("llama-server", url="http://bad"), agent_bench.System("ours", url="http://ok")]
+    result = agent_bench.run(systems, Options(), progress=lambda line: None)
+    assert list(result["systems"]) == ["ours"] and result["reference"] == "ours" and result["ratios"] == {}
+    assert result["failures"] == {"llama-server": "no agent step succeeded"}
+    assert "llama-server did not run: no agent step succeeded" in agent_bench.markdown(result)
+
+
+def test_an_unreachable_server_alone_fails_the_bench():
+    with pytest.raises(RuntimeError, match="gone: cannot reach the server"):
+        agent_bench.run([agent_bench.System("gone", url="http://127.0.0.1:9")], Options(), progress=lambda line: None)

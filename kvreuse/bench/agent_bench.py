@@ -404,21 +404,34 @@ def _reachable(system: System, progress: Callable[[str], None]) -> Iterator[str]
 def run(systems: list[System], options: Options, model: str | None = None, api_key: str = "EMPTY",
         progress: Callable[[str], None] = print) -> dict:
     """Each system in turn (a started server is stopped before the next starts), then the report: the options, the
-    machine, each system's `run_system` result, and the job-time ratios of the first kvreuse system (else the
-    first system) to the others."""
+    machine, each system's `run_system` result, the systems that failed as a whole (`failures`: name -> why), and
+    the job-time ratios of the first kvreuse system (else the first system) to the others. RuntimeError if every
+    system failed."""
     from kvreuse.model.dtype_probe import cpu_identity
 
-    results = {}
+    results, failures = {}, {}
     for system in systems:
-        with _reachable(system, progress) as url:
-            progress(f"{system.name}: {options.sessions} sessions x {options.steps} steps at {url}")
-            results[system.name] = run_system(url, options, model, api_key)
-            t = results[system.name]["totals"]
-            progress(f"{system.name}: job {t['job_completion_s']:.1f} s, {t['steps_failed']} steps failed")
+        try:
+            results[system.name] = _run_one(system, options, model, api_key, progress)
+        except RuntimeError as exc:  # reported beside the others: one peer that cannot run ends nothing
+            failures[system.name] = str(exc)
+            progress(f"{system.name} failed: {exc}")
+    if not results:
+        raise RuntimeError("; ".join(f"{name}: {why}" for name, why in failures.items()))
     reference = next((name for name in results if name.startswith("kvreuse")), next(iter(results)))
     machine = {**cpu_identity(), "cores": os.cpu_count()}  # the client's: a server given by URL may run elsewhere
     return {"suite": "agent", "options": asdict(options), "machine": machine, "systems": results,
-            "reference": reference, "ratios": job_ratios(results, reference)}
+            "failures": failures, "reference": reference, "ratios": job_ratios(results, reference)}
+
+
+def _run_one(system: System, options: Options, model: str | None, api_key: str,
+             progress: Callable[[str], None]) -> dict:
+    with _reachable(system, progress) as url:
+        progress(f"{system.name}: {options.sessions} sessions x {options.steps} steps at {url}")
+        result = run_system(url, options, model, api_key)
+    t = result["totals"]
+    progress(f"{system.name}: job {t['job_completion_s']:.1f} s, {t['steps_failed']} steps failed")
+    return result
 
 
 # --- output ------------------------------------------------------------------------------------------------------
@@ -451,6 +464,7 @@ def markdown(report: dict) -> str:
     lines += [f"Job completion time {pair}: {value:.2f}x." for pair, value in report["ratios"].items()]
     errors = [f"{name}: {r['first_error']}" for name, r in report["systems"].items() if r["first_error"]]
     lines += [f"First failure, {e}" for e in errors]
+    lines += [f"{name} did not run: {why}" for name, why in report.get("failures", {}).items()]
     lines.append(f"Client CPU: {m['cpu']} ({', '.join(m['flags']) or 'no flags'}), {m['cores']} cores.")
     return "\n".join(lines)
 
