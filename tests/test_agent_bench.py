@@ -229,3 +229,24 @@ def test_a_system_that_fails_is_reported_beside_the_others(monkeypatch):
 def test_an_unreachable_server_alone_fails_the_bench():
     with pytest.raises(RuntimeError, match="gone: cannot reach the server"):
         agent_bench.run([agent_bench.System("gone", url="http://127.0.0.1:9")], Options(), progress=lambda line: None)
+
+
+def test_cli_pairs_urls_with_labels_and_refuses_bad_input(monkeypatch, capsys):
+    from kvreuse.cli import main
+
+    chosen = {}
+    monkeypatch.setattr(agent_bench, "run", lambda systems, options, **kw: chosen.update(systems=systems,
+                                                                                          options=options) or
+                        report())
+    assert main(["bench", "agent", "--systems", "kvreuse", "--block-size", "4", "--url", "http://a:8080",
+                 "--name", "llama-server", "--url", "http://b", "--sessions", "3", "--tool-latency-s", "0"]) == 0
+    assert [(s.name, s.url) for s in chosen["systems"]] == [("kvreuse", None), ("llama-server", "http://a:8080"),
+                                                          ("server-2", "http://b")]
+    assert chosen["systems"][0].server_args == ["--block-size", "4"]
+    assert chosen["options"].sessions == 3 and chosen["options"].tool_latency_s == 0
+    assert "| system | step |" in capsys.readouterr().out
+    assert main(["bench", "agent", "--url", "http://a", "--name", "x", "--name", "y"]) == 2
+    assert main(["bench", "agent", "--systems", "vllm"]) == 2
+    assert main(["bench", "agent", "--url", "http://a", "--url", "http://b", "--name", "server-2"]) == 2
+    assert main(["bench", "agent", "--systems"]) == 2
+    assert "nothing to measure" in capsys.readouterr().err
