@@ -219,7 +219,7 @@ class ToolParser:
         if end is not None and loads_or_none(text[start:end]) is None:
             return None
         if arguments is None or arguments.start is None:
-            return FoundCall(tool, "" if end is None else "{}", end)
+            return PENDING if end is None else FoundCall(tool, "{}", end)
         if text[arguments.start] != "{":
             return None
         return FoundCall(tool, text[arguments.start:arguments.end], end)
@@ -276,7 +276,7 @@ class ToolStream:
         if len(content) > len(self._content):
             events.append(ContentDelta(content[len(self._content):]))
         for i, call in enumerate(calls):
-            if i == len(sent):
+            if i >= len(sent):
                 events.append(CallStart(i, call.name))
             done = sent[i].arguments if i < len(sent) else ""
             if len(call.arguments) > len(done):
