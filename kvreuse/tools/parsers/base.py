@@ -166,6 +166,8 @@ class ToolParser:
         raise NotImplementedError
 
     def _view(self, text: str, final: bool) -> tuple[str, list[FoundCall]]:
+        """The content and the calls of the text: the content pieces between calls, stripped next to a call, joined
+        by newlines."""
         segments = self._split(text, final)
         pieces, calls = [], []
         for i, segment in enumerate(segments):
