@@ -173,6 +173,7 @@ def test_a_session_echoes_each_call_and_appends_its_result():
     assert [r.new_tokens for r in records] == [200, 180, 180]  # 2 messages, then +2 a step, less 20 completed
     assert [q["tool_choice"] for q in server.requests] == ["required", "required", "none"]
     assert server.requests[2]["extra_body"] == {"ignore_eos": True} and "extra_body" not in server.requests[0]
+    assert server.requests[0]["parallel_tool_calls"] is False and "parallel_tool_calls" not in server.requests[2]
     last = server.requests[2]["messages"]
     assert last[2] == {"role": "assistant", "content": None, "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "read_file", "arguments": '{"path": "f1.py"}'}}]}

@@ -1,13 +1,14 @@
 """`kvreuse bench agent`: an agent loop with real tool calls against any OpenAI-compatible server.
 
 N sessions run side by side, each for K steps. A session has the shared system prompt (execution rules and output
-format), 2-4 function tools and a task of its own. Steps 1..K-1 ask for a call (`tool_choice: "required"`); the
-bench parses the streamed call, waits the simulated tool latency, appends the assistant turn as it came (its
-`tool_calls` echoed verbatim) and one deterministic tool result per call, and sends the next step. Step K asks for
-the final answer (`tool_choice: "none"`). The context grows every step, so a server that reuses the KV of the
-echoed turns computes only the tool results and the template's glue.
+format), 2-4 function tools and a task of its own. Steps 1..K-1 ask for one call (`tool_choice: "required"`,
+`parallel_tool_calls: false`); the bench parses the streamed call, waits the simulated tool latency, appends the
+assistant turn as it came (its `tool_calls` echoed verbatim) and one deterministic tool result per call, and sends
+the next step. Step K asks for the final answer (`tool_choice: "none"`). The context grows every step, so a server
+that reuses the KV of the echoed turns computes only the tool results and the template's glue.
 
-Per step the client times TTFT (the first chunk carrying text or a call) and the whole answer; the server's usage
+Per step the client times TTFT (at the first chunk with a choice: kvreuse, vLLM and llama-server send the role's
+chunk with the first token, while a call's first delta waits for its parser) and the whole answer; the server's usage
 gives prompt, cached and computed prompt tokens (`computed_prompt_tokens` where it reports it, else prompt minus
 cached). The step's new tokens are its prompt minus the previous step's prompt and completion.
 """
@@ -194,7 +195,7 @@ def _add_call_delta(calls: dict[int, dict], delta) -> None:
 
 
 async def stream_answer(client, request: dict) -> Answer:
-    """One streamed chat completion through the openai client; TTFT at the first chunk with text or a call."""
+    """One streamed chat completion through the openai client; TTFT at its first chunk with a choice."""
     answer, calls = Answer(), {}
     start = time.perf_counter()
     stream = await client.chat.completions.create(**request, stream=True, stream_options={"include_usage": True})
@@ -202,9 +203,9 @@ async def stream_answer(client, request: dict) -> Answer:
         if chunk.usage is not None:
             answer.usage = chunk.usage.model_dump()
         for choice in chunk.choices:
-            delta = choice.delta
-            if answer.ttft_s is None and (delta.content or delta.tool_calls):
+            if answer.ttft_s is None:
                 answer.ttft_s = time.perf_counter() - start
+            delta = choice.delta
             answer.content += delta.content or ""
             for call in delta.tool_calls or ():
                 _add_call_delta(calls, call)
@@ -230,6 +231,8 @@ def step_request(model: str, session: Session, messages: list[dict], final: bool
                "max_tokens": options.answer_tokens if final else options.call_tokens}
     if final:
         request["extra_body"] = {"ignore_eos": True}  # every system writes an answer of the same length
+    else:
+        request["parallel_tool_calls"] = False  # one call a step: the same shape on every system
     return request
 
 
