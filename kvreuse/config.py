@@ -265,6 +265,12 @@ class ModelConfig(_Section):
         "A Jinja chat template file used instead of the model's own (`--chat-template`, as vLLM's), for a model "
         "whose files carry none, such as the base model `gemma3-270m`; checked when the config is loaded. Empty: "
         "the model's own; without one, chat requests get 400 naming this flag."))
+    tool_call_parser: Literal["auto", "hermes", "llama3_json", "pythonic", "mistral", "json"] = Field(
+        "auto", description=(
+            "How tool calls are written and parsed (`--tool-call-parser`, as vLLM's): `auto` takes the format the chat "
+            "template shows (`hermes` for `<tool_call>`, `mistral`, `pythonic`, `llama3_json`), and `json` for a "
+            "template with no tool support, which kvreuse shows the tools in a system preamble "
+            "(docs/features/tools.md)."))
     dtype: Literal["auto", "fp32", "bf16"] = Field("auto", description=(
         "Weights, activations and KV dtype (`--dtype`). `auto`: bf16 on CUDA; on a CPU, bf16 if a probe at first "
         "load finds it at least 1.2x faster on the model's prefill GEMMs, else fp32 (docs/design/performance.md). "

@@ -83,6 +83,7 @@ ALL_CHANGED = Config(
         tier_store_tokens=True,
     ),
     model=ModelConfig(path="C:\\models\\a=b.gguf", chat_template=str(REPO_ROOT / "examples" / "gemma3-chat.jinja"),
+                      tool_call_parser="hermes",
                       dtype="bf16", device="cpu", quantization="int8", weights="dense"),
     engine=EngineConfig(
         num_kv_blocks=1000, kv_cache_memory_mb=1, max_num_seqs=2, max_num_batched_tokens=16, seed=-7, compile="off"
@@ -280,7 +281,7 @@ def test_parse_value_conversions():
     ("cache.suffix.enabeld=true",
      "unknown config key 'cache.suffix.enabeld'; did you mean 'cache.suffix.enabled'?"),
     ("model.zzz=1", "unknown config key 'model.zzz'; valid keys: chat_template, device, dtype, path, quantization, "
-                    "weights"),
+                    "tool_call_parser, weights"),
     ("cachee.block_size=16",
      "unknown config section [cachee] in --set 'cachee.block_size=16'; did you mean [cache]? "
      "valid sections: cache, cluster, engine, events, model, server, structured"),

@@ -163,11 +163,12 @@ def test_sampling_fields_over_the_wire(client, real_server):
     assert error.value.body["param"] == "logit_bias"
 
 
-def test_tools_are_refused_by_name(client, real_server):
+def test_a_tool_choice_naming_no_tool_is_refused_by_name(client, real_server):
     with pytest.raises(openai.BadRequestError) as error:
         client.chat.completions.create(model=real_server.model, messages=[{"role": "user", "content": "x"}],
-                                       tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
-    assert error.value.body["param"] == "tools" and "not supported" in error.value.body["message"]
+                                       tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+                                       tool_choice={"type": "function", "function": {"name": "g"}})
+    assert error.value.body["param"] == "tool_choice" and "'g'" in error.value.body["message"]
 
 
 def test_streamed_batch_with_echo_matches_the_whole_answer(client, real_server):

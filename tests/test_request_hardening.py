@@ -322,8 +322,6 @@ class TestInvalidUnicode:
 CHAT = {"messages": [{"role": "user", "content": "Say something."}]}
 REFUSED = [
     # path, field, a value that asks for something kvreuse does not do
-    ("/chat/completions", "tool_choice", "required"),
-    ("/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
     ("/chat/completions", "functions", [{"name": "f"}]),
     ("/chat/completions", "function_call", {"name": "f"}),
     ("/chat/completions", "audio", {"voice": "alloy", "format": "wav"}),
@@ -404,8 +402,10 @@ NAMED = [
     ("min_tokens-over-max", "/chat/completions", {"min_tokens": 9, "max_tokens": 4}, "min_tokens",
      ["min_tokens must be an integer in [0, max_tokens]"]),
     ("top_logprobs-alone", "/chat/completions", {"top_logprobs": 3}, "top_logprobs", ["needs logprobs: true"]),
-    ("tools", "/chat/completions", {"tools": [{"type": "function"}]}, "tools", ["tools", "not supported"]),
-    ("tool_choice", "/chat/completions", {"tool_choice": "required"}, "tool_choice", ["tool_choice", "not supported"]),
+    ("tools", "/chat/completions", {"tools": [{"type": "function"}]}, "tools[0].function",
+     ["tools[0].function", "must be an object with a name"]),
+    ("tool_choice", "/chat/completions", {"tool_choice": "required"}, "tool_choice",
+     ["tool_choice", "needs tools"]),
     ("empty-stop-in-list", "/completions", {"stop": ["x", ""]}, "stop", ["stop strings must be non-empty"]),
     ("empty-stop", "/chat/completions", {"stop": ""}, "stop", ["stop strings must be non-empty"]),
     ("empty-prompt", "/completions", {"prompt": ""}, "prompt", ["prompt must not be empty"]),

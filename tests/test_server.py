@@ -385,7 +385,7 @@ BAD_INPUTS = [
      ["top_logprobs needs logprobs"], "top_logprobs"),
     ("tools", "/chat/completions",
      {"model": M, "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400,
-     ["tools", "not supported"], "tools"),
+     ["tools[0].function", "must be an object with a name"], "tools[0].function"),
     ("logit_bias-not-an-id", "/completions", {"model": M, "prompt": "hi", "logit_bias": {"the": 1}}, 400,
      ["logit_bias keys must be token ids"], "logit_bias"),
     ("logit_bias-5000-digits", "/completions", {"model": M, "prompt": "hi", "logit_bias": {"9" * 5000: 1}}, 400,

@@ -21,6 +21,7 @@ EXIT_USAGE = 2
 SHORTHANDS = {
     "model": "model.path",
     "chat_template": "model.chat_template",
+    "tool_call_parser": "model.tool_call_parser",
     "device": "model.device",
     "dtype": "model.dtype",
     "quantization": "model.quantization",
@@ -79,6 +80,8 @@ def common_flags(parser: argparse.ArgumentParser) -> None:
                         help="override one config key; repeatable; wins over the file")
     parser.add_argument("--model", help=MODEL_HELP)
     parser.add_argument("--chat-template", metavar="FILE", help=f"{CHAT_TEMPLATE_HELP} ({shorthand('chat_template')})")
+    parser.add_argument("--tool-call-parser", choices=choices_of(ModelConfig, "tool_call_parser"),
+                        help=f"the tool-call format ({shorthand('tool_call_parser')})")
     parser.add_argument("--device", choices=choices_of(ModelConfig, "device"), help=shorthand("device"))
     parser.add_argument("--dtype", choices=choices_of(ModelConfig, "dtype"), help=shorthand("dtype"))
     parser.add_argument("--quantization", choices=choices_of(ModelConfig, "quantization"),

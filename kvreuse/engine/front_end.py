@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+from collections.abc import Collection
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -29,6 +30,8 @@ from kvreuse.model.loader import ModelArgs, ModelInfo, load_model_info
 from kvreuse.model.quantize import quantization_tag
 from kvreuse.model.tokenizer import ChatText, Tokenizer, check_unicode
 from kvreuse.sampling_params import SamplingParams
+from kvreuse.tools.parsers import ToolParser, detect_format, get_parser
+from kvreuse.tools.turns import TurnStore
 
 if TYPE_CHECKING:
     from kvreuse.structured import CheckedFormat, FormatSpec, GrammarCompiler
@@ -97,6 +100,7 @@ class FrontEnd:
         # Sampling of requests that bring no seed of their own draws from here: a run is reproducible.
         self.generator = torch.Generator().manual_seed(config.engine.seed)
         self._request_counter = itertools.count()
+        self.tool_turns = TurnStore()  # tool-call turns generated here, spliced back in when a client echoes them
 
     @classmethod
     def from_config(cls, config: Config) -> FrontEnd:
@@ -134,26 +138,36 @@ class FrontEnd:
     def normalize(self, text: str) -> str:
         return normalize_text(text) if self.config.cache.normalize_input else text
 
-    def render_chat(self, messages: list[dict]) -> str:
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         """The prompt text for a conversation (what `tokenize_chat` tokenizes); with normalize_input, each message
         is normalized first."""
-        return self._chat_text(messages).text
+        return self._chat_text(messages, tools).text
 
-    def _chat_text(self, messages: list[dict]) -> ChatText:
+    @functools.cached_property
+    def tool_parser_name(self) -> str:
+        """The tool-call format: `model.tool_call_parser`, or (auto) the one the chat template shows."""
+        name = self.config.model.tool_call_parser
+        return detect_format(self.tokenizer.hf.chat_template) if name == "auto" else name
+
+    def tool_parser(self, tool_names: Collection[str]) -> ToolParser:
+        """A parser of this model's tool-call format that knows `tool_names`."""
+        return get_parser(self.tool_parser_name, tool_names)
+
+    def _chat_text(self, messages: list[dict], tools: list[dict] | None = None) -> ChatText:
         messages = [{**m, "content": self.normalize(m["content"])} if isinstance(m.get("content"), str) else m
                     for m in messages]
         try:
-            return self.tokenizer.render_chat(messages)
+            return self.tokenizer.render_chat(messages, tools)
         except NoChatTemplate as exc:
             raise RequestError(f"messages: {exc}", "messages", "no_chat_template") from None
         except TemplateError as exc:  # the template's own raise_exception, e.g. roles that do not alternate
             raise RequestError(f"messages: the chat template refused the conversation: {exc}", "messages") from None
 
-    def tokenize_chat(self, messages: list[dict]) -> list[int]:
+    def tokenize_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """The prompt tokens of a conversation under the chat template: only the template's own markers become
         special tokens; text inside a message is text, so it cannot forge a role or end a turn. RequestError
         (field `messages`) for invalid Unicode and for a prompt too long by its character count alone."""
-        chat = self._chat_text(messages)
+        chat = self._chat_text(messages, tools)
         self._check_text(chat.text, "messages")
         return self.tokenizer.encode_chat(chat)
 

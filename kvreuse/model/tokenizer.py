@@ -36,12 +36,29 @@ def check_unicode(text: str) -> None:
 
 
 @dataclass(frozen=True)
+class TokenSplice:
+    """A message's content given as tokens the model generated (`text`: their decoded text). A conversation that
+    echoes a generated turn back is tokenized with the turn's own tokens, not the tokens of its text (which may
+    differ, and would miss the cache)."""
+    token_ids: tuple[int, ...]
+    text: str
+
+
+@dataclass(frozen=True)
+class ChatPiece:
+    """A run of a rendered conversation: message text, a template marker (`special`), or spliced `token_ids`."""
+    text: str
+    special: bool = False
+    token_ids: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
 class ChatText:
     """A conversation rendered with the chat template. `text` is the prompt as the model reads it. `pieces` is set
-    when a message holds special-token text: `text` cut at the template's own special tokens, as (text, is_marker)
-    in order, so that only the markers are tokenized as special tokens."""
+    when a message holds special-token text or a TokenSplice: `text` cut at the template's own special tokens and
+    at the splices, in order, so that only the markers are tokenized as special tokens and splices stay as given."""
     text: str
-    pieces: tuple[tuple[str, bool], ...] | None = None
+    pieces: tuple[ChatPiece, ...] | None = None
 
 
 class Tokenizer:
@@ -136,47 +153,62 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
         """Renders with the chat template, the model's own or the one given to `load` (transformers runs it in a
-        sandboxed jinja2). NoChatTemplate if there is neither."""
+        sandboxed jinja2), with `tools` (OpenAI's function definitions) for templates that show them.
+        NoChatTemplate if there is neither."""
         if not self.hf.chat_template:
             raise NoChatTemplate()
-        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return self.hf.apply_chat_template(messages, tools=tools, tokenize=False,
+                                           add_generation_prompt=add_generation_prompt)
 
-    def render_chat(self, messages: list[dict]) -> ChatText:
-        """A conversation under the chat template, with the generation prompt, ready for `encode_chat`."""
-        if self._special_text is None:
-            return ChatText(self.apply_chat_template(messages))
-        # Special-token text inside a message is swapped for a stand-in the template passes through as it is, so
-        # that after rendering every special-token text left is the template's own.
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> ChatText:
+        """A conversation under the chat template, with the generation prompt, ready for `encode_chat`. A message's
+        content may be a TokenSplice."""
+        # Special-token text inside messages and tools, and each splice, is swapped for a stand-in the template
+        # passes through as it is, so that after rendering every special-token text left is the template's own.
         stand_in = f"\x00{secrets.token_hex(8)}:"
-        originals: list[str] = []
+        originals: list[str | TokenSplice] = []
 
-        def swap(found: re.Match) -> str:
-            originals.append(found.group())
+        def swap(found: re.Match | TokenSplice) -> str:
+            originals.append(found if isinstance(found, TokenSplice) else found.group())
             return f"{stand_in}{len(originals) - 1}\x00"
 
-        escaped = [{k: self._special_text.sub(swap, v) if isinstance(v, str) else v for k, v in m.items()}
-                   for m in messages]
-        rendered = self.apply_chat_template(escaped)
+        def escape(value):
+            if isinstance(value, TokenSplice):
+                return swap(value)
+            if isinstance(value, str):
+                return self._special_text.sub(swap, value) if self._special_text is not None else value
+            if isinstance(value, dict):
+                return {k: escape(v) for k, v in value.items()}
+            return [escape(v) for v in value] if isinstance(value, list) else value
+
+        rendered = self.apply_chat_template(escape(messages), tools=escape(tools) if tools else None)
         if not originals:
             return ChatText(rendered)
         return self._cut_at_markers(rendered, re.compile(re.escape(stand_in) + "([0-9]+)\x00"), originals)
 
-    def _cut_at_markers(self, rendered: str, stand_ins: re.Pattern, originals: list[str]) -> ChatText:
-        pieces: list[tuple[str, bool]] = []
+    def _cut_at_markers(self, rendered: str, stand_ins: re.Pattern, originals: list[str | TokenSplice]) -> ChatText:
+        pieces: list[ChatPiece] = []
         text: list[str] = []
         pos = 0
-        for found in re.finditer(f"{stand_ins.pattern}|{self._special_text.pattern}", rendered):
+        specials = f"|{self._special_text.pattern}" if self._special_text is not None else ""
+        for found in re.finditer(f"{stand_ins.pattern}{specials}", rendered):
             text.append(rendered[pos:found.start()])
             pos = found.end()
-            if found.group(1) is not None:  # a message's own special-token text: text again
-                text.append(originals[int(found.group(1))])
+            original = originals[int(found.group(1))] if found.group(1) is not None else None
+            if isinstance(original, str):  # a message's own special-token text: text again
+                text.append(original)
+                continue
+            pieces.append(ChatPiece("".join(text)))
+            text = []
+            if original is None:
+                pieces.append(ChatPiece(found.group(), special=True))
             else:
-                pieces += [("".join(text), False), (found.group(), True)]
-                text = []
-        pieces.append(("".join(text + [rendered[pos:]]), False))
-        return ChatText("".join(piece for piece, _ in pieces), tuple(pieces))
+                pieces.append(ChatPiece(original.text, token_ids=original.token_ids))
+        pieces.append(ChatPiece("".join(text + [rendered[pos:]])))
+        return ChatText("".join(piece.text for piece in pieces), tuple(pieces))
 
     def encode_chat(self, chat: ChatText) -> list[int]:
         """The tokens of a rendered conversation: the template's markers are special tokens, message text is text.
@@ -184,10 +216,15 @@ class Tokenizer:
         tokenization assume."""
         if chat.pieces is None:  # no message holds special-token text: exactly the tokens of the whole text
             return _encode(self._backend, chat.text, add_special_tokens=False).ids
-        # Tokenized piece by piece, cut where the tokenizer itself cuts (at special tokens).
-        parts = [_encode(self._backend if marker else self._text_backend, text, add_special_tokens=False)
-                 for text, marker in chat.pieces if text]
-        return Encoding.merge(parts, growing_offsets=True).ids
+        # Tokenized piece by piece, cut where the tokenizer itself cuts (at special tokens) and at the splices.
+        token_ids: list[int] = []
+        for piece in chat.pieces:
+            if piece.token_ids is not None:
+                token_ids += piece.token_ids
+            elif piece.text:
+                backend = self._backend if piece.special else self._text_backend
+                token_ids += _encode(backend, piece.text, add_special_tokens=False).ids
+        return token_ids
 
     # --- for outside clients: vLLM's add_special_tokens, token strings, a Hugging Face directory ---------------
 

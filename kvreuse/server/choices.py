@@ -66,8 +66,11 @@ def completion_choice(index: int, text: str, finish_reason: str | None, logprobs
 
 
 def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
-    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-            "finish_reason": finish_reason}
+    return chat_message_choice(index, {"role": "assistant", "content": text}, finish_reason, logprobs)
+
+
+def chat_message_choice(index: int, message: dict, finish_reason: str | None, logprobs: dict | None) -> dict:
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def chat_chunk_choice(index: int, delta: dict, finish_reason: str | None, logprobs: dict | None) -> dict:

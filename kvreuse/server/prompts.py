@@ -25,8 +25,11 @@ from kvreuse.server.protocol import (
     make_id,
 )
 from kvreuse.server.responses import Prompt
+from kvreuse.server.tool_answers import ToolAnswers
 from kvreuse.server.truncation import fit_conversation
 from kvreuse.structured.errors import UnsupportedFormat
+from kvreuse.tools.conversation import template_messages
+from kvreuse.tools.request import ToolError, ToolRequest, parse_tool_request
 
 if TYPE_CHECKING:
     from kvreuse.structured import FormatSpec
@@ -39,9 +42,9 @@ def check_model(served: str, requested: str | None) -> None:
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict]:
-    """Chat messages as the `{"role", "content"}` dicts the chat template takes."""
+    """Chat messages as dicts: `{"role", "content"}` and the tool fields a message has."""
     try:
-        return [{"role": m.role, "content": m.text()} for m in messages]
+        return [m.as_dict() for m in messages]
     except ValueError as exc:
         raise APIError(400, str(exc), param="messages") from exc
 
@@ -66,15 +69,47 @@ def completion_prompts(front: FrontEnd, body: CompletionRequest, tenant: str | N
 
 def chat_prompt(front: FrontEnd, body: ChatCompletionRequest, tenant: str | None) -> tuple[Prompt, int]:
     """The prompt of a /v1/chat/completions body, and how many turns `server.truncate = oldest` dropped."""
-    check_tools(body)
-    messages = message_dicts(body.messages)
+    tools = tool_request(body)
+    salt = scoped_salt(tenant, body.cache_salt)
+    parser = front.tool_parser(tools.names if tools else ())
+    try:
+        messages, definitions = template_messages(message_dicts(body.messages), tools, parser,
+                                                  front.tool_parser_name != "json", front.tool_turns, salt)
+        tool_grammar = tool_grammar_of(tools, front.tool_parser_name)
+    except ToolError as exc:
+        raise APIError(400, str(exc), param=exc.field) from exc
+    if tool_grammar is not None and structured_format(body) is not None:
+        raise APIError(400, "response_format: a request whose tool_choice constrains the answer (auto, required or a "
+                            "named tool) takes no response format", param="response_format")
     dropped = 0
     try:
         if front.config.server.truncate == "oldest":
-            messages, dropped = fit_conversation(front, messages, body.max_tokens)
+            messages, dropped = fit_conversation(front, messages, body.max_tokens, definitions)
     except RequestError as exc:
         raise refusal(exc, chat=True) from exc
-    return Prompt(_sequence(front, lambda: front.tokenize_chat(messages), body, tenant, chat=True)), dropped
+    seq = _sequence(front, lambda: front.tokenize_chat(messages, definitions), body, tenant, chat=True,
+                    response_format=tool_grammar)
+    answers = None
+    if tools is not None:
+        answers = ToolAnswers(tools, parser, front.tool_turns, salt, front.tokenizer.eos_token_ids)
+    return Prompt(seq, tools=answers), dropped
+
+
+def tool_grammar_of(tools: ToolRequest | None, format_name: str) -> FormatSpec | None:
+    """The grammar a tool request's choice asks for, in the model's tool-call format, or None."""
+    if tools is None:
+        return None  # xgrammar is imported only for requests with tools
+    from kvreuse.tools.grammar import tool_format
+
+    return tool_format(tools, format_name)
+
+
+def tool_request(body: ChatCompletionRequest) -> ToolRequest | None:
+    """The body's tools and tool choice, checked (400 naming the field)."""
+    try:
+        return parse_tool_request(body.tools, body.tool_choice, body.parallel_tool_calls)
+    except ToolError as exc:
+        raise APIError(400, str(exc), param=exc.field) from exc
 
 
 def structured_format(body: SamplingFields) -> FormatSpec | None:
@@ -87,16 +122,6 @@ def structured_format(body: SamplingFields) -> FormatSpec | None:
     return parse_format(body.response_format, body.guided_regex, body.guided_choice, body.guided_json)
 
 
-def check_tools(body: ChatCompletionRequest) -> None:
-    """`tools` reach the model only through its chat template: refused (400) for a template that cannot render them,
-    rather than silently dropped. kvreuse does not parse tool calls out of the answer."""
-    asks = bool(body.tools) or body.tool_choice not in (None, "none", "auto")
-    if asks:
-        param = "tools" if body.tools else "tool_choice"
-        raise APIError(400, f"{param}: tool calling is not supported by kvreuse (the model's chat template renders no "
-                            f"tools, and kvreuse parses no tool calls); leave out tools and tool_choice", param=param)
-
-
 def tokenize_body(front: FrontEnd, body: TokenizeRequest) -> list[int]:
     """The tokens of a /tokenize body, exactly as a completion or chat request would get them."""
     chat = body.messages is not None
@@ -107,7 +132,7 @@ def tokenize_body(front: FrontEnd, body: TokenizeRequest) -> list[int]:
 
 
 def _sequence(front: FrontEnd, tokenize: Callable[[], list[int]], body: SamplingFields, tenant: str | None,
-              chat: bool) -> Sequence:
+              chat: bool, response_format: FormatSpec | None = None) -> Sequence:
     """The Sequence for the tokens `tokenize` gives under the body's sampling fields, salted by the tenant; 400
     if it cannot run (over the context limit, bad token ids or text, bad sampling values, too many stops)."""
     # A tenant's salt can only be narrowed by the request's own field, never replaced, nor sent by a keyless caller.
@@ -119,7 +144,7 @@ def _sequence(front: FrontEnd, tokenize: Callable[[], list[int]], body: Sampling
             room = front.max_model_len - len(token_ids)
             max_tokens = max(1, min(front.config.server.default_max_tokens, room))
         params = SamplingParams(max_tokens=max_tokens, **body.sampling_options())
-        response_format = structured_format(body)
+        response_format = response_format or structured_format(body)
         return front.make_sequence(token_ids, params, make_id("req"), cache_salt=salt, use_cache=body.use_cache,
                                    response_format=response_format)
     except RequestError as exc:

@@ -6,7 +6,7 @@ Every field of OpenAI's completion and chat requests has one of three fates here
   `ignore_eos`) and kvreuse's own (`cache_salt`, `use_cache`);
 - IGNORED: accepted and ignored, because it cannot change the answer (`user`, `metadata`, `store`, ...);
 - unsupported (`UNSUPPORTED` of each request): refused with 400 naming the field, unless its value asks for nothing
-  (`suffix: ""`, `audio: null`, ...); `tools` are refused unless the model's chat template renders them.
+  (`suffix: ""`, `audio: null`, ...).
 A field that is neither OpenAI's nor kvreuse's is refused too, with the closest known name ("did you mean
 'max_tokens'?"): a typo silently ignored would answer another request than the one meant. Every error names its field
 in `param`; a check of the whole body raises `FieldError` to do so.
@@ -28,8 +28,8 @@ from kvreuse.sampling_params import MAX_CHOICES, MAX_LOGPROBS, SEED_RANGE
 MAX_BATCHED_PROMPTS = 64  # prompts in one /v1/completions request (each is a sequence, admitted together)
 
 # OpenAI fields that cannot change the answer: accepted, ignored.
-IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
-                     "prompt_cache_retention", "safety_identifier", "prediction"})
+IGNORED = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "prompt_cache_retention",
+                     "safety_identifier", "prediction"})
 # OpenAI fields kvreuse does not implement -> the values besides null that ask for nothing (accepted).
 CHAT_UNSUPPORTED = {
     "functions": ([],), "function_call": ("none", "auto"), "audio": (), "modalities": (["text"],),
@@ -237,11 +237,47 @@ class CompletionRequest(SamplingFields):
         return self.best_of
 
 
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class MessageToolCall(BaseModel):
+    """A call an assistant message carries (the client echoes the calls the server answered with)."""
+    model_config = ConfigDict(extra="ignore")
+
+    id: Annotated[str, Field(min_length=1, max_length=256)]
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict] | None = None
+    tool_calls: list[MessageToolCall] | None = None   # assistant messages
+    tool_call_id: str | None = None                   # tool messages: the call they answer
+
+    @model_validator(mode="after")
+    def _tool_fields(self):
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"tool_calls: only assistant messages carry tool calls, not {self.role} messages")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("tool_call_id: a tool message names the call it answers")
+        return self
+
+    def as_dict(self) -> dict:
+        """The message as the chat template and the tool conversation take it: role, text content, and the tool
+        fields it has."""
+        message = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
     @field_validator("content", mode="before")
     @classmethod
@@ -263,8 +299,9 @@ class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[Any] | None = None                    # checked by kvreuse.tools.request, naming the field
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self):

@@ -26,6 +26,7 @@ from kvreuse.server.choices import (
     chat_choice,
     chat_chunk_choice,
     chat_logprobs,
+    chat_message_choice,
     completion_choice,
     completion_logprobs,
     merge_logprobs,
@@ -34,6 +35,7 @@ from kvreuse.server.deltas import Cut, Delta, EngineDied, is_last
 from kvreuse.server.errors import APIError
 from kvreuse.server.protocol import SamplingFields, error_body, make_id, now
 from kvreuse.server.state import ServerState
+from kvreuse.server.tool_answers import ToolAnswers
 from kvreuse.server.usage import usage
 
 DISCONNECT_POLL_S = 0.25
@@ -42,9 +44,11 @@ DONE = "data: [DONE]\n\n"
 
 @dataclass
 class Prompt:
-    """One prompt of a request, prepared: its sequence, and the prompt text an `echo` returns."""
+    """One prompt of a request, prepared: its sequence, the prompt text an `echo` returns, and for a chat with tools
+    how its answers' calls are parsed."""
     seq: Sequence
     echo_text: str | None = None
+    tools: ToolAnswers | None = None
 
 
 async def respond(state: ServerState, prompts: list[Prompt], body: SamplingFields, request: Request,
@@ -56,7 +60,7 @@ async def respond(state: ServerState, prompts: list[Prompt], body: SamplingField
     admissions = admit_all(state, [p.seq for p in prompts], tenant, reservation)
     response_id = make_id("chatcmpl" if chat else "cmpl")
     extra = {"truncated_turns": truncated_turns} if truncated_turns else {}
-    render = Render(state.engine.front_end.tokenizer, body, chat)
+    render = Render(state.engine.front_end.tokenizer, body, chat, prompts[0].tools)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return AdmittedStream(state, admissions,
@@ -94,14 +98,17 @@ def encode_json(value: dict) -> bytes:
 class Render:
     """A request's choices in its endpoint's shape, with logprobs when asked for and the echoed prompt."""
 
-    def __init__(self, tokenizer: Tokenizer, body: SamplingFields, chat: bool):
-        self.tokenizer, self.chat = tokenizer, chat
+    def __init__(self, tokenizer: Tokenizer, body: SamplingFields, chat: bool, tools: ToolAnswers | None = None):
+        self.tokenizer, self.chat, self.tools = tokenizer, chat, tools
         self.logprobs = body.num_logprobs is not None
         self.offsets: dict[int, TextOffsets] = {}  # completions' text_offset, per choice
 
     def whole_choice(self, index: int, prompt: Prompt, out: RequestOutput) -> dict:
         if self.chat:
             logprobs = chat_logprobs(self.tokenizer, out.logprobs) if self.logprobs else None
+            if self.tools is not None:
+                message, finish_reason = self.tools.message(out)
+                return chat_message_choice(index, message, finish_reason, logprobs)
             return chat_choice(index, out.text, out.finish_reason, logprobs)
         echo = self.echo(index, prompt, out.prompt_logprobs)
         text = (echo[0] if echo else "") + out.text
@@ -128,14 +135,36 @@ class Render:
         echo = self.echo(index, prompt, prompt_logprobs)
         return completion_choice(index, echo[0], None, echo[1]) if echo else None
 
-    def chunk(self, index: int, delta: Delta) -> dict:
+    def chunks(self, index: int, delta: Delta, out: RequestOutput | None) -> list[dict]:
+        """The chunks of choice `index` for `delta`; `out` is the choice's output once its request has ended."""
         text, logprobs = delta.text, delta.logprobs
         if self.chat:
             rendered = chat_logprobs(self.tokenizer, logprobs) if self.logprobs and logprobs is not None else None
-            return chat_chunk_choice(index, {"content": text} if text else {}, delta.finish_reason, rendered)
+            if self.tools is not None:
+                return self._tool_chunks(index, delta, out, rendered)
+            return [chat_chunk_choice(index, {"content": text} if text else {}, delta.finish_reason, rendered)]
         offsets = self.offsets.setdefault(index, TextOffsets())
         rendered = completion_logprobs(self.tokenizer, logprobs or [], offsets) if self.logprobs else None
-        return completion_choice(index, text, delta.finish_reason, rendered)
+        return [completion_choice(index, text, delta.finish_reason, rendered)]
+
+    def ends(self, delta: Delta, out: RequestOutput | None) -> bool:
+        """Whether `delta`'s chunks end its choice. A choice with tools ends once its output is known (its calls
+        are recorded with their tokens)."""
+        return delta.finish_reason is not None and (self.tools is None or out is not None)
+
+    def _tool_chunks(self, index: int, delta: Delta, out: RequestOutput | None, logprobs: dict | None) -> list[dict]:
+        stream = self.tools.stream(index)
+        deltas = stream.deltas(delta.text)
+        finish_reason = None
+        if self.ends(delta, out):
+            held, finish_reason = self.tools.finish_stream(index, out)
+            deltas += held
+        if logprobs is not None and not deltas:
+            deltas.append({})
+        chunks = [chat_chunk_choice(index, d, None, logprobs if i == 0 else None) for i, d in enumerate(deltas)]
+        if finish_reason is not None:
+            chunks.append(chat_chunk_choice(index, {}, finish_reason, None))
+        return chunks
 
 
 async def collect_admitted(state: ServerState, admission: Admission, request: Request) -> tuple[str, RequestOutput]:
@@ -245,12 +274,15 @@ async def stream(state: ServerState, prompts: list[Prompt], admissions: list[Adm
                 if first is not None:
                     yield _event(base, first)
             if delta.text or delta.logprobs or delta.finish_reason:
-                yield _event(base, render.chunk(j * n + delta.index, delta))
-                if delta.finish_reason:
+                out = _choice_output(delta, delta.index)
+                for choice in render.chunks(j * n + delta.index, delta, out):
+                    yield _event(base, choice)
+                if render.ends(delta, out):
                     finished.add(j * n + delta.index)
             for out in delta.output.all_choices if delta.finished else ():  # choices ended without a token of their
                 if j * n + out.index not in finished:                      # own (a scored prompt, an abort)
-                    yield _event(base, render.chunk(j * n + out.index, Delta("", finish_reason=out.finish_reason)))
+                    for choice in render.chunks(j * n + out.index, Delta("", finish_reason=out.finish_reason), out):
+                        yield _event(base, choice)
         if include_usage:
             total = usage(RequestOutput.of_requests([outputs[j] for j in range(len(prompts))]))
             yield f"data: {json.dumps({**base, 'choices': [], 'usage': total})}\n\n"
@@ -281,6 +313,13 @@ async def _merged(queues: list[asyncio.Queue]) -> AsyncIterator[tuple[int, Delta
     finally:
         for relay in relays:
             relay.cancel()
+
+
+def _choice_output(delta: Delta, index: int) -> RequestOutput | None:
+    """Choice `index`'s output, once its request has ended."""
+    if not delta.finished:
+        return None
+    return next((out for out in delta.output.all_choices if out.index == index), None)
 
 
 def _event(base: dict, choice: dict) -> str:

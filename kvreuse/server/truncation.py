@@ -7,7 +7,8 @@ from kvreuse.engine.front_end import FrontEnd, RequestError
 LEADING_ROLES = ("system", "developer")
 
 
-def fit_conversation(front: FrontEnd, messages: list[dict], max_tokens: int | None) -> tuple[list[dict], int]:
+def fit_conversation(front: FrontEnd, messages: list[dict], max_tokens: int | None,
+                     tools: list[dict] | None = None) -> tuple[list[dict], int]:
     """Drop whole turns (a user message and the replies after it) right after the system message, oldest
     first, until the prompt plus `max_tokens` fits the context limit. The last message always stays; if it
     still does not fit, the engine's own check refuses the request. Returns (messages, turns dropped)."""
@@ -20,7 +21,7 @@ def fit_conversation(front: FrontEnd, messages: list[dict], max_tokens: int | No
     low, high = 0, len(starts) - 1
     while low < high:
         mid = (low + high) // 2
-        if _fits(front, messages[:first] + messages[starts[mid]:], needed):
+        if _fits(front, messages[:first] + messages[starts[mid]:], needed, tools):
             high = mid
         else:
             low = mid + 1
@@ -39,9 +40,9 @@ def _tail_starts(messages: list[dict], first: int) -> list[int]:
     return starts
 
 
-def _fits(front: FrontEnd, messages: list[dict], needed: int) -> bool:
+def _fits(front: FrontEnd, messages: list[dict], needed: int, tools: list[dict] | None) -> bool:
     try:
-        return len(front.tokenize_chat(messages)) + needed <= front.max_model_len
+        return len(front.tokenize_chat(messages, tools)) + needed <= front.max_model_len
     except RequestError as exc:
         if exc.code != "context_length_exceeded":  # not a matter of length: dropping turns cannot help
             raise

@@ -12,6 +12,7 @@ import os
 import xgrammar as xgr
 
 from kvreuse.structured.formats import FormatSpec
+from kvreuse.structured.tool_grammar import compile_tool_calls
 
 COMPILE_THREADS = min(4, os.cpu_count() or 1)  # xgrammar's threads for one compile
 
@@ -30,6 +31,8 @@ def compile_format(compiler: xgr.GrammarCompiler, spec: FormatSpec) -> xgr.Compi
         # JSON string literals are EBNF string literals (ensure_ascii=False: xgrammar reads raw UTF-8).
         alternatives = " | ".join(json.dumps(choice, ensure_ascii=False) for choice in json.loads(spec.value))
         return compiler.compile_grammar(f"root ::= {alternatives}")
+    if spec.kind == "tool_calls":
+        return compile_tool_calls(compiler, spec.value)
     raise ValueError(f"unknown format kind {spec.kind!r}")
 
 

@@ -14,17 +14,19 @@ from kvreuse.structured.errors import UnsupportedFormat
 from kvreuse.structured.regex import regex_problem
 from kvreuse.structured.schema_check import check_schema
 
-Kind = Literal["json_object", "json_schema", "regex", "choice"]
+Kind = Literal["json_object", "json_schema", "regex", "choice", "tool_calls"]
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 _FIELD_OF_KIND = {"json_object": "response_format", "json_schema": "response_format", "regex": "guided_regex",
-                  "choice": "guided_choice"}
-_NOUN = {"json_object": "schema", "json_schema": "schema", "regex": "regex", "choice": "list of choices"}
+                  "choice": "guided_choice", "tool_calls": "tools"}
+_NOUN = {"json_object": "schema", "json_schema": "schema", "regex": "regex", "choice": "list of choices",
+         "tool_calls": "tool call grammar"}
 
 
 @dataclass(frozen=True)
 class FormatSpec:
     """What the output must be. `value`: the schema as canonical JSON text (json_schema), the regex (regex), the
-    choices as a JSON list (choice), None (json_object). Hashable and picklable: the compiled-grammar cache key.
+    choices as a JSON list (choice), the calls' layout and schemas (tool_calls: tool_grammar.py), None
+    (json_object). Hashable and picklable: the compiled-grammar cache key.
     `source` is the request field it came from (errors name it); it is not part of the key."""
     kind: Kind
     value: str | None = None

@@ -19,11 +19,16 @@ def check_limits(spec: FormatSpec, limits: StructuredConfig) -> None:
     if size > limits.max_schema_bytes:
         raise UnsupportedFormat(spec.field, f"{spec.field}: the {spec.noun} is {size} bytes, at most "
                                             f"{limits.max_schema_bytes} allowed (structured.max_schema_bytes)")
-    if spec.kind != "json_schema":
+    if spec.kind == "json_schema":
+        schemas = [json.loads(spec.value)]
+    elif spec.kind == "tool_calls":
+        schemas = [call["schema"] for call in json.loads(spec.value)["calls"]]
+    else:
         return
-    properties = count_properties(json.loads(spec.value))
+    properties = sum(map(count_properties, schemas))
+    whose = "the schema declares" if spec.kind == "json_schema" else "the tools' parameters declare"
     if properties > limits.max_schema_properties:
-        raise UnsupportedFormat(spec.field, f"{spec.field}: the schema declares {properties} properties, at most "
+        raise UnsupportedFormat(spec.field, f"{spec.field}: {whose} {properties} properties, at most "
                                             f"{limits.max_schema_properties} allowed "
                                             f"(structured.max_schema_properties)")
 

@@ -131,10 +131,9 @@ def loads_or_none(raw: str) -> object:
 
 
 def whole_answer(content: str, calls_text: str) -> str:
-    """The answer of a format whose calls are the whole answer: the calls' text, or the content when there are none."""
-    if content and calls_text:
-        raise ValueError("this tool-call format cannot hold content and calls in one answer")
-    return calls_text or content
+    """The answer of a format whose calls are the whole answer: the calls' text, or the content when there are none.
+    A turn with both (a client's own history) shows the content, then the calls on a line of their own."""
+    return "\n".join(part for part in (content, calls_text) if part)
 
 
 class ToolParser:
