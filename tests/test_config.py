@@ -194,7 +194,7 @@ def test_config_to_ini_writes_every_key():
         "suffix.guard_margin", "disk.path", "disk.max_gb", "redis.url", "redis.ttl_s", "redis.timeout_ms",
         "tier_queue_mb", "tier_secret_file", "tier_store_tokens",
     }
-    assert len(parser["server"]) == 13 and len(parser["model"]) == 6 and len(parser["engine"]) == 6
+    assert len(parser["server"]) == 13 and len(parser["model"]) == 7 and len(parser["engine"]) == 6
     assert len(parser["events"]) == 4 and len(parser["cluster"]) == 7 and len(parser["structured"]) == 4
 
 
