@@ -32,6 +32,7 @@ def template_messages(messages: list[dict], request: ToolRequest | None, parser:
     `messages` are OpenAI's (role, content, tool_calls, tool_call_id). ToolError naming the message at fault."""
     names = _call_names(messages)
     rendered: list[dict] = []
+    results_at: int | None = None  # the json format's user turn holding the current turn's tool results
     for i, message in enumerate(messages):
         if message.get("tool_calls"):
             rendered.append(_assistant_turn(message, parser, native, turns, scope))
@@ -40,9 +41,11 @@ def template_messages(messages: list[dict], request: ToolRequest | None, parser:
             if call_id not in names:
                 raise ToolError(f"messages[{i}].tool_call_id", f"{call_id!r} matches no tool call of an earlier "
                                                                f"assistant message")
-            _add_result(rendered, names[call_id], message, native)
+            results_at = _add_result(rendered, names[call_id], message, native, results_at)
+            continue
         else:
             rendered.append({"role": message["role"], "content": message.get("content") or ""})
+        results_at = None
     if request is None:
         return rendered, None
     definitions = [tool.definition() for tool in request.tools]
@@ -68,17 +71,18 @@ def _assistant_turn(message: dict, parser: ToolParser, native: bool, turns: Turn
     return {"role": "assistant", "content": content, "tool_calls": tool_calls}
 
 
-def _add_result(rendered: list[dict], name: str, message: dict, native: bool) -> None:
+def _add_result(rendered: list[dict], name: str, message: dict, native: bool, results_at: int | None) -> int | None:
+    """Adds a tool result; returns where the json format's results turn is (None for native formats)."""
     content = message.get("content") or ""
     if native:
         rendered.append({"role": "tool", "content": content, "tool_call_id": message["tool_call_id"], "name": name})
-        return
+        return None
     result = f"Result of {name} (call {message['tool_call_id']}):\n{content}"
-    previous = rendered[-1] if rendered else None
-    if previous is not None and previous.get("tool_results"):  # one user turn holds the results of one turn's calls
-        previous["content"] += f"\n\n{result}"
-    else:
-        rendered.append({"role": "user", "content": result, "tool_results": True})
+    if results_at is not None:  # one user turn holds the results of one turn's calls
+        rendered[results_at]["content"] += f"\n\n{result}"
+        return results_at
+    rendered.append({"role": "user", "content": result})
+    return len(rendered) - 1
 
 
 def _with_preamble(messages: list[dict], definitions: list[dict]) -> list[dict]:
