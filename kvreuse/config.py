@@ -375,7 +375,8 @@ class StructuredConfig(_Section):
         "this key. Optional properties make compiling superlinear: 500 take ~1 s on 2 cores, 1,000 ~9 s."))
     compile_timeout_s: float = Field(5.0, ge=0.0, description=(
         "Seconds a new format may take to compile. It is compiled first in a separate check process, killed at "
-        "this deadline (400 naming this key); only then here. 0: no bound and no check process."))
+        "this deadline (400 naming this key); only then here. Both compiles run at a low CPU priority (nice 10), so "
+        "on cores busy serving a check takes longer. 0: no bound and no check process."))
     grammar_cache_mb: int = Field(64, ge=0, description=(
         "MB of compiled grammars kept (least recently used dropped first, by xgrammar's own size of each); a grammar "
         "larger than this is used and not kept. 0: none kept."))

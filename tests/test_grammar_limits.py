@@ -6,6 +6,9 @@ compiled grammars kept stay within `structured.grammar_cache_mb`, by xgrammar's 
 from __future__ import annotations
 
 import json
+import os
+import sys
+import threading
 import time
 
 import jsonschema
@@ -13,6 +16,8 @@ import pytest
 
 from kvreuse.config import StructuredConfig
 from kvreuse.structured import GrammarCompiler, UnsupportedFormat, parse_format
+from kvreuse.structured.background import BACKGROUND_NICENESS
+from kvreuse.structured.compile_call import compile_format
 
 from .helpers import app_server, greedy, tiny_engine, tiny_llm
 from .server_process import http_client
@@ -144,3 +149,24 @@ def test_the_grammar_cache_stays_under_its_byte_budget_after_many_large_enums(re
     assert huge.memory_bytes > compiler.cache.budget_bytes and compiler.cache.get(huge.spec) is None
     assert len(compiler.cache) == kept
     compiler.cache.check_integrity()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="thread priorities are per thread on Linux only")
+def test_both_compiles_of_a_format_run_at_low_priority_and_serving_keeps_its_own(real_tokenizer, monkeypatch):
+    # A large schema keeps xgrammar's threads busy for seconds (twice): on 2 cores, at the serving threads'
+    # priority, another tenant's one-token request waited 308 ms for them (tests/test_tenant_fairness.py).
+    compiler = GrammarCompiler(real_tokenizer, VOCAB, StructuredConfig())
+    seen = []
+
+    def compile_and_note(*args):
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        return compile_format(*args)
+
+    monkeypatch.setattr("kvreuse.structured.compiler.compile_format", compile_and_note)
+    try:
+        compiler.compile(parse_format(schema_format(SMALL)))
+        assert seen == [BACKGROUND_NICENESS]                                          # the compile for use
+        assert os.getpriority(os.PRIO_PROCESS, compiler.check_process.pid) == BACKGROUND_NICENESS  # the check
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == 0        # the caller's thread
+    finally:
+        compiler.close()

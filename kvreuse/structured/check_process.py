@@ -70,6 +70,11 @@ class CompileCheck:
         reply = json.loads(line)
         return reply["seconds"] if "seconds" in reply else reply["error"]
 
+    @property
+    def pid(self) -> int | None:
+        """The check process's id while one runs."""
+        return None if self._proc is None else self._proc.pid
+
     def close(self) -> None:
         with self._lock:
             self._stop()

@@ -2,7 +2,8 @@
 
 Its first input line is the tokenizer (`{"tokenizer_info": xgrammar's JSON}`); it answers `{"ready": true}`. Then
 each line is a format (`{"kind", "value"}`), compiled and thrown away; the answer is `{"seconds": s}` or, when the
-engine refuses it, `{"error": message}`. It exits at the end of its input (its parent went away).
+engine refuses it, `{"error": message}`. It exits at the end of its input (its parent went away). It runs at a low CPU
+priority (background.py).
 """
 
 from __future__ import annotations
@@ -14,12 +15,14 @@ import time
 
 import xgrammar as xgr
 
+from kvreuse.structured.background import lower_priority
 from kvreuse.structured.compile_call import compile_format, new_compiler
 from kvreuse.structured.errors import engine_message
 from kvreuse.structured.formats import FormatSpec
 
 
 def main() -> None:
+    lower_priority()  # it and xgrammar's threads
     replies = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # whatever else writes to stdout (a library's print) goes to stderr, not into the answers
     sys.stdout = sys.stderr

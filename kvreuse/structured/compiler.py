@@ -12,11 +12,13 @@ import hashlib
 import math
 import threading
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 
 import xgrammar as xgr
 
 from kvreuse.config import StructuredConfig
 from kvreuse.model.tokenizer import Tokenizer
+from kvreuse.structured.background import lower_priority
 from kvreuse.structured.check_process import CompileCheck, Verdict
 from kvreuse.structured.compile_call import compile_format, new_compiler
 from kvreuse.structured.errors import UnsupportedFormat, engine_message
@@ -26,13 +28,14 @@ from kvreuse.structured.grammar_cache import GrammarCache
 from kvreuse.structured.limits import check_limits
 
 VERDICTS_KEPT = 4096  # formats whose check outcome is remembered (a digest and a number each)
+COMPILE_JOBS = 4  # compiles for use at once (each on a thread of low priority, see background.py)
 
 
 class GrammarCompiler:
     """Checks and compiles FormatSpecs for one tokenizer. Thread-safe: requests are prepared on several threads.
     No lock is held while compiling, so one large schema stalls no other request (two threads compiling one spec
-    both compile it; the second result is kept). Every refusal is an UnsupportedFormat naming the request field,
-    and a limit's refusal its key."""
+    both compile it; the second result is kept), and compiles run at a low CPU priority (background.py). Every
+    refusal is an UnsupportedFormat naming the request field, and a limit's refusal its key."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, limits: StructuredConfig | None = None):
         self.vocab_size = vocab_size
@@ -45,6 +48,8 @@ class GrammarCompiler:
         self.check_process = CompileCheck(info) if self.limits.compile_timeout_s > 0 else None
         self._verdicts: OrderedDict[bytes, Verdict] = OrderedDict()  # sha256 of the spec -> how its check went
         self._lock = threading.Lock()
+        self._compile_threads = ThreadPoolExecutor(COMPILE_JOBS, thread_name_prefix="kvreuse-grammar-compile",
+                                                   initializer=lower_priority)
 
     def check(self, spec: FormatSpec | CheckedFormat) -> CheckedFormat:
         """`spec` within the limits and (with a compile timeout) known to compile in time, without compiling it
@@ -68,7 +73,7 @@ class GrammarCompiler:
         else:
             self.check(spec)
         try:
-            compiled = compile_format(self._compiler, spec)
+            compiled = self._compile_threads.submit(compile_format, self._compiler, spec).result()
         except Exception as exc:  # xgrammar raises RuntimeError (and may raise others) for what it refuses
             raise UnsupportedFormat(spec.field, f"{spec.kind}: {engine_message(exc)}") from None
         grammar = CompiledGrammar(spec, compiled, self._eos, self.vocab_size)
