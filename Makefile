@@ -42,6 +42,7 @@ bench-peers: install
 	  -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" \
 	  $(BIN)/pip install -q llama-cpp-python==0.3.36
 	$(BIN)/pip install -q --no-deps sse-starlette==3.7.1 starlette-context==0.5.1  # its server, for bench replay
+	scripts/build_llama_server.sh $(VENV)  # llama.cpp's C++ llama-server, for bench agent (~10 min on 2 cores)
 
 # The GPU check (docs/features/gpu.md): gpu-carry fills .gpu/ here (the wheels the device lacks, the tokenizer); the
 # device tool then runs scripts/gpu_check.sh with carry [".gpu"]. gpu-check runs the same steps on this machine's CPU.

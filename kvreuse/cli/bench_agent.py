@@ -7,7 +7,8 @@ from pathlib import Path
 
 from kvreuse.cli.common import MODEL_HELP, InputError, log_level_flag, out_flag, positive_int, progress, publish
 
-DEFAULT_SYSTEMS = ("kvreuse", "kvreuse-nocache")
+DEFAULT_SYSTEMS = ("kvreuse", "kvreuse-nocache")  # llama-server when asked: it needs `make bench-peers`
+STARTED = ("kvreuse", "kvreuse-nocache", "llama-server")  # agent_systems.STARTED, without importing the bench
 
 
 def add_agent(suites) -> None:
@@ -17,19 +18,27 @@ def add_agent(suites) -> None:
                       "job completion time",
         description="N agent sessions side by side, K steps each: steps 1..K-1 must call a tool (tool_choice "
                     "required), whose simulated result is appended before the next step; step K answers in text. "
-                    "Without --url the bench starts `kvreuse serve` for each of --systems in turn.")
+                    "Without --url the bench starts each of --systems in turn (kvreuse serve, or llama-server "
+                    "built by `make bench-peers`), afresh for every run.")
     agent.add_argument("--url", action="append", default=[], metavar="URL",
                        help="an OpenAI-compatible server already running (its root, with or without /v1); "
                             "repeatable; with --url, --systems defaults to none")
     agent.add_argument("--name", action="append", default=[], metavar="LABEL",
                        help="the label of each --url in order (default: server, server-2, ...)")
     agent.add_argument("--systems", nargs="*", metavar="SYSTEM",
-                       help=f"servers to start, one after another: {', '.join(DEFAULT_SYSTEMS)} (default: all, or "
-                            "none with --url)")
+                       help=f"servers to start, one after another: {', '.join(STARTED)} (default: "
+                            f"{' '.join(DEFAULT_SYSTEMS)}, or none with --url)")
     agent.add_argument("--model", help=f"model of the started servers: {MODEL_HELP}")
     agent.add_argument("--block-size", type=positive_int, help="cache.block_size of the started servers")
     agent.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                        help="a config key of the started servers; repeatable")
+    agent.add_argument("--chat-template", metavar="FILE",
+                       help="chat template of the started servers (default: the model's own; with llama-server, "
+                            "examples/chatml-hermes-tools.jinja for both)")
+    agent.add_argument("--llama-server", metavar="PATH",
+                       help="the llama-server binary (default: on PATH, else beside this Python)")
+    agent.add_argument("--repeats", type=positive_int, default=1,
+                       help="runs of each system, interleaved (A B A B ...); medians reported (default 1)")
     agent.add_argument("--served-model", help="model name to send (default: the first of GET /v1/models)")
     agent.add_argument("--api-key", default="EMPTY", help="bearer token")
     _workload_flags(agent)
@@ -53,7 +62,7 @@ def _workload_flags(agent: argparse.ArgumentParser) -> None:
 
 
 def _systems(args: argparse.Namespace) -> list:
-    from kvreuse.bench import agent_bench
+    from kvreuse.bench import agent_systems
 
     if len(args.name) > len(args.url):
         raise InputError("more --name labels than --url servers")
@@ -62,11 +71,12 @@ def _systems(args: argparse.Namespace) -> list:
               *(("--block-size", str(args.block_size)) if args.block_size else ()),
               *(arg for item in args.overrides for arg in ("--set", item))]
     try:
-        systems = agent_bench.started_systems(names, shared)
+        systems = agent_systems.started_systems(names, shared, sessions=args.sessions, model=args.model,
+                                                chat_template=args.chat_template, llama_server=args.llama_server)
     except ValueError as exc:
         raise InputError(str(exc)) from exc
     labels = [*args.name, *(f"server-{i + 1}" if i else "server" for i in range(len(args.name), len(args.url)))]
-    systems += [agent_bench.System(label, url=url) for label, url in zip(labels, args.url, strict=True)]
+    systems += [agent_systems.System(label, url=url) for label, url in zip(labels, args.url, strict=True)]
     if not systems:
         raise InputError("nothing to measure: give --url or --systems")
     if len({s.name for s in systems}) < len(systems):
@@ -76,19 +86,20 @@ def _systems(args: argparse.Namespace) -> list:
 
 def cmd_bench_agent(args: argparse.Namespace) -> int:
     """Run the agent loop against each system, print the tables; with --out also the report and the TTFT plot."""
-    from kvreuse.bench import agent_bench
+    from kvreuse.bench import agent_bench, agent_report
+    from kvreuse.bench.agent_loop import Options
 
     if args.tool_latency_s < 0:
         raise InputError("--tool-latency-s must be >= 0")
-    options = agent_bench.Options(sessions=args.sessions, steps=args.steps, call_tokens=args.max_tokens,
+    options = Options(sessions=args.sessions, steps=args.steps, call_tokens=args.max_tokens,
                                   answer_tokens=args.answer_tokens, tool_latency_s=args.tool_latency_s,
                                   tool_result_tokens=args.tool_result_tokens, seed=args.seed)
     try:
         report = agent_bench.run(_systems(args), options, model=args.served_model, api_key=args.api_key,
-                                 progress=progress)
+                                 progress=progress, repeats=args.repeats)
     except RuntimeError as exc:
         raise InputError(str(exc)) from exc
-    code = publish("agent", report, agent_bench.markdown(report), args.out)
+    code = publish("agent", report, agent_report.markdown(report), args.out)
     if args.out:
-        progress(f"wrote {agent_bench.ttft_plot(report, Path(args.out) / agent_bench.TTFT_PNG)}")
+        progress(f"wrote {agent_report.ttft_plot(report, Path(args.out) / agent_report.TTFT_PNG)}")
     return code
