@@ -209,6 +209,15 @@ class CacheConfig(_Section):
         "is refused, naming this key. 0: no pinning ([features/prefix-caching.md](features/prefix-caching.md))."))
     pin_ttl_s: int = Field(3600, ge=0, description=(
         "How long a pin lasts unless its warm request says (`pin_ttl_s`), in seconds; 0: until `POST /cache/unpin`."))
+    session_retention_s: float = Field(300.0, ge=0.0, description=(
+        "How long a session's blocks are retained after its request ends, in seconds: a request with a "
+        "`prompt_cache_key` leaves them evicted after every other cached block until the session's next request "
+        "(its tool ran) or this passes (`prompt_cache_retention: \"24h\"`: 86,400 s). 0: no retention "
+        "([features/tools.md](features/tools.md))."))
+    session_max_share: float = Field(1.0, ge=0.0, le=1.0, description=(
+        "Share of the KV pool that sessions' retained blocks may be together; a retention beyond it is not made "
+        "(its blocks are cached as any others). Lower it to keep room for the cache of requests without a session: "
+        "retained blocks are evicted after theirs."))
     preset: Literal["none", "chat", "eval", "agent", "rag"] = Field("none", description=(  # the names in PRESETS
         "A scenario preset (`--preset`, see Presets): it sets several `[cache]` keys first; keys written explicitly, "
         "in the file or with `--set`, override it."))

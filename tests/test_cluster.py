@@ -16,7 +16,8 @@ from dataclasses import dataclass, field, replace
 import openai
 
 from kvreuse.cluster.router import KVReuseRouter
-from kvreuse.cluster.routing import KEY_BYTES, CacheAwarePolicy, Holdings, RoundRobinPolicy, chain_keys, imbalanced
+from kvreuse.cluster.routing import (KEY_BYTES, CacheAwarePolicy, Holdings, RoundRobinPolicy, chain_keys, imbalanced,
+                                    session_of)
 from kvreuse.cluster.spec import RequestSpec
 from kvreuse.kvcache.manager import KVCacheManager
 from kvreuse.sampling_params import SamplingParams
@@ -587,3 +588,18 @@ def test_a_cluster_refuses_a_format_at_the_ingress_and_a_replica_answers_under_o
         error = refused.json()["error"]
         assert error["param"] == "guided_json" and "(structured.max_schema_properties)" in error["message"]
         assert http.get(f"{server.root}/health").json() == {"status": "ok"}
+
+
+def test_a_session_stays_on_its_replica_unless_the_load_is_unbalanced_or_the_replica_left():
+    policy = CacheAwarePolicy(cache_threshold=0.5, balance_abs=4)
+    session = session_of("tenant-a", "agent-1")
+    assert session != session_of(None, "agent-1") and session_of("tenant-a", None) is None
+    policy.record("a", keys(1, 2), session=session)
+    policy.record("b", keys(5, 6, 7, 8))
+    # Its next prompt starts like the one b holds (every agent's tools): the session still goes to a.
+    assert policy.choose(keys(5, 6, 7, 8, 9), {"a": 1, "b": 0}, {}, session) == "a"
+    assert policy.choose(keys(5, 6, 7, 8, 9), {"a": 1, "b": 0}, {}) == "b"   # without it: the prefix decides
+    assert policy.choose([], {"a": 2, "b": 0}, {}, session) == "a"            # no keys (use_cache off): still a
+    assert policy.choose(keys(1, 2), {"a": 6, "b": 0}, {}, session) == "b"    # unbalanced: the load wins
+    policy.forget({"b", "c"})                                                # a left
+    assert not policy.sessions and policy.choose(keys(1, 2), {"b": 0, "c": 0}, {}, session) == "c"  # as a new one

@@ -75,6 +75,8 @@ ALL_CHANGED = Config(
         min_match_blocks=0,
         pin_max_share=0.5,
         pin_ttl_s=0,
+        session_retention_s=30.0,
+        session_max_share=0.5,
         preset="eval",
         disk=DiskTierConfig(path="/var/cache/kv reuse=1", max_gb=0.25),
         redis=RedisTierConfig(url="redis://:p%40ss@127.0.0.1:6380/2", ttl_s=3600, timeout_ms=50),
@@ -189,7 +191,7 @@ def test_config_to_ini_writes_every_key():
     assert parser.sections() == ["server", "cache", "model", "engine", "events", "cluster", "structured"]
     assert set(parser["cache"]) == {
         "enabled", "block_size", "max_blocks", "policy", "sliding_kv", "normalize_input", "min_match_blocks",
-        "pin_max_share", "pin_ttl_s", "preset",
+        "pin_max_share", "pin_ttl_s", "session_retention_s", "session_max_share", "preset",
         "suffix.enabled", "suffix.mode", "suffix.recompute_ratio", "suffix.head_tokens",
         "suffix.guard_margin", "disk.path", "disk.max_gb", "redis.url", "redis.ttl_s", "redis.timeout_ms",
         "tier_queue_mb", "tier_secret_file", "tier_store_tokens",

@@ -46,7 +46,8 @@ class EngineReplica:
         streams and Serve's health checks run on this event loop meanwhile."""
         seq = await asyncio.to_thread(self.engine.front_end.make_sequence, spec.prompt_token_ids, spec.params,
                                       spec.request_id, cache_salt=spec.cache_salt, use_cache=spec.use_cache,
-                                      response_format=spec.response_format)
+                                      response_format=spec.response_format, session_key=spec.session_key,
+                                      retention=spec.retention)
         deltas = self.runner.submit(seq)
         finished = False
         try:

@@ -15,7 +15,7 @@ import time
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from kvreuse.cluster.routing import Holdings, chain_keys, make_policy
+from kvreuse.cluster.routing import Holdings, chain_keys, make_policy, session_of
 from kvreuse.cluster.spec import AdminSpec, RequestSpec
 
 logger = logging.getLogger(__name__)
@@ -55,7 +55,8 @@ class KVReuseRouter(RequestRouter):
         self.policy.forget(set(by_name))
         loads = {name: len(self.in_flight.get(name, ())) for name in by_name}
         reports = {name: Holdings.from_stats(replica.routing_stats) for name, replica in by_name.items()}
-        name = self.policy.choose(self.keys_of(spec, pending), loads, reports)
+        name = self.policy.choose(self.keys_of(spec, pending), loads, reports,
+                                  session_of(spec.cache_salt, spec.session_key))
         self._count(pending.metadata.internal_request_id, name)
         chosen = by_name[name]
         return [[chosen], [replica for replica in candidates if replica is not chosen]]
@@ -80,7 +81,9 @@ class KVReuseRouter(RequestRouter):
         try:
             name = replica_id.unique_id
             self._count(pending_request.metadata.internal_request_id, name)  # where Ray really sent it
-            self.policy.record(name, getattr(pending_request, KEYS_ATTR, None) or [], time.time())
+            spec = pending_request.args[0] if pending_request.args else None
+            session = session_of(spec.cache_salt, spec.session_key) if isinstance(spec, RequestSpec) else None
+            self.policy.record(name, getattr(pending_request, KEYS_ATTR, None) or [], time.time(), session)
         except Exception:
             logger.exception("recording a routed request failed; routing goes on")
 

@@ -20,6 +20,8 @@ class RequestSpec:
     prompt: str | None = None
     # A kvreuse.structured.CheckedFormat: the ingress checked it (limits, compile time), the replica compiles it.
     response_format: object | None = None
+    session_key: str | None = None    # prompt_cache_key: the router keeps the session on one replica
+    retention: str | None = None      # prompt_cache_retention
 
     @classmethod
     def of(cls, seq: Sequence, prompt: str | None = None) -> RequestSpec:
@@ -30,7 +32,7 @@ class RequestSpec:
 
             response_format = CheckedFormat(seq.grammar.spec)
         return cls(seq.request_id, list(seq.prompt_token_ids), seq.params, seq.cache_salt, seq.kv.use_cache, prompt,
-                   response_format)
+                   response_format, seq.session_key, seq.retention)
 
 
 @dataclass(frozen=True)

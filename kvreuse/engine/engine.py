@@ -174,7 +174,7 @@ class LLMEngine:
         "error" and the exception in `error`, their blocks are freed, and the engine goes on with the rest. Only
         if its state is then inconsistent (`check_integrity` fails) does the exception leave `step`."""
         batch, updated = None, []
-        self.kv_manager.pins.expire(time.monotonic())
+        self.kv_manager.expire(self.kv_manager.clock())
         try:
             batch = self.scheduler.schedule()
             if batch.seqs:
@@ -327,6 +327,7 @@ class LLMEngine:
             decode_graph=DecodeGraphStatus(graph.state, graph.num_steps, graph.compile_s) if graph else None,
             tiers=self.tiers.snapshot() if self.tiers is not None else None,
             pins=self.kv_manager.pins.snapshot(time.monotonic()),
+            sessions=self.kv_manager.pool.retention.snapshot(self.kv_manager.clock()),
             events=self.events.snapshot() if self.events is not None else None)
 
     def reset_prefix_cache(self, tiers: bool = False) -> dict[str, int]:

@@ -39,6 +39,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+RETENTIONS = (None, "in_memory", "in-memory", "24h")  # OpenAI's prompt_cache_retention (the JS SDK sent "in-memory")
+RETENTION_24H_S = 86_400.0
 
 
 class RequestError(ValueError):
@@ -48,6 +50,16 @@ class RequestError(ValueError):
     def __init__(self, message: str, field: str = "prompt", code: str | None = None):
         super().__init__(message)
         self.field, self.code = field, code
+
+
+def _check_text(field: str, value: object) -> None:
+    """A string field hashed as UTF-8 (cache_salt, prompt_cache_key): RequestError naming it otherwise."""
+    if not isinstance(value, str):
+        raise RequestError(f"{field} must be a string, got {type(value).__name__}", field)
+    try:
+        check_unicode(value)
+    except ValueError as exc:
+        raise RequestError(f"{field}: {exc}", field) from None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -201,19 +213,21 @@ class FrontEnd:
 
     def make_sequence(self, prompt: str | list[int], params: SamplingParams | None = None,
                       request_id: str | None = None, *, cache_salt: str | None = None,
-                      use_cache: bool = True, response_format: FormatSpec | CheckedFormat | None = None) -> Sequence:
+                      use_cache: bool = True, response_format: FormatSpec | CheckedFormat | None = None,
+                      session_key: str | None = None, retention: str | None = None) -> Sequence:
         """Tokenize and validate a request without touching engine state (safe from any thread); raises
         RequestError naming the problem. Requests with different `cache_salt` never share KV;
         `use_cache=False` opts out of reuse. `response_format` (kvreuse.structured.parse_format) constrains what
         every choice generates; its grammar is compiled here, or only checked where `compiles_grammars` is False
-        (UnsupportedFormat, naming the field and any limit's key, if it is refused)."""
-        if cache_salt is not None:
-            if not isinstance(cache_salt, str):
-                raise RequestError(f"cache_salt must be a string, got {type(cache_salt).__name__}", "cache_salt")
-            try:
-                check_unicode(cache_salt)  # it is hashed as UTF-8
-            except ValueError as exc:
-                raise RequestError(f"cache_salt: {exc}", "cache_salt") from None
+        (UnsupportedFormat, naming the field and any limit's key, if it is refused). `session_key` (OpenAI's
+        `prompt_cache_key`) names the request's session, whose blocks are retained after it ends
+        (`cache.session_retention_s`, or a day for `retention` "24h"; kvcache/retention.py)."""
+        for field, text in (("cache_salt", cache_salt), ("prompt_cache_key", session_key)):
+            if text is not None:
+                _check_text(field, text)
+        if retention not in RETENTIONS:
+            raise RequestError(f"prompt_cache_retention must be one of {', '.join(map(str, RETENTIONS))}, got "
+                               f"{retention!r}", "prompt_cache_retention")
         params = params or SamplingParams(max_tokens=self.config.server.default_max_tokens)
         self._check_stops(params.stop)
         out_of_range = params.token_ids_in_range(self.model_args.vocab_size)
@@ -227,14 +241,22 @@ class FrontEnd:
         self.check_fits(len(token_ids), params.max_tokens)
         request_id = request_id or f"req-{next(self._request_counter)}"
         kv = new_cache_request(list(token_ids), self.fingerprint, self.block_size, cache_salt=cache_salt,
-                               use_cache=use_cache, prompt_logprobs=params.prompt_logprobs)
+                               use_cache=use_cache, prompt_logprobs=params.prompt_logprobs, session_key=session_key,
+                               retention_s=self.retention_s(retention))
         grammar = None
         if response_format is not None:
             grammar = (self.grammars.compile if self.compiles_grammars else self.grammars.check)(response_format)
         seq = Sequence(request_id, kv, params, grammar=grammar)
         seq.generator = seq.generator or self.generator
         seq.cache_salt = cache_salt
+        seq.session_key, seq.retention = session_key, retention
         return seq
+
+    def retention_s(self, retention: str | None) -> float:
+        """Seconds a session's blocks are retained for a request's `prompt_cache_retention` (none with
+        `cache.session_retention_s` = 0)."""
+        configured = self.config.cache.session_retention_s
+        return RETENTION_24H_S if retention == "24h" and configured else configured
 
     @functools.cached_property
     def grammars(self) -> GrammarCompiler:

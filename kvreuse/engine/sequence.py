@@ -44,6 +44,8 @@ class Sequence:
     generator: torch.Generator | None = None
     first_logits: torch.Tensor | None = None  # [vocab] fp32, kept when params.keep_first_logits
     cache_salt: str | None = None     # the salt in kv's extra key, for handing the request to another process
+    session_key: str | None = None    # its prompt_cache_key (kv.session holds it, salted), and its
+    retention: str | None = None      # prompt_cache_retention: for handing the request to another process
     tenant: str | None = None         # whose request (the server's API-key tenant); None offline and without keys
     # n / best_of > 1: the request's sequence is choice 0 and holds every choice (itself first) in `choices`; the
     # others are forked from it once its prompt is computed, sharing its blocks (see LLMEngine._fork).

@@ -86,6 +86,7 @@ class EngineSnapshot:
     decode_graph: DecodeGraphStatus | None = None  # with `engine.compile = decode`
     tiers: dict | None = None          # with lower tiers: their counters and the write queue's (TieredStore.snapshot)
     pins: dict | None = None           # pinned prefixes (Pins.snapshot)
+    sessions: dict | None = None       # sessions' retained blocks (SessionRetention.snapshot)
     events: dict | None = None         # with `[events] endpoint`: the publisher's counters (KVEventPublisher.snapshot)
     replica: str | None = None         # the cluster replica whose engine this is; None: this process's own engine
 

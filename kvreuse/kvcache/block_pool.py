@@ -2,10 +2,12 @@
 
 Every block is in exactly one state:
 - in use:  ref_cnt > 0 (it may also hold a key: a cached block that requests share);
-- cached:  ref_cnt == 0 with a key, evictable, tracked by the eviction policy, or in `cold`;
+- cached:  ref_cnt == 0 with a key, evictable, tracked by the eviction policy, in `cold`, or retained for a session
+  (retention.py);
 - free:    ref_cnt == 0 without a key, in `free_block_ids`.
 Requests always win over the cache: `allocate` takes free blocks first, then evicts cached ones: the `cold` ones
-first (released with `cold`, oldest first: sliding-window blocks no likely hit needs), then the policy's victim.
+first (released with `cold`, oldest first: sliding-window blocks no likely hit needs), then the policy's victim, then
+the blocks retained for sessions whose next request is yet to come.
 `max_cached_blocks` bounds the cached (unreferenced) blocks retained; the pool size bounds the rest.
 """
 
@@ -17,16 +19,19 @@ from collections.abc import Callable, Sequence
 
 from kvreuse.kvcache.block import KVCacheBlock
 from kvreuse.kvcache.eviction import EvictionPolicy, Release, make_policy
+from kvreuse.kvcache.retention import SessionHint, SessionRetention
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, max_cached_blocks: int | None = None, policy: str | EvictionPolicy = "lru"):
+    def __init__(self, num_blocks: int, max_cached_blocks: int | None = None, policy: str | EvictionPolicy = "lru",
+                 max_retained_blocks: int = 0):
         self.num_blocks = num_blocks
         self.max_cached_blocks = num_blocks if max_cached_blocks is None else max_cached_blocks
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_ids: deque[int] = deque(range(num_blocks))
         self.evictable = make_policy(policy)  # by `cache.policy` name, or an instance (a replay's offline MIN)
         self.cold: dict[int, KVCacheBlock] = {}  # cached blocks evicted before the policy's, by block id, oldest first
+        self.retention = SessionRetention(max_retained_blocks)  # cached blocks evicted after the policy's
         self.key_to_block: dict[bytes, KVCacheBlock] = {}
         self.uid_to_block: dict[int, KVCacheBlock] = {}  # published blocks by identity: whose parent still exists
         # Published sliding-window blocks (group > 0) by the uid of the full-attention block they are found through:
@@ -47,7 +52,7 @@ class BlockPool:
 
     @property
     def num_cached_blocks(self) -> int:
-        return len(self.evictable) + len(self.cold)
+        return len(self.evictable) + len(self.cold) + len(self.retention)
 
     @property
     def num_used_blocks(self) -> int:
@@ -96,6 +101,8 @@ class BlockPool:
                 self.free_block_ids.append(block_id)
             elif block.group and block.parent_uid not in self.uid_to_block:  # its anchor went while it was held
                 self.free_block_ids.append(self._drop(block).block_id)
+            elif self.retention.retains(block):
+                self.retention.add(block)
             elif cold and block.num_hits <= 1:
                 self.cold[block_id] = block
             else:
@@ -119,20 +126,53 @@ class BlockPool:
         self.free(kept)
 
     def _uncache(self, block: KVCacheBlock) -> None:
-        """Take an unreferenced cached block out of `cold` or the policy."""
-        if self.cold.pop(block.block_id, None) is None:
+        """Take an unreferenced cached block out of `cold`, the retained blocks or the policy."""
+        if self.cold.pop(block.block_id, None) is not None:
+            return
+        if block in self.retention:
+            self.retention.remove(block)
+        else:
             self.evictable.remove(block)
 
     def _evict(self, count: bool = True) -> KVCacheBlock:
         if self.cold:
             return self._drop(self.cold.pop(next(iter(self.cold))), count)
-        return self._drop(self.evictable.pop(), count)
+        if len(self.evictable):
+            return self._drop(self.evictable.pop(), count)
+        return self._drop(self.retention.pop(), count)
+
+    # --- sessions (retention.py) ---------------------------------------------------------------------
+    def can_retain(self, hint: SessionHint, block_ids: Sequence[int]) -> bool:
+        return self.retention.can_retain(hint, self._published_uids(block_ids))
+
+    def retain(self, hint: SessionHint, block_ids: Sequence[int], release: Release | None, now: float) -> None:
+        """Retain the published ones of `block_ids` (held by the session's ending request) for the session."""
+        self._to_policy(self.retention.retain(hint, self._published_uids(block_ids), release, now))
+
+    def end_retention(self, key: bytes) -> None:
+        self._to_policy(self.retention.end(key))
+
+    def expire_retentions(self, now: float) -> None:
+        self._to_policy(self.retention.expire(now))
+
+    def _published_uids(self, block_ids: Sequence[int]) -> list[int]:
+        return [self.blocks[b].uid for b in block_ids if self.blocks[b].uid is not None]
+
+    def _to_policy(self, uids: Sequence[int]) -> None:
+        """Blocks no session retains any more: the unreferenced ones go to the policy."""
+        for uid in uids:
+            release = self.retention.release_of(uid)
+            block = self.uid_to_block.get(uid)
+            if block is not None and block in self.retention:
+                self.retention.remove(block)
+                self.evictable.add(block, release)
 
     def _drop(self, block: KVCacheBlock, count: bool = True) -> KVCacheBlock:
         """Unpublish an unreferenced cached block (already out of `evictable`), and free the unreferenced window
         blocks found through it."""
         del self.key_to_block[block.block_key]
         del self.uid_to_block[block.uid]
+        self.retention.forget(block.uid)
         for listener in self.on_evict:
             listener(block)
         if block.group:
@@ -204,9 +244,10 @@ class BlockPool:
         for block in self.blocks:
             assert block.ref_cnt >= 0, f"block {block.block_id} has ref_cnt {block.ref_cnt}"
             is_free, is_cold, is_cached = block.block_id in free, block.block_id in self.cold, block in self.evictable
-            assert not (is_cold and is_cached), f"block {block.block_id} is both cold and in the policy"
+            is_retained = block in self.retention
+            assert is_cold + is_cached + is_retained <= 1, f"block {block.block_id} is in two of cold, policy, retained"
             assert not is_cold or self.cold[block.block_id] is block, f"cold block {block.block_id} is stale"
-            is_cached |= is_cold
+            is_cached |= is_cold | is_retained
             assert not (is_free and is_cached), f"block {block.block_id} is both free and cached"
             if block.ref_cnt > 0:
                 assert not is_free and not is_cached, f"block {block.block_id} is in use and evictable"
@@ -228,3 +269,4 @@ class BlockPool:
                    for i in ids), "a cached window block outlived the block it is found through"
         assert self.num_cached_blocks <= self.max_cached_blocks, "more cached blocks than max_cached_blocks"
         self.evictable.check_integrity()
+        self.retention.check_integrity()

@@ -4,6 +4,7 @@ records and block ids only: the tensor work it decides comes back as CopyJobs fo
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from concurrent.futures import TimeoutError as FutureTimeout  # the builtin from 3.11, not on 3.10
 
@@ -38,7 +39,8 @@ also needs, in every window group, the blocks its window reads before position n
                  max_cached_blocks: int | None = None, policy: str | EvictionPolicy = "lru", min_match_blocks: int = 1,
                  fingerprint: str = "", hash_fn: BlockHashFn = sha256_block_key, enable_segments: bool = False,
                  tiers: TieredStore | None = None, layout: KVLayout | None = None,
-                 window_retention: WindowRetention = "policy", max_pinned_blocks: int = 0):
+                 window_retention: WindowRetention = "policy", max_pinned_blocks: int = 0,
+                 max_retained_blocks: int = 0):
         self.block_size = block_size
         self.layout = layout or KVLayout.full(1)
         self.windows = [g.window for g in self.layout.window_groups]  # of each sliding-window group (1, 2, ...)
@@ -48,7 +50,8 @@ also needs, in every window group, the blocks its window reads before position n
         self.min_match_blocks = min_match_blocks
         self.fingerprint = fingerprint
         self.hash_fn = hash_fn  # a test can swap in a constant to prove hits are confirmed, not trusted
-        self.pool = BlockPool(num_blocks, max_cached_blocks if enable_caching else 0, policy)
+        self.pool = BlockPool(num_blocks, max_cached_blocks if enable_caching else 0, policy,
+                              max_retained_blocks if enable_caching else 0)
         self.window_groups = (WindowGroups(self.pool, self.windows, block_size, self._key, window_retention)
                               if self.windows else None)
         self.segments = SegmentIndex(block_size)
@@ -72,13 +75,26 @@ also needs, in every window group, the blocks its window reads before position n
         return cls(num_blocks, cache.block_size, enable_caching=cache.enabled, max_cached_blocks=cache.max_blocks,
                    policy=cache.policy if policy is None else policy, min_match_blocks=cache.min_match_blocks,
                    fingerprint=fingerprint, enable_segments=segments, tiers=tiers, layout=layout,
-                   max_pinned_blocks=int(cache.pin_max_share * num_blocks))
+                   max_pinned_blocks=int(cache.pin_max_share * num_blocks),
+                   max_retained_blocks=int(cache.session_max_share * num_blocks))
 
     def new_request(self, token_ids: list[int], cache_salt: str | None = None, use_cache: bool = True,
-                    prompt_logprobs: int | None = None) -> CacheRequest:
+                    prompt_logprobs: int | None = None, session_key: str | None = None,
+                    retention_s: float = 0.0) -> CacheRequest:
         """The cache's record of a new request (`new_cache_request` for this manager's model and block size)."""
         return new_cache_request(token_ids, self.fingerprint, self.block_size, cache_salt=cache_salt,
-                                 use_cache=use_cache, prompt_logprobs=prompt_logprobs)
+                                 use_cache=use_cache, prompt_logprobs=prompt_logprobs, session_key=session_key,
+                                 retention_s=retention_s)
+
+    @staticmethod
+    def clock() -> float:
+        """Time as retentions and pins count it (time.monotonic; a test sets its own clock on the instance)."""
+        return time.monotonic()
+
+    def expire(self, now: float) -> None:
+        """End the pins and the sessions' retentions whose time is past."""
+        self.pins.expire(now)
+        self.pool.expire_retentions(now)
 
     def caches(self, req: CacheRequest) -> bool:
         return self.enable_caching and req.use_cache
@@ -303,6 +319,7 @@ also needs, in every window group, the blocks its window reads before position n
         or its last block's cached copy, until the step after this one has copied them."""
         assert not req.block_table, "admission is for a request that holds no blocks"
         self.pool.hold(match.hits)
+        self.pool.end_retention(req.session.key)  # its session is back: what it retained and did not take, cached
         req.block_table = list(match.hits)
         req.block_uids = [self.pool.blocks[b].uid for b in match.hits]
         req.num_cached_tokens = match.num_cached_tokens
@@ -467,8 +484,12 @@ also needs, in every window group, the blocks its window reads before position n
         self._release_sources(req)
         req.tier_load = None
         release = self._release(req) if finished else None
-        self.pool.free(req.block_table if self.window_groups is None else self.window_groups.release_order(req),
-                       release=release)
+        block_ids = req.block_table if self.window_groups is None else self.window_groups.release_order(req)
+        if finished and self.pool.can_retain(req.session, block_ids):
+            self.pool.retain(req.session, block_ids, release, self.clock())
+        elif finished:
+            self.pool.end_retention(req.session.key)
+        self.pool.free(block_ids, release=release)
         req.block_table, req.window_tables, req.window_starts = [], [], []
         req.block_uids = []
         req.num_window_published = 0

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from kvreuse.kvcache.hashing import extra_keys
+from kvreuse.kvcache.retention import NO_SESSION, SessionHint
 from kvreuse.kvcache.segment import SegmentPlan
 
 
@@ -25,6 +26,7 @@ class CacheRequest:
     scope: ReuseScope = ReuseScope.ANY
     # Scoring the prompt: the alternatives per position asked for (prompt_logprobs.py), else None.
     prompt_logprobs: int | None = None
+    session: SessionHint = NO_SESSION  # whose blocks are retained when it ends (retention.py)
     block_table: list[int] = field(default_factory=list)   # physical block of each logical block
     block_keys: list[bytes] = field(default_factory=list)  # chain keys of the full blocks, computed as needed
     # Identity (pool uid) of each published full block, in order; None: private (not published, or its chain broke).
@@ -78,9 +80,13 @@ class CacheRequest:
 
 
 def new_cache_request(token_ids: list[int], fingerprint: str, block_size: int, *, cache_salt: str | None = None,
-                      use_cache: bool = True, prompt_logprobs: int | None = None) -> CacheRequest:
+                      use_cache: bool = True, prompt_logprobs: int | None = None, session_key: str | None = None,
+                      retention_s: float = 0.0) -> CacheRequest:
     """The cache's record of a new request (pure: safe from any thread). Requests with different salts never share
     KV; `use_cache=False` neither reuses nor publishes; `prompt_logprobs` (alternatives per prompt position) scores
-    the prompt, reusing only blocks whose prompt logprobs are stored."""
+    the prompt, reusing only blocks whose prompt logprobs are stored. A `session_key` (OpenAI's `prompt_cache_key`)
+    names its session, within its salt: its blocks are retained for `retention_s` after it ends."""
     scope = ReuseScope.NONE if not use_cache else ReuseScope.ANY if prompt_logprobs is None else ReuseScope.SCORED
-    return CacheRequest(token_ids, extra_keys(fingerprint, block_size, cache_salt), scope, prompt_logprobs)
+    extra_key = extra_keys(fingerprint, block_size, cache_salt)
+    session = NO_SESSION if session_key is None else SessionHint(extra_key + session_key.encode(), retention_s)
+    return CacheRequest(token_ids, extra_key, scope, prompt_logprobs, session=session)

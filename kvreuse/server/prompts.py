@@ -146,7 +146,8 @@ def _sequence(front: FrontEnd, tokenize: Callable[[], list[int]], body: Sampling
         params = SamplingParams(max_tokens=max_tokens, **body.sampling_options())
         response_format = response_format or structured_format(body)
         return front.make_sequence(token_ids, params, make_id("req"), cache_salt=salt, use_cache=body.use_cache,
-                                   response_format=response_format)
+                                   response_format=response_format, session_key=body.prompt_cache_key,
+                                   retention=body.prompt_cache_retention)
     except RequestError as exc:
         raise refusal(exc, chat) from exc
     except UnsupportedFormat as exc:

@@ -3,7 +3,8 @@
 Every field of OpenAI's completion and chat requests has one of three fates here:
 - modelled: kvreuse serves it (`max_tokens`, `stop`, `seed`, `n`, `logprobs`, penalties, `response_format`, ...),
   vLLM's extensions that clients send (`top_k`, `repetition_penalty`, `min_tokens`, `stop_token_ids`, `guided_*`,
-  `ignore_eos`) and kvreuse's own (`cache_salt`, `use_cache`);
+  `ignore_eos`), OpenAI's session hints (`prompt_cache_key`, `prompt_cache_retention`) and kvreuse's own
+  (`cache_salt`, `use_cache`);
 - IGNORED: accepted and ignored, because it cannot change the answer (`user`, `metadata`, `store`, ...);
 - unsupported (`UNSUPPORTED` of each request): refused with 400 naming the field, unless its value asks for nothing
   (`suffix: ""`, `audio: null`, ...).
@@ -28,8 +29,7 @@ from kvreuse.sampling_params import MAX_CHOICES, MAX_LOGPROBS, SEED_RANGE
 MAX_BATCHED_PROMPTS = 64  # prompts in one /v1/completions request (each is a sequence, admitted together)
 
 # OpenAI fields that cannot change the answer: accepted, ignored.
-IGNORED = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "prompt_cache_retention",
-                     "safety_identifier", "prediction"})
+IGNORED = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier", "prediction"})
 # OpenAI fields kvreuse does not implement -> the values besides null that ask for nothing (accepted).
 CHAT_UNSUPPORTED = {
     "functions": ([],), "function_call": ("none", "auto"), "audio": (), "modalities": (["text"],),
@@ -107,6 +107,10 @@ class SamplingFields(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     ignore_eos: bool = False
+    # A session (within the caller's tenant and salt): replicas route by it, and its blocks are retained between its
+    # requests (kvcache/retention.py).
+    prompt_cache_key: Annotated[str, Field(min_length=1, max_length=1024)] | None = None
+    prompt_cache_retention: Literal["in_memory", "in-memory", "24h"] | None = None
     # kvreuse extensions: narrow cache sharing within the caller's tenant, or opt out of reuse.
     cache_salt: CacheSalt | None = None
     use_cache: bool = True
@@ -127,7 +131,7 @@ class SamplingFields(BaseModel):
                 raise _unknown(field, [*cls.model_fields, *cls.UNSUPPORTED, *IGNORED])
         return kept
 
-    @field_validator("stop", "cache_salt", mode="before")
+    @field_validator("stop", "cache_salt", "prompt_cache_key", mode="before")
     @classmethod
     def _valid_text(cls, value: Any) -> Any:
         return _check_texts(value)

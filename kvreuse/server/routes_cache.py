@@ -111,7 +111,7 @@ async def cache_stats(state: StateDep):
         return {"memory": memory, "replicas": {s.replica: {**_memory([s]), "tiers": s.tiers} for s in snapshots}}
     [snapshot], tiers = own, state.engine.tiers
     usage = await asyncio.to_thread(tiers.usage) if tiers else []
-    return {"memory": memory, "pins": snapshot.pins,
+    return {"memory": memory, "pins": snapshot.pins, "sessions": snapshot.sessions,
             "tiers": [{**u.__dict__, **snapshot.tiers["tiers"][u.name]} for u in usage],
             "write_queue": {k: snapshot.tiers[k] for k in ("queued_blocks", "dropped_blocks", "queued_bytes")}
             if tiers else None}
