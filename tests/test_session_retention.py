@@ -11,11 +11,15 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvreuse.kvcache.layout import KVLayout
 from kvreuse.kvcache.manager import KVCacheManager
 from kvreuse.kvcache.request import CacheRequest
 
 from .helpers import app_server, tiny_engine
 from .server_process import http_client
+from .test_sliding_window_cache import BLOCK as WINDOW_BLOCK
+from .test_sliding_window_cache import WINDOW, gemma_args
+from .test_sliding_window_cache import tokens as window_tokens
 
 BS = 4
 
@@ -225,3 +229,24 @@ def test_prompt_cache_key_retains_the_sessions_blocks_and_bad_hints_are_a_400_na
                                                          "max_tokens": 2, "prompt_cache_key": "plan-7"}).status_code == 200
         assert sessions()["num_sessions"] == 2                # the engine served on, and completions take the key too
     engine.scheduler.check_integrity()
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 4), st.integers(1, 6), st.booleans()), min_size=1, max_size=24))
+def test_sessions_on_a_sliding_window_layout_keep_every_structure_consistent(ops):
+    # Retained chains there hold window blocks (group > 0) that go with the full-attention block they hang on.
+    layout = KVLayout.of(gemma_args(6, pattern=3, window=WINDOW))
+    kv = KVCacheManager(160, WINDOW_BLOCK, layout=layout, window_retention="policy", max_retained_blocks=80)
+    kv.clock = Clock()
+    for tag, num_windows, tick in ops:
+        prompt = window_tokens(num_windows * WINDOW // 2 + tag, tag % 3)
+        req = kv.new_request(prompt, session_key=f"s{tag}", retention_s=10.0)
+        match = kv.match(req)
+        if kv.can_admit(match, req.num_tokens - match.num_cached_tokens):
+            kv.admit(req, match, req.num_tokens - match.num_cached_tokens)
+            kv.update(req, req.num_tokens)
+            kv.free(req)
+        if tick:
+            kv.clock.now += 4.0
+            kv.expire(kv.clock.now)
+        kv.check_integrity()
