@@ -10,31 +10,23 @@ from __future__ import annotations
 import json
 from concurrent.futures import ThreadPoolExecutor
 
-import jsonschema
-import openai
 import pytest
 
 from .server_process import REPO_ROOT, http_client, start_server
+from .tool_prompts import (
+    PROMPTS,
+    TOOLS,
+    WEATHER,
+    ask,
+    check_valid,
+    client_of,
+    parsed,
+    streamed_calls,
+)
 
 pytestmark = pytest.mark.slow
 
 HERMES_TEMPLATE = str(REPO_ROOT / "examples" / "chatml-hermes-tools.jinja")
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The forecast of a city for some days",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-                   "required": ["city", "days"]}}}
-SEARCH = {"type": "function", "function": {
-    "name": "search_docs", "description": "Search the documentation",
-    "parameters": {"type": "object", "properties": {"query": {"type": "string"},
-                                                    "limit": {"type": "integer", "minimum": 1, "maximum": 10}},
-                   "required": ["query"]}}}
-CLOCK = {"type": "function", "function": {"name": "get_time", "description": "The current time"}}
-TOOLS = [WEATHER, SEARCH, CLOCK]
-SCHEMAS = {t["function"]["name"]: t["function"].get("parameters", {"type": "object"}) for t in TOOLS}
-CITIES = ["Paris", "Oslo", "Lima", "Cairo", "Tokyo", "Quito", "Perth", "Accra", "Hanoi", "Bern"]
-ASKS = ["What is the weather in {} this week?", "Find the docs about caching in {}.", "What time is it in {}?",
-        "Plan a trip to {}.", "Tell me a joke about {}."]
-PROMPTS = [ask.format(city) for city in CITIES for ask in ASKS]  # 50 varied prompts
 
 
 def serve(tmp_path_factory, name: str, *args: str):
@@ -53,25 +45,6 @@ def block4_server(request, tmp_path_factory):
     template = ("--chat-template", HERMES_TEMPLATE) if request.param == "hermes" else ()
     with serve(tmp_path_factory, f"tools-{request.param}-b4", "--block-size", "4", *template) as server:
         yield server
-
-
-def client_of(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=300.0,
-                         http_client=openai.DefaultHttpxClient(trust_env=False))
-
-
-def ask(client, model, content: str, **fields):
-    return client.chat.completions.create(model=model, messages=[{"role": "user", "content": content}], tools=TOOLS,
-                                          temperature=0, max_tokens=64, **fields)
-
-
-def check_valid(reply, names=tuple(SCHEMAS)):
-    calls = reply.choices[0].message.tool_calls
-    assert calls, reply
-    for call in calls:
-        assert call.type == "function" and call.id.startswith("call_") and call.function.name in names
-        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
-    return calls
 
 
 def test_required_calls_are_schema_valid_on_every_prompt(json_server):
@@ -93,20 +66,6 @@ def test_a_named_choice_calls_that_tool_and_stops(json_server):
             assert reply.choices[0].finish_reason == "stop"
 
 
-def streamed_calls(client, model, prompt: str, **fields) -> tuple[list[tuple[str, dict]], str]:
-    calls: dict[int, dict] = {}
-    finish = None
-    for chunk in ask(client, model, prompt, stream=True, **fields):
-        for choice in chunk.choices:
-            finish = choice.finish_reason or finish
-            for delta in choice.delta.tool_calls or ():
-                if delta.id is not None:
-                    assert delta.index not in calls and delta.function.name and delta.type == "function"
-                    calls[delta.index] = {"name": delta.function.name, "arguments": ""}
-                calls[delta.index]["arguments"] += delta.function.arguments or ""
-    return [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())], finish
-
-
 @pytest.mark.parametrize("choice", ["required", "auto"])
 def test_streamed_calls_reassemble_to_the_whole_ones(block4_server, choice):
     with client_of(block4_server) as client:
@@ -114,8 +73,7 @@ def test_streamed_calls_reassemble_to_the_whole_ones(block4_server, choice):
             whole = ask(client, block4_server.model, prompt, tool_choice=choice, parallel_tool_calls=False)
             streamed, finish = streamed_calls(client, block4_server.model, prompt, tool_choice=choice,
                                               parallel_tool_calls=False)
-            calls = whole.choices[0].message.tool_calls or []
-            assert streamed == [(c.function.name, json.loads(c.function.arguments)) for c in calls]
+            assert streamed == parsed(whole)
             assert finish == whole.choices[0].finish_reason
 
 
