@@ -185,6 +185,11 @@ def test_a_session_echoes_each_call_and_appends_its_result():
     assert last[3]["role"] == "tool" and last[3]["tool_call_id"] == "call_1"
     assert last[3]["content"] == workload.tool_result("read_file", '{"path": "f1.py"}', 0, 150)
     assert len(last) == 6 and server.requests[0]["tools"] == session.tools
+    assert not any("prompt_cache_key" in q for q in server.requests)
+    hinted = ScriptedServer()
+    asyncio.run(agent_loop.run_session(hinted, "m", session, Options(sessions=1, steps=3, tool_latency_s=0,
+                                                                     session_hints=True)))
+    assert [q["prompt_cache_key"] for q in hinted.requests] == ["agent-session-0"] * 3
 
 
 def test_a_step_that_calls_no_tool_ends_the_session():

@@ -16,8 +16,15 @@ from dataclasses import dataclass, field, replace
 import openai
 
 from kvreuse.cluster.router import KVReuseRouter
-from kvreuse.cluster.routing import (KEY_BYTES, CacheAwarePolicy, Holdings, RoundRobinPolicy, chain_keys, imbalanced,
-                                    session_of)
+from kvreuse.cluster.routing import (
+    KEY_BYTES,
+    CacheAwarePolicy,
+    Holdings,
+    RoundRobinPolicy,
+    chain_keys,
+    imbalanced,
+    session_of,
+)
 from kvreuse.cluster.spec import RequestSpec
 from kvreuse.kvcache.manager import KVCacheManager
 from kvreuse.sampling_params import SamplingParams

@@ -225,8 +225,8 @@ def test_prompt_cache_key_retains_the_sessions_blocks_and_bad_hints_are_a_400_na
             assert answer.status_code == 400, answer.text
             error = answer.json()["error"]
             assert error["param"] == field and words in error["message"], error
-        assert http.post(f"{root}/v1/completions", json={"model": "tiny", "prompt": "Another session's plan.",
-                                                         "max_tokens": 2, "prompt_cache_key": "plan-7"}).status_code == 200
+        completion = {"model": "tiny", "prompt": "Another session's plan.", "max_tokens": 2, "prompt_cache_key": "p7"}
+        assert http.post(f"{root}/v1/completions", json=completion).status_code == 200
         assert sessions()["num_sessions"] == 2                # the engine served on, and completions take the key too
     engine.scheduler.check_integrity()
 

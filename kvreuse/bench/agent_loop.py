@@ -28,6 +28,7 @@ class Options:
     tool_latency_s: float = 0.5
     tool_result_tokens: int = 150
     seed: int = 0
+    session_hints: bool = False  # each session's requests carry its prompt_cache_key
 
 
 @dataclass
@@ -54,6 +55,8 @@ def step_request(model: str, session: Session, messages: list[dict], final: bool
     request = {"model": model, "messages": messages, "tools": session.tools, "temperature": 0,
                "tool_choice": "none" if final else "required",
                "max_tokens": options.answer_tokens if final else options.call_tokens}
+    if options.session_hints:
+        request["prompt_cache_key"] = f"agent-session-{session.index}"
     if final:
         request["extra_body"] = {"ignore_eos": True}  # every system writes an answer of the same length
     else:

@@ -59,6 +59,8 @@ def _workload_flags(agent: argparse.ArgumentParser) -> None:
     agent.add_argument("--tool-result-tokens", type=positive_int, default=150,
                        help="approximate size of each tool result (default 150)")
     agent.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    agent.add_argument("--session-hints", action="store_true",
+                       help="each session's requests carry its prompt_cache_key (docs/features/sessions.md)")
 
 
 def _systems(args: argparse.Namespace) -> list:
@@ -93,7 +95,8 @@ def cmd_bench_agent(args: argparse.Namespace) -> int:
         raise InputError("--tool-latency-s must be >= 0")
     options = Options(sessions=args.sessions, steps=args.steps, call_tokens=args.max_tokens,
                                   answer_tokens=args.answer_tokens, tool_latency_s=args.tool_latency_s,
-                                  tool_result_tokens=args.tool_result_tokens, seed=args.seed)
+                                  tool_result_tokens=args.tool_result_tokens, seed=args.seed,
+                                  session_hints=args.session_hints)
     try:
         report = agent_bench.run(_systems(args), options, model=args.served_model, api_key=args.api_key,
                                  progress=progress, repeats=args.repeats)
