@@ -353,3 +353,58 @@ def test_cli_pairs_urls_with_labels_and_refuses_bad_input(monkeypatch, capsys):
     assert "nothing to measure" in capsys.readouterr().err
     assert main(["bench", "agent", "--systems", "llama-server", "--llama-server", "/nonexistent/llama-server"]) == 2
     assert "make bench-peers" in capsys.readouterr().err
+
+
+def test_a_live_run_records_a_transcript_that_round_trips(tmp_path):
+    from kvreuse.bench.agent_replay import Transcript
+
+    server, session = ScriptedServer(), workload.make_sessions(1)[0]
+    options = Options(sessions=1, steps=3, tool_latency_s=0)
+    transcript = Transcript(vars(options))
+    asyncio.run(agent_loop.run_session(server, "m", session, options, transcript))
+    recorded = transcript.sessions[0]
+    assert recorded.index == 0 and recorded.tools == session.tools
+    assert [s.messages for s in recorded.steps] == [q["messages"] for q in server.requests]
+    assert [(s.max_tokens, s.completion_tokens, s.final) for s in recorded.steps] == [(96, 20, False), (96, 20, False),
+                                                                                      (64, 20, True)]
+    assert recorded.steps[2].messages[2]["tool_calls"][0]["id"] == "call_1"  # the call turn as the server sent it
+    again = Transcript.load(transcript.save(tmp_path / "t.json"))
+    assert again == transcript and again.replay_options().steps == 3
+    with pytest.raises(ValueError, match="not an agent transcript"):
+        Transcript.from_json({"sessions": []})
+
+
+def test_a_replay_sends_the_recorded_messages_with_no_call_and_the_recorded_lengths(monkeypatch):
+    from kvreuse.bench import agent_replay
+    from kvreuse.bench.agent_replay import SessionTranscript, Transcript, TranscriptStep
+
+    steps = [TranscriptStep([{"role": "user", "content": "a"}], 96, 17),
+             TranscriptStep([{"role": "user", "content": "a"}, {"role": "assistant", "content": None,
+                                                                 "tool_calls": [{"id": "c1"}]}], 96, None),
+             TranscriptStep([{"role": "user", "content": "b"}], 64, 64, final=True)]
+    transcript = Transcript(vars(Options(sessions=1, steps=3, tool_latency_s=0)), {"system": "kvreuse"},
+                            [SessionTranscript(0, [workload.TOOLS[0]], steps)])
+    server = ScriptedServer()
+    records = asyncio.run(agent_replay.replay_session(server, "m", transcript.sessions[0],
+                                                      transcript.replay_options()))
+    assert [q["messages"] for q in server.requests] == [s.messages for s in steps]
+    assert [q["max_tokens"] for q in server.requests] == [17, 96, 64]  # the recorded completion, else max_tokens
+    assert all(q["tool_choice"] == "none" and q["extra_body"] == {"ignore_eos": True}
+               and q["tools"] == [workload.TOOLS[0]] for q in server.requests)
+    assert not any(r.error for r in records)
+    assert [r.new_tokens for r in records] == [100, 100, -100]  # prompt minus the previous prompt only
+    assert transcript.summary()["replayed_tokens"] == [[17, 96, 64]]
+
+    seen = []
+
+    async def fake_replay_loop(url, replay, model, api_key):
+        seen.append(url)
+        return "m", two_sessions(), 1.5
+
+    monkeypatch.setattr(agent_bench, "replay_loop", fake_replay_loop)
+    result = agent_bench.run([agent_systems.System("kvreuse", url="http://a"),
+                              agent_systems.System("llama-server", url="http://b")], Options(sessions=9),
+                             progress=lambda line: None, repeats=2, replay=transcript)
+    assert seen == ["http://a", "http://b"] * 2 and result["mode"] == "replay"
+    assert result["options"]["sessions"] == 1 and result["ratios"] == {"kvreuse/llama-server": 1.0}
+    assert "Replay of the conversations recorded against kvreuse" in agent_report.markdown(result)

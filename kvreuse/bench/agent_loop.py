@@ -12,10 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvreuse.bench.agent_stream import Answer, stream_answer, usage_counts
 from kvreuse.bench.agent_workload import Session, make_sessions, tool_result
+
+if TYPE_CHECKING:
+    from kvreuse.bench.agent_replay import Transcript
 
 
 @dataclass
@@ -64,16 +69,19 @@ def step_request(model: str, session: Session, messages: list[dict], final: bool
     return request
 
 
-async def run_session(client, model: str, session: Session, options: Options) -> list[StepRecord]:
-    """The session's K steps in order; it stops at the first step that fails or, before the last, calls no tool."""
+async def run_session(client, model: str, session: Session, options: Options,
+                      transcript: Transcript | None = None) -> list[StepRecord]:
+    """The session's K steps in order; it stops at the first step that fails or, before the last, calls no tool.
+    Each answered step is added to `transcript` when one is given (agent_replay)."""
     messages, records = session.messages(), []
     for step in range(1, options.steps + 1):
         final = step == options.steps
         record = StepRecord(session.index, step)
         records.append(record)
         start = time.perf_counter()
+        request = step_request(model, session, messages, final, options)
         try:
-            answer = await stream_answer(client, step_request(model, session, messages, final, options))
+            answer = await stream_answer(client, request)
         except Exception as exc:  # any client or server failure ends this session, not the bench
             record.error = f"{type(exc).__name__}: {exc}"[:300]
             break
@@ -82,6 +90,8 @@ async def run_session(client, model: str, session: Session, options: Options) ->
         (record.prompt_tokens, record.cached_tokens, record.computed_tokens, record.completion_tokens,
          record.computed_from) = usage_counts(answer.usage, answer.timings)
         record.tool_calls, record.finish_reason = len(answer.tool_calls), answer.finish_reason
+        if transcript is not None:
+            transcript.record(session.index, session.tools, request, record.completion_tokens)
         if final:
             break
         if not answer.tool_calls:
@@ -102,22 +112,27 @@ async def _after_calls(messages: list[dict], answer: Answer, options: Options) -
     return [*messages, turn, *results]
 
 
-def account_new_tokens(records: list[StepRecord]) -> None:
+def account_new_tokens(records: list[StepRecord], completion_reused: bool = True) -> None:
     """Each step's new tokens: its prompt minus the previous step's prompt and completion (all of the first step's
-    prompt is new); None where the server gave no counts."""
+    prompt is new); with `completion_reused` False (a replay, whose completions are not the echoed turns) its prompt
+    minus the previous prompt. None where the server gave no counts."""
     previous = None
     for record in records:
         if record.prompt_tokens is not None:
             if previous is None:
                 record.new_tokens = record.prompt_tokens
+            elif previous.prompt_tokens is not None and not completion_reused:
+                record.new_tokens = record.prompt_tokens - previous.prompt_tokens
             elif previous.prompt_tokens is not None and previous.completion_tokens is not None:
                 record.new_tokens = record.prompt_tokens - previous.prompt_tokens - previous.completion_tokens
         previous = record
 
 
-async def run_loop(url: str, options: Options, model: str | None, api_key: str) -> tuple[str, list[StepRecord], float]:
-    """All sessions side by side against the server at `url`: (the model name sent, every step's record, the job's
-    wall time in seconds, from the first request to the last answer)."""
+async def with_client(url: str, model: str | None, api_key: str,
+                      body: Callable[[object, str], Awaitable[list[list[StepRecord]]]]
+                      ) -> tuple[str, list[StepRecord], float]:
+    """`body(client, model name)` against the server at `url`, timed: (the model name sent, every step's record,
+    the job's wall time in seconds, from the first request to the last answer)."""
     import openai
 
     from kvreuse.bench import replay
@@ -127,7 +142,18 @@ async def run_loop(url: str, options: Options, model: str | None, api_key: str) 
         model = await replay.resolve_model(http, root, model)
         client = openai.AsyncOpenAI(base_url=f"{root}/v1", api_key=api_key, http_client=http, max_retries=0)
         start = time.perf_counter()
-        sessions = make_sessions(options.sessions, options.seed)
-        per_session = await asyncio.gather(*(run_session(client, model, s, options) for s in sessions))
+        per_session = await body(client, model)
         wall = time.perf_counter() - start
     return model, [r for records in per_session for r in records], wall
+
+
+async def run_loop(url: str, options: Options, model: str | None, api_key: str,
+                   transcript: Transcript | None = None) -> tuple[str, list[StepRecord], float]:
+    """All sessions side by side against the server at `url`: (the model name sent, every step's record, the job's
+    wall time in seconds, from the first request to the last answer); each answered step is added to `transcript`
+    when one is given."""
+    async def sessions(client, name: str) -> list[list[StepRecord]]:
+        return await asyncio.gather(*(run_session(client, name, s, options, transcript)
+                                      for s in make_sessions(options.sessions, options.seed)))
+
+    return await with_client(url, model, api_key, sessions)

@@ -16,6 +16,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 TTFT_PNG = "agent_ttft.png"
+REPLAY_TTFT_PNG = "agent-replay_ttft.png"
 SIMD_FLAGS = re.compile(r"^(sse4_2|avx|avx2|avx512\w*|avx_vnni|fma|f16c|amx\w*)$")  # what decides llama.cpp's kernels
 
 
@@ -151,6 +152,12 @@ def markdown(report: dict) -> str:
     lines += ["", f"{o['sessions']} sessions x {o['steps']} steps; calls up to {o['call_tokens']} tokens, final "
                   f"answer {o['answer_tokens']} tokens; tool latency {o['tool_latency_s']} s, results ~"
                   f"{o['tool_result_tokens']} tokens; seed {o['seed']}."]
+    if report.get("mode") == "replay":
+        source = report["transcript"].get("source") or {}
+        lines.append(f"Replay of the conversations recorded against {source.get('system', 'a server')}: each step "
+                     "sends the recorded messages (call turns as that server returned them) with tool_choice none, "
+                     "ignore_eos and max_tokens = the recorded completion length; a step's new tokens are its prompt "
+                     "minus the previous prompt (the echoed call turn is new to a server that wrote other text).")
     for pair, value in report["ratios"].items():
         rounds = report.get("round_ratios", {}).get(pair, [])
         each = f" (per round: {', '.join(f'{r:.2f}' for r in rounds)})" if len(rounds) > 1 else ""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import asdict
 from pathlib import Path
 
 from kvreuse.cli.common import MODEL_HELP, InputError, log_level_flag, out_flag, positive_int, progress, publish
@@ -41,8 +42,14 @@ def add_agent(suites) -> None:
                        help="runs of each system, interleaved (A B A B ...); medians reported (default 1)")
     agent.add_argument("--served-model", help="model name to send (default: the first of GET /v1/models)")
     agent.add_argument("--api-key", default="EMPTY", help="bearer token")
+    agent.add_argument("--record", metavar="FILE",
+                       help="write the transcript of the first run (the first system's, live) to FILE, for --replay")
+    agent.add_argument("--replay", metavar="FILE",
+                       help="replay a transcript written by --record on every system instead of the live loop: the "
+                            "recorded messages step by step, tool_choice none, ignore_eos, max_tokens = the recorded "
+                            "completion length; the workload flags are the recorded ones (report agent-replay.*)")
     _workload_flags(agent)
-    out_flag(agent, "agent", ", and agent_ttft.png (TTFT per step)")
+    out_flag(agent, "agent (agent-replay with --replay)", ", and the TTFT-per-step plot")
     log_level_flag(agent)
     agent.set_defaults(func=cmd_bench_agent)
 
@@ -90,19 +97,30 @@ def cmd_bench_agent(args: argparse.Namespace) -> int:
     """Run the agent loop against each system, print the tables; with --out also the report and the TTFT plot."""
     from kvreuse.bench import agent_bench, agent_report
     from kvreuse.bench.agent_loop import Options
+    from kvreuse.bench.agent_replay import Transcript
 
     if args.tool_latency_s < 0:
         raise InputError("--tool-latency-s must be >= 0")
+    if args.record and args.replay:
+        raise InputError("--record records a live run; --replay replays one: give one of them")
+    try:
+        replay = Transcript.load(args.replay) if args.replay else None
+    except ValueError as exc:
+        raise InputError(str(exc)) from exc
     options = Options(sessions=args.sessions, steps=args.steps, call_tokens=args.max_tokens,
                                   answer_tokens=args.answer_tokens, tool_latency_s=args.tool_latency_s,
                                   tool_result_tokens=args.tool_result_tokens, seed=args.seed,
                                   session_hints=args.session_hints)
+    transcript = Transcript(asdict(options)) if args.record else None
     try:
         report = agent_bench.run(_systems(args), options, model=args.served_model, api_key=args.api_key,
-                                 progress=progress, repeats=args.repeats)
+                                 progress=progress, repeats=args.repeats, transcript=transcript, replay=replay)
     except RuntimeError as exc:
         raise InputError(str(exc)) from exc
-    code = publish("agent", report, agent_report.markdown(report), args.out)
+    if transcript is not None:
+        progress(f"wrote the transcript of {transcript.source.get('system')}'s run to {transcript.save(args.record)}")
+    name, png = ("agent-replay", agent_report.REPLAY_TTFT_PNG) if replay else ("agent", agent_report.TTFT_PNG)
+    code = publish(name, report, agent_report.markdown(report), args.out)
     if args.out:
-        progress(f"wrote {agent_report.ttft_plot(report, Path(args.out) / agent_report.TTFT_PNG)}")
+        progress(f"wrote {agent_report.ttft_plot(report, Path(args.out) / png)}")
     return code
