@@ -70,6 +70,9 @@ def client_app(client: EngineClient, metrics: Metrics, model_name: str,
 @asynccontextmanager
 async def _run_engine(app: FastAPI):
     state: ServerState = app.state.kvreuse
+    # The grammar compiler (xgrammar's import, the tokenizer's vocabulary) takes ~0.5 s holding the GIL: built now,
+    # not while the first request with a format or tools makes every other request wait on it.
+    await asyncio.to_thread(lambda: state.engine.front_end.grammars)
     state.engine.start()
     state.ready = True
     yield

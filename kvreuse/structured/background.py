@@ -8,6 +8,7 @@ tenant's one-token request would wait on them. At BACKGROUND_NICENESS they get t
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import threading
 
@@ -22,3 +23,9 @@ def lower_priority() -> None:
     thread_id = threading.get_native_id()
     if os.getpriority(os.PRIO_PROCESS, thread_id) < BACKGROUND_NICENESS:
         os.setpriority(os.PRIO_PROCESS, thread_id, BACKGROUND_NICENESS)
+
+
+def background_command() -> list[str]:
+    """The prefix that starts a command at BACKGROUND_NICENESS (`nice`), or none where there is no `nice`."""
+    nice = shutil.which("nice")
+    return [nice, "-n", str(BACKGROUND_NICENESS)] if nice else []

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import xgrammar as xgr
 
+from kvreuse.structured.background import background_command
 from kvreuse.structured.formats import FormatSpec
 
 logger = logging.getLogger(__name__)
@@ -108,8 +109,9 @@ class CompileCheck:
             self._setup = (json.dumps({"tokenizer_info": self._tokenizer_info.serialize_json()}) + "\n").encode()
         # Run from the directory this kvreuse is in (`-m` puts it first on the path): the same code, whatever the
         # current directory holds.
-        self._proc = subprocess.Popen([sys.executable, "-m", "kvreuse.structured.check_worker"], cwd=_PACKAGE_ROOT,
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        # At low priority from its first instruction: starting it (Python, torch, xgrammar) takes seconds of CPU.
+        self._proc = subprocess.Popen([*background_command(), sys.executable, "-m", "kvreuse.structured.check_worker"],
+                                      cwd=_PACKAGE_ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         # The tokenizer fills the pipe before the process, still importing, reads it: written beside.
         threading.Thread(target=_write, args=(self._proc.stdin, self._setup), daemon=True,
                          name="kvreuse-grammar-check-setup").start()
