@@ -69,6 +69,23 @@ def step_request(model: str, session: Session, messages: list[dict], final: bool
     return request
 
 
+async def timed_step(client, request: dict, record: StepRecord) -> Answer | None:
+    """Stream one step's answer, filling `record` (times, usage, calls); None if it failed (`record.error` says
+    why): any client or server failure ends its session, not the bench."""
+    start = time.perf_counter()
+    try:
+        answer = await stream_answer(client, request)
+    except Exception as exc:
+        record.error = f"{type(exc).__name__}: {exc}"[:300]
+        return None
+    record.latency_s = time.perf_counter() - start
+    record.ttft_s = answer.ttft_s if answer.ttft_s is not None else record.latency_s
+    (record.prompt_tokens, record.cached_tokens, record.computed_tokens, record.completion_tokens,
+     record.computed_from) = usage_counts(answer.usage, answer.timings)
+    record.tool_calls, record.finish_reason = len(answer.tool_calls), answer.finish_reason
+    return answer
+
+
 async def run_session(client, model: str, session: Session, options: Options,
                       transcript: Transcript | None = None) -> list[StepRecord]:
     """The session's K steps in order; it stops at the first step that fails or, before the last, calls no tool.
@@ -78,18 +95,10 @@ async def run_session(client, model: str, session: Session, options: Options,
         final = step == options.steps
         record = StepRecord(session.index, step)
         records.append(record)
-        start = time.perf_counter()
         request = step_request(model, session, messages, final, options)
-        try:
-            answer = await stream_answer(client, request)
-        except Exception as exc:  # any client or server failure ends this session, not the bench
-            record.error = f"{type(exc).__name__}: {exc}"[:300]
+        answer = await timed_step(client, request, record)
+        if answer is None:
             break
-        record.latency_s = time.perf_counter() - start
-        record.ttft_s = answer.ttft_s if answer.ttft_s is not None else record.latency_s
-        (record.prompt_tokens, record.cached_tokens, record.computed_tokens, record.completion_tokens,
-         record.computed_from) = usage_counts(answer.usage, answer.timings)
-        record.tool_calls, record.finish_reason = len(answer.tool_calls), answer.finish_reason
         if transcript is not None:
             transcript.record(session.index, session.tools, request, record.completion_tokens)
         if final:

@@ -18,12 +18,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kvreuse.bench.agent_loop import Options, StepRecord, account_new_tokens, with_client
-from kvreuse.bench.agent_stream import stream_answer, usage_counts
+from kvreuse.bench.agent_loop import Options, StepRecord, account_new_tokens, timed_step, with_client
 
 FORMAT = "kvreuse-agent-transcript/1"
 
@@ -132,17 +130,8 @@ async def replay_session(client, model: str, session: SessionTranscript, options
             await asyncio.sleep(options.tool_latency_s)
         record = StepRecord(session.index, number)
         records.append(record)
-        start = time.perf_counter()
-        try:
-            answer = await stream_answer(client, replay_request(model, session, step, options.session_hints))
-        except Exception as exc:  # any client or server failure ends this session, not the bench
-            record.error = f"{type(exc).__name__}: {exc}"[:300]
+        if await timed_step(client, replay_request(model, session, step, options.session_hints), record) is None:
             break
-        record.latency_s = time.perf_counter() - start
-        record.ttft_s = answer.ttft_s if answer.ttft_s is not None else record.latency_s
-        (record.prompt_tokens, record.cached_tokens, record.computed_tokens, record.completion_tokens,
-         record.computed_from) = usage_counts(answer.usage, answer.timings)
-        record.tool_calls, record.finish_reason = len(answer.tool_calls), answer.finish_reason
     account_new_tokens(records, completion_reused=False)
     return records
 
