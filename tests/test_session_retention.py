@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvreuse.kvcache.layout import KVLayout
@@ -152,7 +152,7 @@ def test_a_retained_block_evicted_and_reused_is_not_taken_for_the_retained_one()
     kv.check_integrity()
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["run", "alloc", "tick"]), st.integers(0, 5), st.integers(1, 6)),
                 min_size=1, max_size=40))
 def test_random_sessions_allocations_and_time_keep_every_structure_consistent(ops):
@@ -231,8 +231,11 @@ def test_prompt_cache_key_retains_the_sessions_blocks_and_bad_hints_are_a_400_na
     engine.scheduler.check_integrity()
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 4), st.integers(1, 6), st.booleans()), min_size=1, max_size=24))
+@example([(0, 3, False), (3, 3, False), (0, 3, False), (0, 2, False), (3, 3, False), (3, 2, False), (0, 1, False)])
+@example([(0, 1, False), (0, 2, False), (1, 5, False), (1, 6, True), (0, 4, True), (3, 4, False), (0, 4, True),
+          (0, 1, False)])
 def test_sessions_on_a_sliding_window_layout_keep_every_structure_consistent(ops):
     # Retained chains there hold window blocks (group > 0) that go with the full-attention block they hang on.
     layout = KVLayout.of(gemma_args(6, pattern=3, window=WINDOW))

@@ -90,7 +90,7 @@ class SessionRetention:
     def _let_go(self, key: bytes, retained: Retained | None, keep: set[int]) -> list[int]:
         if retained is None:
             return []
-        released = []
+        released, reranked = [], []
         for uid in retained.uids:
             if uid in keep or key not in self.retainers.get(uid, ()):
                 continue
@@ -101,7 +101,9 @@ class SessionRetention:
                 self._last_release[uid] = retained.release
                 released.append(uid)
             elif uid in self._evictable:
-                self._push(uid)  # its protector may have changed
+                reranked.append(uid)  # its protector may have changed
+        for uid in reranked:  # once the whole retention is let go: a rebuilt queue ranks every block afresh
+            self._push(uid)
         return released
 
     # --- blocks, as the pool sees them ---------------------------------------------------------------
@@ -158,5 +160,6 @@ class SessionRetention:
         rank, index = self._priority(uid)
         heapq.heappush(self._heap, (-rank, -index, uid))
         if len(self._heap) > 2 * len(self._evictable) + 64:  # stale entries: blocks held again, or ranked anew
-            self._heap = [(-r, -i, u) for u in self._evictable for r, i in [self._priority(u)]]
+            # (a block let go this moment is still here until the pool hands it to its policy: not ranked)
+            self._heap = [(-r, -i, u) for u in self._evictable if u in self.retainers for r, i in [self._priority(u)]]
             heapq.heapify(self._heap)
