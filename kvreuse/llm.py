@@ -29,11 +29,11 @@ class LLM:
 
     def wait_compiled(self, timeout: float | None = None) -> str:
         """Block until the decode step finished compiling (`engine.compile = decode`; see decode_graph.py), at most
-        `timeout` seconds; its state: "ready", "failed", "compiling" (timed out) or "off". Benchmarks call this
-        before timing anything, so that no compile runs beside what they measure."""
+        `timeout` seconds; its state: "compiled", "failed", "compiling" (timed out) or "eager" (engine.compile =
+        off). Benchmarks call this before timing anything, so that no compile runs beside what they measure."""
         graph = self.engine.runner.decode_graph
         if graph is None:
-            return "off"
+            return "eager"
         graph.wait(timeout)
         return graph.state
 

@@ -24,7 +24,7 @@ def compiled_llm(**overrides) -> LLM:
     llm = LLM(make_config(engine__compile="decode", **overrides))
     graph = llm.engine.runner.decode_graph
     assert graph.wait(COMPILE_TIMEOUT_S), "the decode step did not finish compiling"
-    assert graph.state == "ready", graph.error
+    assert graph.state == "compiled", graph.error
     return llm
 
 
@@ -49,7 +49,7 @@ def test_compiled_decode_gives_the_eager_fp32_greedy_tokens(compiling):
     assert [o.token_ids for o in outputs] == BATCH_8                     # 8 rows of unequal context lengths
     assert calls == graph.num_steps - steps >= NUM_TOKENS - 1
     status = llm.engine.stats_snapshot().decode_graph
-    assert status.state == "ready" and status.num_steps == graph.num_steps and status.compile_s > 0
+    assert status.state == "compiled" and status.num_steps == graph.num_steps and status.compile_s > 0
 
 
 def test_tiny_model_compiled_equals_eager_with_prompt_scoring_beside_it(compiling, tiny_model_dir):

@@ -89,7 +89,7 @@ def greedy_parity(model_dir: str, device: str, dtype: str, num_tokens: int, comp
     with LLM(engine_config(model_dir, device, dtype, compile)) as llm:
         prompts = [llm.tokenizer.encode(t) for t in parity_texts(llm.tokenizer)]
         compiled = llm.wait_compiled(compile_timeout_s)
-        if compile != "off" and compiled != "ready":
+        if compile != "off" and compiled != "compiled":
             raise CheckFailed(f"the decode step did not compile: {compiled} "
                               f"({llm.engine.runner.decode_graph.error})")
         outputs = llm.generate(prompts, SamplingParams(max_tokens=num_tokens, ignore_eos=True))

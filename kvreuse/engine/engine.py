@@ -88,7 +88,7 @@ class LLMEngine:
     def start_compile(self) -> None:
         """Compile the decode step in the background (engine.compile = decode), unless it has started already."""
         graph = self.runner.decode_graph
-        if graph is not None and graph.state == "off":
+        if graph is not None and graph.state == "eager":
             graph.start()
 
     # The pool's and the model's shape, as the front end sized them.

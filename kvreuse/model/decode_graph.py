@@ -138,7 +138,7 @@ class DecodeGraph:
     def __init__(self, model: CausalLM, max_rows: int):
         self.model, self.buckets = model, row_buckets(model, max_rows)
         self.max_rows = self.buckets[-1][1]  # (1, 1) is always there
-        self.state = "off"               # off -> compiling -> ready | failed | cancelled
+        self.state = "eager"             # eager -> compiling -> compiled | failed | cancelled
         self.compile_s: float | None = None
         self.error: str | None = None
         self.num_steps = 0               # steps run through the graph
@@ -148,7 +148,7 @@ class DecodeGraph:
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        """Compile in a daemon thread (logs the outcome); the engine decodes eagerly until `state == "ready"`."""
+        """Compile in a daemon thread (logs the outcome); the engine decodes eagerly until `state == "compiled"`."""
         self.state = "compiling"
         self._thread = threading.Thread(target=self._compile_thread, name="kvreuse-decode-compile", daemon=True)
         _compiling.add(self)
@@ -176,7 +176,7 @@ class DecodeGraph:
         return self._thread is None or self._done.wait(timeout)
 
     def can_run(self, num_rows: int) -> bool:
-        return self.state == "ready" and 1 <= num_rows <= self.max_rows
+        return self.state == "compiled" and 1 <= num_rows <= self.max_rows
 
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: ForwardKV) -> torch.Tensor:
@@ -235,7 +235,7 @@ class DecodeGraph:
         else:
             self._run_only = torch._dynamo.run(compiled)
             self.compile_s = time.perf_counter() - start
-            self.state = "ready"
+            self.state = "compiled"
             logger.info("decode step compiled in %.1f s (steps of %s rows)", self.compile_s,
                         ", ".join(f"{low}" if low == high else f"{low}-{high}" for low, high in self.buckets))
 
