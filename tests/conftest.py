@@ -134,7 +134,7 @@ def _no_background_compile():
     costs ~30 s of a CPU the tests share, and tests time nothing. Session-wide, so that session fixtures' engines
     (real_llm, tiny_llm) are covered too; the `compiling` fixture restores it for one test."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(decode_graph.DecodeGraph, "start", lambda self: None)
+        patch.setattr(decode_graph.DecodeGraph, "start", lambda self, build=True: None)
         yield
 
 

@@ -5,14 +5,18 @@ eager decoding, says why, and serves."""
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import pytest
 import torch
 
+from kvreuse.bench.first_run import fresh_cache
+from kvreuse.config import ModelConfig
+from kvreuse.engine.precompile import precompile_command
 from kvreuse.llm import LLM
 from kvreuse.model import decode_graph
-from kvreuse.model.decode_graph import COMPILED_ROWS
+from kvreuse.model.decode_graph import BUILD_NICENESS, COMPILED_ROWS
 from kvreuse.sampling_params import SamplingParams
 from tests.helpers import greedy, make_config, tiny_llm
 from tests.test_decode_fastpath import BATCH_1, BATCH_1_PROMPTS, BATCH_8, NUM_TOKENS, PROMPTS
@@ -23,8 +27,7 @@ COMPILE_TIMEOUT_S = 600  # ~60 s cold for both graphs on 2 cores; the bound is f
 def compiled_llm(**overrides) -> LLM:
     llm = LLM(make_config(engine__compile="decode", **overrides))
     graph = llm.engine.runner.decode_graph
-    assert graph.wait(COMPILE_TIMEOUT_S), "the decode step did not finish compiling"
-    assert graph.state == "compiled", graph.error
+    assert llm.wait_compiled(COMPILE_TIMEOUT_S) == "compiled", graph.error
     return llm
 
 
@@ -32,7 +35,7 @@ def compiled_calls(run) -> tuple[object, int]:
     """run()'s result, and how many times compiled code ran in it (a step whose guards failed would run eagerly)."""
     with torch.profiler.profile() as profiler:
         result = run()
-    return result, sum(e.count for e in profiler.key_averages() if e.key.startswith("Torch-Compiled Region"))
+    return result, sum(e.count for e in profiler.key_averages() if e.key.startswith("## Call CompiledFxGraph"))
 
 
 @pytest.mark.slow
@@ -73,6 +76,11 @@ def test_tiny_model_compiled_equals_eager_with_prompt_scoring_beside_it(compilin
     outputs, calls = compiled_calls(lambda: llm.generate(prompts, params))
     assert [o.token_ids for o in outputs] == [o.token_ids for o in eager.generate(prompts, params)]
     assert calls == graph.num_steps - steps > 0
+    # Built once: another engine on the model loads the graphs by itself, with no build.
+    again = tiny_llm(tiny_model_dir, engine__compile="decode", model__dtype="fp32", engine__num_kv_blocks=256)
+    loaded = again.engine.runner.decode_graph
+    assert loaded.directory == graph.directory and loaded.wait(COMPILE_TIMEOUT_S) and loaded.state == "compiled"
+    assert again.generate(prompts, params)[0].token_ids == outputs[0].token_ids and loaded.num_steps > 0
 
 
 def test_several_engines_in_one_process_each_run_compiled(compiling, tiny_model_dir):
@@ -101,7 +109,7 @@ def test_without_a_compiler_the_engine_decodes_eagerly(compiling, tiny_model_dir
     with caplog.at_level(logging.WARNING, logger=decode_graph.__name__):
         llm = tiny_llm(tiny_model_dir)
         graph = llm.engine.runner.decode_graph
-        assert graph.wait(COMPILE_TIMEOUT_S) and graph.state == "failed"   # the warning comes from its thread
+        assert llm.wait_compiled(COMPILE_TIMEOUT_S) == "failed"   # the warning comes from its thread
     assert "no C++ compiler" in graph.error and "decoding eagerly" in caplog.text
     out = llm.generate(list(range(100, 120)), greedy(5))[0]
     assert len(out.token_ids) == 5 and graph.num_steps == 0
@@ -115,6 +123,7 @@ def test_closing_the_engine_cancels_a_compile_still_running(compiling, tiny_mode
             time.sleep(0.01)
     monkeypatch.setattr(decode_graph, "compiler_missing", never_ready)
     llm = tiny_llm(tiny_model_dir)
+    llm.engine.start_compile()
     graph = llm.engine.runner.decode_graph
     assert graph.state == "compiling" and not graph.wait(0.1)
     llm.close()
@@ -122,3 +131,29 @@ def test_closing_the_engine_cancels_a_compile_still_running(compiling, tiny_mode
     assert not graph._thread.is_alive()
     out = llm.generate(list(range(100, 120)), greedy(3))[0]   # a closed engine's graph is never used
     assert len(out.token_ids) == 3 and graph.num_steps == 0
+
+
+def test_a_build_of_another_model_than_the_engines_builds_nothing_and_says_so(compiling, tiny_model_dir, tmp_path,
+                                                                               monkeypatch):
+    monkeypatch.setenv("KVREUSE_CACHE_DIR", str(fresh_cache(tmp_path)))   # nothing built yet
+    llm = tiny_llm(tiny_model_dir, engine__compile="decode", model__dtype="fp32")
+    graph = llm.engine.runner.decode_graph
+    graph.build_command = precompile_command(ModelConfig(path=tiny_model_dir, dtype="bf16"))
+    assert llm.wait_compiled(COMPILE_TIMEOUT_S) == "failed"
+    assert "not the engine's (it differs in model)" in graph.error and not graph.is_built
+    assert len(llm.generate(list(range(100, 120)), greedy(3))[0].token_ids) == 3 and graph.num_steps == 0
+
+
+def test_closing_the_engine_kills_a_build_still_running(compiling, tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("KVREUSE_CACHE_DIR", str(fresh_cache(tmp_path)))   # nothing built yet
+    llm = tiny_llm(tiny_model_dir, engine__compile="decode")
+    graph = llm.engine.runner.decode_graph
+    llm.engine.start_compile()
+    deadline = time.monotonic() + 60
+    while graph._process is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    process = graph._process
+    assert process is not None and process.poll() is None, graph.error
+    assert os.getpriority(os.PRIO_PROCESS, process.pid) == BUILD_NICENESS
+    llm.close()
+    assert graph.wait(0) and graph.state == "cancelled" and process.poll() is not None and not graph.is_built

@@ -14,9 +14,9 @@ import time
 import jsonschema
 import pytest
 
+from kvreuse.background import BACKGROUND_NICENESS
 from kvreuse.config import StructuredConfig
 from kvreuse.structured import GrammarCompiler, UnsupportedFormat, parse_format
-from kvreuse.structured.background import BACKGROUND_NICENESS
 from kvreuse.structured.compile_call import compile_format
 
 from .helpers import app_server, greedy, tiny_engine, tiny_llm

@@ -28,8 +28,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+STATE_LOGGERS = ("kvreuse.model.decode_graph",)
+
+
 def main(argv: list[str] | None = None) -> int:
     """The `kvreuse` entry point: parse, set up logging, run the command; returns the exit code."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for name in STATE_LOGGERS:  # their INFO lines are state changes a user must see at the default level
+        logger = logging.getLogger(name)
+        logger.setLevel(min(logger.getEffectiveLevel(), logging.INFO))
     return run_command(args.func, args)

@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from typing import TYPE_CHECKING
 
-from kvreuse.cli.common import InputError, build_config, common_flags
+from kvreuse.cli.common import InputError, build_config, common_flags, progress
 from kvreuse.prompts_file import PromptRecord, read_prompts_file
 
 if TYPE_CHECKING:
@@ -83,7 +84,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not records:
         raise InputError("nothing to generate: give prompts as arguments or --input FILE.jsonl")
 
+    started = time.perf_counter()
+    progress("kvreuse: loading the model (a machine's first run also measures its CPU and builds kernels: a minute "
+             "or two)")
     with LLM(config) as llm:
+        graph = llm.engine.runner.decode_graph
+        progress(f"kvreuse: loaded in {time.perf_counter() - started:.1f} s; decode step "
+                 f"{graph.state if graph else 'eager (engine.compile = off)'}"
+                 + ("" if graph is None or graph.state != "eager" else " (its graphs are not built yet: `kvreuse "
+                    "serve` builds them, once)"))
         prompts, params = _requests(args, records, llm, args.max_tokens or config.server.default_max_tokens)
         try:
             if args.batch:

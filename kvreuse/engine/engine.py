@@ -10,6 +10,7 @@ import torch
 
 from kvreuse.config import Config, SegmentConfig
 from kvreuse.engine.block_io import PoolBlockIO
+from kvreuse.engine.built_model import build_model
 from kvreuse.engine.detokenizer import detokenize, find_stop, stop_search_start
 from kvreuse.engine.front_end import (  # noqa: F401 (RequestError, DTYPES, dtype_name: importers' names from here)
     DTYPES,
@@ -21,10 +22,10 @@ from kvreuse.engine.front_end import (  # noqa: F401 (RequestError, DTYPES, dtyp
 )
 from kvreuse.engine.model_runner import ModelRunner
 from kvreuse.engine.output import RequestOutput, Usage
+from kvreuse.engine.precompile import precompile_command
 from kvreuse.engine.scheduler import Scheduler, SchedulerOutput
 from kvreuse.engine.sequence import Sequence
 from kvreuse.engine.stats import DecodeGraphStatus, EngineSnapshot, EngineStats
-from kvreuse.kernels import build as kernels
 from kvreuse.kvcache.accounting import ReuseRecord
 from kvreuse.kvcache.copy_jobs import CopyJobs
 from kvreuse.kvcache.events import KVEventPublisher
@@ -33,11 +34,7 @@ from kvreuse.kvcache.pins import PinResult
 from kvreuse.kvcache.request import CacheRequest, ReuseScope
 from kvreuse.kvcache.tiers.store import TieredStore
 from kvreuse.layers.sampler import TokenLogprob
-from kvreuse.model.architectures import ARCHITECTURES
 from kvreuse.model.decode_graph import COMPILED_ROWS, DecodeGraph
-from kvreuse.model.gguf_weights import resolve_weights, use_gguf_blocks
-from kvreuse.model.loader import ModelInfo, load_weights, resolve_model_path
-from kvreuse.model.quantize import quantize_model
 from kvreuse.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -54,23 +51,15 @@ class LLMEngine:
         """`compile_later`: the decode step's compile waits for `start_compile()` (the server warms up first: a
         compile beside the warm-up held the GIL and both cores, and delayed the ready line by seconds)."""
         self.device = resolve_device(config.model.device)
-        path = resolve_model_path(config.model.path or None)
-        mode = resolve_weights(config.model.weights, config.model.quantization, path, self.device)
-        # The blocks are parsed only where the kernel runs; otherwise `gguf` is the dense path (use_gguf_blocks).
-        weights = load_weights(path, keep_blocks=mode == "gguf" and kernels.load().isa > 0)
-        dtype, why = resolve_dtype(config.model.dtype, self.device, weights.args)
-        self.front_end = FrontEnd(config, ModelInfo(weights.args, weights.path, weights.fingerprint), dtype, why)
-        front = self.front_end
-        model = ARCHITECTURES[weights.args.architecture].model_class.from_weights(weights, dtype, self.device)
-        quantize_model(model, config.model.quantization)  # weight-only; "none" leaves it as loaded
-        self.weights_description = use_gguf_blocks(model, weights) if mode == "gguf" else "dense"
-        logger.info("model.weights = %s: %s", config.model.weights, self.weights_description)
-        del weights
-
+        built = build_model(config.model, self.device)
+        self.front_end = FrontEnd(config, built.info, built.dtype, built.dtype_why)
+        front, model = self.front_end, built.model
+        self.weights_description = built.weights_description
         num_blocks = front.num_kv_blocks
-        decode_graph = (DecodeGraph(model, min(COMPILED_ROWS, config.engine.max_num_batched_tokens))
+        decode_graph = (DecodeGraph(model, min(COMPILED_ROWS, config.engine.max_num_batched_tokens),
+                                    precompile_command(built.resolved(config.model)))
                         if config.engine.compile == "decode" else None)
-        self.runner = ModelRunner(model, num_blocks, front.block_size, dtype, self.device,
+        self.runner = ModelRunner(model, num_blocks, front.block_size, built.dtype, self.device,
                                   front.tokenizer.eos_token_ids, decode_graph, front.kv_layout)
         self.tiers = TieredStore.from_config(config.cache, PoolBlockIO(self.runner.kv_cache, front.fingerprint,
                                                                          front.kv_layout))
@@ -83,13 +72,14 @@ class LLMEngine:
         # Last, so that a failure above leaves no bound port or thread behind.
         self.events = self._start_events(config)
         if not compile_later:
-            self.start_compile()
+            self.start_compile(build=False)
 
-    def start_compile(self) -> None:
-        """Compile the decode step in the background (engine.compile = decode), unless it has started already."""
+    def start_compile(self, build: bool = True) -> None:
+        """Load the decode step's compiled graphs in the background (engine.compile = decode), having them built
+        first where they are not (`build`; otherwise the step stays eager), unless that has started already."""
         graph = self.runner.decode_graph
-        if graph is not None and graph.state == "eager":
-            graph.start()
+        if graph is not None and graph.can_start(build):
+            graph.start(build)
 
     # The pool's and the model's shape, as the front end sized them.
     @property

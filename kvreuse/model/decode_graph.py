@@ -5,35 +5,51 @@ What is compiled is `CausalLM.run_layers` itself, with attention behind one opaq
 that reads the K/V pool and the step's attention metadata from a per-thread context. So the graph depends only on
 the number of rows, not on context lengths or block tables (no recompiles as contexts grow), and the pool is written
 in place (a pool passed into the graph would be copied by functionalization, once per layer). One graph per row
-bucket (`row_buckets`: 1, 2-16 and 17-64; 17-32 and 33-64 where the linears branch on the row count) is compiled
-in a background thread while the engine runs eagerly. Once they are ready, the engine runs them without compiling
-anything more (`torch._dynamo.run`: a step no graph covers runs eagerly, never a compile in the serving thread).
+bucket (`row_buckets`: 1, 2-16 and 17-64; 17-32 and 33-64 where the linears branch on the row count).
 
-Compiling takes ~25-30 s on a 2-core CPU (each graph), ~4 s when inductor's on-disk cache holds it (a restart with the
-same model and torch). A compile still running when the engine closes or the interpreter exits is cancelled (`close`): a
-daemon thread left inside torch at exit is killed in a C++ frame that must not unwind, and the process aborts
-("terminate called without an active exception", exit 134). Without a C++ compiler (or on any error) the graph is
-abandoned with a warning and every step runs eagerly. inductor's config is per thread, so settings for the compile go in
-TORCHINDUCTOR_* environment variables (the defaults every thread starts from), not in `torch._inductor.config` of the
-serving thread. The compiled step computes the same numbers as the eager one up to float reassociation (|diff| ~1e-5 in
-fp32 hidden states); greedy outputs are tested equal (tests/test_decode_graph.py).
+The graphs are built ahead of time, once per model, torch and CPU, by a child process at the lowest CPU priority
+(graph_store.py; ~1-3 minutes on 2 cores, minutes more while the server is busy, as it yields them), and loaded in a
+few seconds by every engine afterwards: the engine decodes eagerly until they are loaded, never slower for them. A
+load still running when the engine closes or the interpreter exits is cancelled (`close`), and so is a build (its
+process killed): a daemon thread left inside torch at exit is killed in a C++ frame that must not unwind, and the
+process aborts ("terminate called without an active exception", exit 134). Without a C++ compiler (or on any error)
+the graphs are abandoned with a warning and every step runs eagerly. The compiled step computes the same numbers as the
+eager one up to float reassociation (|diff| ~1e-5 in fp32 hidden states); greedy outputs are tested equal
+(tests/test_decode_graph.py).
 """
 
 from __future__ import annotations
 
 import atexit
 import ctypes
+import json
 import logging
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 import types
 import weakref
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
+from kvreuse.background import lower_priority
 from kvreuse.layers.attention import AttentionMetadata, store_and_attend
 from kvreuse.model.decoder import CausalLM, ForwardKV
+from kvreuse.model.graph_store import (
+    Bucket,
+    bucket_file,
+    build_lock,
+    graph_dir,
+    graph_key,
+    is_complete,
+    load,
+    mark_complete,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +57,8 @@ logger = logging.getLogger(__name__)
 ROW_GRID = (1, 16, 64)  # the top row count of each compiled graph (row_buckets)
 BRANCHING_ROW_GRID = (1, 16, 32, 64)  # the same for a model whose linears branch on the row count
 COMPILED_ROWS = ROW_GRID[-1]  # steps of up to this many rows run compiled: decode batches, a chat turn's new tokens
+BUILD_NICENESS = 19  # the build process's: Linux's weight at nice 19 is 1.5% of nice 0's
+PR_SET_PDEATHSIG = 1
 _current = threading.local()  # .value: the ForwardKV of the forward this thread runs
 _compiling: weakref.WeakSet[DecodeGraph] = weakref.WeakSet()  # graphs whose compile thread may still run
 
@@ -129,39 +147,92 @@ def row_buckets(model: CausalLM, max_rows: int) -> list[tuple[int, int]]:
     return buckets
 
 
+def compile_bucket(model: CausalLM, bucket: Bucket) -> Callable:
+    """The step for `bucket`'s row counts, compiled ahead of time (torch's AOT precompile) on a scratch pool, so that
+    nothing of an engine's is touched."""
+    low, high = bucket
+    args, param = model.args, next(model.parameters())
+    scratch = param.new_zeros(args.num_layers, 2, high, 1, args.num_kv_heads, args.head_dim)
+    ids = torch.zeros(high, dtype=torch.long, device=param.device)              # [T]
+    positions = torch.zeros_like(ids)                                           # [T]
+    if high > low:
+        for t in (ids, positions):
+            torch._dynamo.mark_dynamic(t, 0, min=low, max=high)
+    # A decode batch of `high` sequences of one token each (any meta runs the same graph).
+    meta = AttentionMetadata.for_decode([1] * high, [[b] for b in range(high)], 1, param.device)
+    _current.value = ForwardKV.uniform(scratch, meta)
+    try:
+        return torch.compile(_own_step(), fullgraph=True).aot_compile(((model, ids, positions), {}))
+    finally:
+        _current.value = None
+
+
+@torch.inference_mode()
+def build_graphs(model: CausalLM, buckets: list[Bucket], key: dict) -> Path:
+    """Compile every bucket's step of `model` into the store's directory for `key` (the build process's work); a
+    directory another process completed meanwhile is taken as it is."""
+    directory = graph_dir(key)
+    with build_lock(directory):
+        if not is_complete(directory, key):
+            for bucket in buckets:
+                compile_bucket(model, bucket).save_compiled_function(str(bucket_file(directory, bucket)))
+            mark_complete(directory, key)
+    return directory
+
+
 class DecodeGraph:
     """The compiled step of one model, for steps of up to `max_rows` rows that score no prompt and reuse no segment:
-    decode batches and short prompt chunks (a warm chat turn's new tokens). `start()` compiles in a background
-    thread; `can_run(num_rows)` says whether a step of that many rows runs compiled; `run(...)` gives the final
-    hidden states of all its rows."""
+    decode batches and short prompt chunks (a warm chat turn's new tokens). `start()` loads its graphs in a background
+    thread, once a child process (`build_command`) has built them where they are not built yet; `can_run(num_rows)`
+    says whether a step of that many rows runs compiled; `run(...)` gives the final hidden states of all its rows."""
 
-    def __init__(self, model: CausalLM, max_rows: int):
+    def __init__(self, model: CausalLM, max_rows: int, build_command: list[str] | None = None):
+        """`build_command`: starts the process that builds the graphs (engine/precompile.py), given the key (JSON) as
+        its last argument."""
         self.model, self.buckets = model, row_buckets(model, max_rows)
         self.max_rows = self.buckets[-1][1]  # (1, 1) is always there
+        self.key = graph_key(model, self.buckets)
+        self.directory = graph_dir(self.key)
+        self.build_command = build_command
         self.state = "eager"             # eager -> compiling -> compiled | failed | cancelled
-        self.compile_s: float | None = None
+        self.compile_s: float | None = None  # from start() to compiled: building (where it was not built) and loading
         self.error: str | None = None
         self.num_steps = 0               # steps run through the graph
-        self._run_only = None            # the compiled step, compiling switched off: set once ready
-        self._done = threading.Event()   # the compile thread is over, or about to end without another bytecode
-        self._lock = threading.Lock()    # orders a cancel against `_done`
+        self._steps: list[Callable] = []  # each bucket's compiled step, once loaded
+        self._process: subprocess.Popen | None = None  # the build process, while it runs
+        self._closing = False
+        self._done = threading.Event()   # the thread is over, or about to end without another bytecode
+        self._lock = threading.Lock()    # orders a cancel against `_done` and the build process's start
         self._thread: threading.Thread | None = None
 
-    def start(self) -> None:
-        """Compile in a daemon thread (logs the outcome); the engine decodes eagerly until `state == "compiled"`."""
+    @property
+    def is_built(self) -> bool:
+        return is_complete(self.directory, self.key)
+
+    def can_start(self, build: bool) -> bool:
+        """Whether `start(build)` has something to do: graphs to load, or to build first."""
+        return self.state == "eager" and (self.is_built or (build and self.build_command is not None))
+
+    def start(self, build: bool = True) -> None:
+        """In a daemon thread, build the graphs in a child process at the lowest CPU priority unless they are built
+        (`build`), then load them (the outcome is logged). The engine decodes eagerly until `state == "compiled"`."""
+        assert self.can_start(build), "nothing to load, and no build to start"
         self.state = "compiling"
-        self._thread = threading.Thread(target=self._compile_thread, name="kvreuse-decode-compile", daemon=True)
+        self._thread = threading.Thread(target=self._prepare_thread, name="kvreuse-decode-compile", daemon=True)
         _compiling.add(self)
         self._thread.start()
 
     def close(self, timeout: float = 60.0) -> bool:
-        """Cancel a compile still running (state "cancelled") and wait for its thread; whether it ended within
-        `timeout`. The cancel lands at the thread's next Python bytecode, after the C++ call it may be in (one
-        kernel's g++ run: seconds)."""
+        """Cancel a build or a load still running (state "cancelled") and wait for its thread; whether it ended within
+        `timeout`. A build's process is killed; a load's cancel lands at the thread's next Python bytecode, after the
+        C++ call it may be in (one kernel's g++ run, where inductor's cache lost it: seconds)."""
         thread = self._thread
         if thread is None:
             return True
         with self._lock:  # once `_done` is set the thread is past its last handler: nothing may land after it
+            self._closing = True
+            if self._process is not None and self._process.poll() is None:
+                os.killpg(self._process.pid, signal.SIGKILL)
             if not self._done.is_set():
                 ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident),
                                                            ctypes.py_object(CompileCancelled))
@@ -171,8 +242,8 @@ class DecodeGraph:
         return not thread.is_alive()
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Block until the compile thread ended (ready, failed or cancelled, its outcome logged); whether it did
-        within `timeout`."""
+        """Block until the thread ended (compiled, failed or cancelled, its outcome logged); whether it did within
+        `timeout`."""
         return self._thread is None or self._done.wait(timeout)
 
     def can_run(self, num_rows: int) -> bool:
@@ -183,22 +254,17 @@ class DecodeGraph:
         """The final hidden states [T, hidden] of every row of a step of T rows (input_ids, positions: [T])."""
         assert self.can_run(len(input_ids)), "not a step the compiled graphs run"
         self.num_steps += 1
-        # Only the guards that tell the two graphs apart (the batch size) are evaluated: the model's parameters and
-        # attributes the others check never change after the compile. 0.8 ms of a ~10 ms step at batch 1.
-        with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-            return self._call(self._run_only, input_ids, positions, kv)
-
-    def _call(self, fn, input_ids, positions, kv) -> torch.Tensor:
+        step = next(s for (_, high), s in zip(self.buckets, self._steps, strict=True) if len(input_ids) <= high)
         _current.value = kv
         try:
-            return fn(self.model, input_ids, positions)
+            return step(self.model, input_ids, positions)
         finally:
             _current.value = None
 
-    def _compile_thread(self) -> None:
+    def _prepare_thread(self) -> None:
         try:
             try:
-                self._compile()
+                self._prepare()
             except CompileCancelled:
                 self.state, self.error = "cancelled", "the engine closed before the compile ended"
                 logger.info("decode step compile cancelled: the engine closed")
@@ -208,37 +274,50 @@ class DecodeGraph:
         except CompileCancelled:  # the cancel landed after the compile ended, before `_done` was set
             self._done.set()
 
-    @torch.inference_mode()
-    def _compile(self) -> None:
-        """Compile every bucket's graph on a scratch pool, so nothing of the engine's is touched."""
+    def _prepare(self) -> None:
         start = time.perf_counter()
-        model = self.model
-        args, param = model.args, next(model.parameters())
-        missing = compiler_missing(param.device)  # here, as importing inductor alone takes a few seconds
+        lower_priority()  # this thread's share of the cores, and that of the g++ runs a load may need
+        missing = compiler_missing(next(self.model.parameters()).device)
         if missing is not None:
             self._fail(missing)
             return
         try:
-            compiled = torch.compile(_own_step(), fullgraph=True)
-            for low, high in self.buckets:
-                scratch = param.new_zeros(args.num_layers, 2, high, 1, args.num_kv_heads, args.head_dim)
-                ids = torch.zeros(high, dtype=torch.long, device=param.device)              # [T]
-                positions = torch.zeros_like(ids)                                           # [T]
-                if high > low:
-                    for t in (ids, positions):
-                        torch._dynamo.mark_dynamic(t, 0, min=low, max=high)
-                # A decode batch of `high` sequences of one token each (any meta runs the same graph).
-                meta = AttentionMetadata.for_decode([1] * high, [[b] for b in range(high)], 1, param.device)
-                self._call(compiled, ids, positions, ForwardKV.uniform(scratch, meta))
+            if not self.is_built:
+                logger.info("decode step: eager while its graphs are built at the lowest CPU priority (a few "
+                            "minutes on 2 cores, once per model; %s)", self.directory)
+                self._build()
+            self._steps = load(self.directory, self.buckets)
         except Exception as exc:  # a compiler error of any kind: the eager step serves instead
             self._fail(f"{type(exc).__name__}: {exc}")
         else:
-            self._run_only = torch._dynamo.run(compiled)
             self.compile_s = time.perf_counter() - start
             self.state = "compiled"
-            logger.info("decode step compiled in %.1f s (steps of %s rows)", self.compile_s,
+            logger.info("decode step compiled: graphs loaded %.1f s after the start (steps of %s rows)", self.compile_s,
                         ", ".join(f"{low}" if low == high else f"{low}-{high}" for low, high in self.buckets))
+
+    def _build(self) -> None:
+        """Run the build process to its end; RuntimeError with the end of its output where it built nothing."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        log = self.directory / "build.log"
+        with open(log, "wb") as output:
+            with self._lock:
+                if self._closing:
+                    raise CompileCancelled
+                self._process = subprocess.Popen([*self.build_command, json.dumps(self.key)], stdout=output,
+                                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                                 start_new_session=True, preexec_fn=_build_process_setup)
+            code = self._process.wait()
+        if not self.is_built:
+            lines = log.read_text(errors="replace").strip().splitlines() or ["(no output)"]
+            raise RuntimeError(f"the build process exited with {code}: {lines[-1][:500]} (all of it: {log})")
 
     def _fail(self, why: str) -> None:
         self.state, self.error = "failed", why
         logger.warning("decode step not compiled, decoding eagerly: %s", why.splitlines()[0][:500])
+
+
+def _build_process_setup() -> None:
+    """In the build process before it starts: the lowest CPU priority, and killed if the engine's process dies."""
+    os.setpriority(os.PRIO_PROCESS, 0, BUILD_NICENESS)
+    if sys.platform == "linux":
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)

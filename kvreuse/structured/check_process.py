@@ -21,7 +21,7 @@ from pathlib import Path
 
 import xgrammar as xgr
 
-from kvreuse.structured.background import background_command
+from kvreuse.background import background_command
 from kvreuse.structured.formats import FormatSpec
 
 logger = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ import time
 
 import xgrammar as xgr
 
-from kvreuse.structured.background import lower_priority
+from kvreuse.background import lower_priority
 from kvreuse.structured.compile_call import compile_format, new_compiler
 from kvreuse.structured.errors import engine_message
 from kvreuse.structured.formats import FormatSpec

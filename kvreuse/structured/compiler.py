@@ -16,9 +16,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import xgrammar as xgr
 
+from kvreuse.background import lower_priority
 from kvreuse.config import StructuredConfig
 from kvreuse.model.tokenizer import Tokenizer
-from kvreuse.structured.background import lower_priority
 from kvreuse.structured.check_process import CompileCheck, Verdict
 from kvreuse.structured.compile_call import compile_format, new_compiler
 from kvreuse.structured.errors import UnsupportedFormat, engine_message

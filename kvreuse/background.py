@@ -1,8 +1,9 @@
-"""Grammar compiles run at a lower CPU priority than serving.
+"""Background work (grammar compiles, the decode step's compile) runs at a lower CPU priority than serving.
 
-A large schema keeps xgrammar's threads busy for seconds, twice (the check process, then the compile for use). On a
-machine with few cores those threads would take their share from the engine's steps and the event loop, and another
-tenant's one-token request would wait on them. At BACKGROUND_NICENESS they get the cores that serving leaves idle.
+A large schema keeps xgrammar's threads busy for seconds, twice (the check process, then the compile for use); the
+decode step's compile keeps inductor and g++ busy for minutes. On a machine with few cores that work would take its
+share from the engine's steps and the event loop, and every request would wait on it. At BACKGROUND_NICENESS it gets
+the cores that serving leaves idle.
 """
 
 from __future__ import annotations

@@ -1,0 +1,44 @@
+"""The process that builds a model's compiled decode step (model/graph_store.py), started by its engine's DecodeGraph
+at the lowest CPU priority: `python -m kvreuse.engine.precompile MODEL_CONFIG_JSON MAX_ROWS KEY_JSON`.
+
+It builds the model from the engine's resolved `[model]` section (built_model.py), and the graphs only if its model
+has the key the engine asked for: a model that came out otherwise (another measured kernel row limit, say) builds
+nothing, and the engine says so and decodes eagerly.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+from kvreuse.config import ModelConfig
+
+
+def precompile_command(model: ModelConfig) -> list[str]:
+    """The command, but for the key the DecodeGraph appends, that builds the graphs of the model `model` makes."""
+    return [sys.executable, "-m", "kvreuse.engine.precompile", model.model_dump_json()]
+
+
+def main(argv: list[str]) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from kvreuse.engine.built_model import build_model
+    from kvreuse.engine.front_end import resolve_device
+    from kvreuse.model.decode_graph import build_graphs, row_buckets
+    from kvreuse.model.graph_store import graph_key
+
+    config, key = ModelConfig.model_validate_json(argv[0]), json.loads(argv[1])
+    model = build_model(config, resolve_device(config.device)).model
+    buckets = [tuple(b) for b in key["buckets"]]
+    own = graph_key(model, row_buckets(model, buckets[-1][1]))
+    if own != key:
+        differs = sorted(name for name in key.keys() | own.keys() if key.get(name) != own.get(name))
+        print(f"the model built here is not the engine's (it differs in {', '.join(differs)}): nothing built",
+              file=sys.stderr)
+        return 3
+    print(f"built {build_graphs(model, buckets, key)}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
