@@ -147,9 +147,9 @@ def row_buckets(model: CausalLM, max_rows: int) -> list[tuple[int, int]]:
     return buckets
 
 
-def compile_bucket(model: CausalLM, bucket: Bucket) -> Callable:
-    """The step for `bucket`'s row counts, compiled ahead of time (torch's AOT precompile) on a scratch pool, so that
-    nothing of an engine's is touched."""
+def scratch_step(model: CausalLM, bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor, ForwardKV]:
+    """Inputs of a step of `bucket`'s largest row count on a pool of its own (input_ids, positions: [T]), so that
+    compiling or warming a graph touches nothing of an engine's; the row count is marked dynamic over the bucket."""
     low, high = bucket
     args, param = model.args, next(model.parameters())
     scratch = param.new_zeros(args.num_layers, 2, high, 1, args.num_kv_heads, args.head_dim)
@@ -160,11 +160,24 @@ def compile_bucket(model: CausalLM, bucket: Bucket) -> Callable:
             torch._dynamo.mark_dynamic(t, 0, min=low, max=high)
     # A decode batch of `high` sequences of one token each (any meta runs the same graph).
     meta = AttentionMetadata.for_decode([1] * high, [[b] for b in range(high)], 1, param.device)
-    _current.value = ForwardKV.uniform(scratch, meta)
+    return ids, positions, ForwardKV.uniform(scratch, meta)
+
+
+def call_step(step: Callable, model: CausalLM, input_ids: torch.Tensor, positions: torch.Tensor,
+              kv: ForwardKV) -> torch.Tensor:
+    """`step(model, input_ids, positions)` with `kv` as the current thread's pool and metadata."""
+    _current.value = kv
     try:
-        return torch.compile(_own_step(), fullgraph=True).aot_compile(((model, ids, positions), {}))
+        return step(model, input_ids, positions)
     finally:
         _current.value = None
+
+
+def compile_bucket(model: CausalLM, bucket: Bucket) -> Callable:
+    """The step for `bucket`'s row counts, compiled ahead of time (torch's AOT precompile)."""
+    ids, positions, kv = scratch_step(model, bucket)
+    compiled = torch.compile(_own_step(), fullgraph=True)
+    return call_step(lambda *inputs: compiled.aot_compile((inputs, {})), model, ids, positions, kv)
 
 
 @torch.inference_mode()
@@ -255,11 +268,7 @@ class DecodeGraph:
         assert self.can_run(len(input_ids)), "not a step the compiled graphs run"
         self.num_steps += 1
         step = next(s for (_, high), s in zip(self.buckets, self._steps, strict=True) if len(input_ids) <= high)
-        _current.value = kv
-        try:
-            return step(self.model, input_ids, positions)
-        finally:
-            _current.value = None
+        return call_step(step, self.model, input_ids, positions, kv)
 
     def _prepare_thread(self) -> None:
         try:
@@ -286,7 +295,11 @@ class DecodeGraph:
                 logger.info("decode step: eager while its graphs are built at the lowest CPU priority (a few "
                             "minutes on 2 cores, once per model; %s)", self.directory)
                 self._build()
-            self._steps = load(self.directory, self.buckets)
+            steps = load(self.directory, self.buckets)
+            with torch.inference_mode():  # each graph's first call (~0.1-0.5 s) here, not in a served step
+                for bucket, step in zip(self.buckets, steps, strict=True):
+                    call_step(step, self.model, *scratch_step(self.model, bucket))
+            self._steps = steps
         except Exception as exc:  # a compiler error of any kind: the eager step serves instead
             self._fail(f"{type(exc).__name__}: {exc}")
         else:
