@@ -73,6 +73,20 @@ def test_auto_takes_the_dtype_the_probe_measured_faster_and_logs_it(measured, ca
     assert f"fp32 {measurement.fp32_prefill_s * 1e3:.2f} ms" in message
     assert f"bf16 {measurement.bf16_prefill_s * 1e3:.2f} ms" in message
     assert "batch-1 GEMVs" in message and "measured in 250 ms" in message
+    assert f"; {name}, because bf16 is taken only where it runs the prefill GEMMs at least 1.2x as fast" in message
+
+
+@pytest.mark.parametrize(("measurement", "pace"), [
+    (figures(3.0, 1.0, 1.0, 25.0), "bf16 took 25.0x as long"),   # the "bf16 0.04x", in words
+    (figures(3.0, 1.0, 2.0, 1.0), "bf16 ran 2.00x as fast"),
+])
+def test_the_log_says_what_the_gemv_ratio_means_and_that_it_does_not_decide(measured, measurement, pace):
+    measured.next = measurement
+    message = dtype_probe.probe(ARGS).describe()
+    f = measurement
+    assert f"batch-1 GEMVs (a decode step's shape): fp32 {f.fp32_decode_s * 1e6:.0f} us, " \
+           f"bf16 {f.bf16_decode_s * 1e6:.0f} us: {pace}" in message
+    assert "here it ran 3.00x as fast; the GEMV figure does not count" in message
 
 
 @pytest.mark.parametrize(("name", "device", "expected"), [
