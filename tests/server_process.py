@@ -71,6 +71,7 @@ class Server:
     process: subprocess.Popen
     log_path: Path         # its stderr
     ready_line: str = ""
+    settings_line: str = ""  # the line after the ready line: `kvreuse settings: ...`
 
     @property
     def root(self) -> str:
@@ -145,7 +146,8 @@ def start_server(*args: str, log_path: Path, ready_timeout: float = 90.0, stop_t
                                    f"{log_path.read_text(errors='replace')[-3000:]}")
             match = READY.search(line)
             if match:
-                server = Server(match.group(1), match.group(2), process, log_path, line.strip())
+                settings = lines.get(timeout=max(1.0, deadline - time.monotonic())) or ""  # printed with the ready line
+                server = Server(match.group(1), match.group(2), process, log_path, line.strip(), settings.strip())
         yield server
     finally:
         stop(process, stop_timeout)

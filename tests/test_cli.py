@@ -102,6 +102,8 @@ def test_serve_shorthands_precedence(ini, tmp_path):
     assert (config.server.port, config.server.host, config.server.api_keys_file) == (9002, "0.0.0.0", str(keys))
     config = config_of(["serve", "--config", ini, "--set", "server.port=9002", "--port", "9003", "--host", "::1"])
     assert (config.server.port, config.server.host) == (9003, "::1")
+    config = config_of(["serve", "--set", "model.served_name=a", "--served-model-name", "acme/b"])
+    assert config.model.served_name == "acme/b"
 
 
 def test_every_shorthand_maps_to_its_key():

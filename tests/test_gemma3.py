@@ -158,10 +158,11 @@ def test_the_readmes_gemma_command_serves_chat(tmp_path):
     args = shlex.split(command.split("#")[0])
     assert args[:2] == [".venv/bin/kvreuse", "serve"]
     with start_server(*args[2:], log_path=tmp_path / "gemma.log", ready_timeout=300) as server:
+        assert server.model == "gemma3-270m"  # the name given, as the README says clients send it
         client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120.0,
                                http_client=openai.DefaultHttpxClient(trust_env=False))
         messages = [{"role": "user", "content": "Name three colours."}]
-        first = client.chat.completions.create(model=server.model, messages=messages, max_tokens=12, temperature=0)
+        first = client.chat.completions.create(model="gemma3-270m", messages=messages, max_tokens=12, temperature=0)
         assert first.choices[0].message.content
         messages += [{"role": "assistant", "content": first.choices[0].message.content},
                      {"role": "user", "content": "And three animals?"}]

@@ -17,6 +17,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import openai
@@ -242,11 +243,13 @@ class TestRealModel:
         assert "".join(reply).strip() and cached_tokens.isdigit()
 
     def test_the_readmes_ready_line_is_the_servers(self, real_server):
-        documented = readme_block("", "kvreuse ready:").strip()
+        documented, settings = readme_block("", "kvreuse ready:").strip().splitlines()
         served = real_server.ready_line
         assert READY.search(documented) and READY.search(served)
         assert [f.split("=")[0] for f in documented.split() if "=" in f] == \
             [f.split("=")[0] for f in served.split() if "=" in f]
+        defaults = "kvreuse settings: defaults: exact prefix reuse only, LRU eviction; decode step "
+        assert settings.startswith(defaults) and real_server.settings_line.startswith(defaults)
 
     def test_raw_stream_framing_with_usage_and_done(self, real_server, http):
         body = {"model": real_server.model, "messages": [{"role": "user", "content": "Say hello."}],
@@ -328,7 +331,14 @@ class TestMetrics:
 
     def test_health(self, tiny_server, http):
         r = http.get(f"{tiny_server.root}/health")
-        assert r.status_code == 200 and r.json() == {"status": "ok"}
+        assert r.status_code == 200 and r.json() == {"status": "ok", "compile": "eager"}  # engine.compile = off
+        scrape = tiny_server.metrics()
+        assert scrape.get("kvreuse:decode_compile_state", model_name=tiny_server.model, state="eager") == 1
+        assert scrape.get("kvreuse:decode_compile_state", state="compiling") == 0
+
+    def test_the_settings_line_says_defaults(self, tiny_server):
+        assert tiny_server.settings_line == ("kvreuse settings: defaults: exact prefix reuse only, LRU eviction; "
+                                             "decode step eager (engine.compile off)")
 
 
 M = "<served model>"  # replaced by the server's model name in the bad-input table
@@ -696,11 +706,42 @@ class TestTokenizeAndModels:
         assert_error(post(http, tiny_server, "/detokenize", {"tokens": [-1]}), 400, "tokens")
         assert_error(post(http, tiny_server, "/detokenize", {"tokens": "abc"}), 400, "tokens")
 
-    def test_models_lists_the_served_model(self, tiny_server, client_for):
+    def test_models_lists_the_served_model(self, tiny_server, client_for, tiny_model_dir):
         models = client_for(tiny_server).models.list()
+        assert tiny_server.model == Path(tiny_model_dir).name  # a directory is served as its name
         assert [m.id for m in models.data] == [tiny_server.model]
         assert models.data[0].owned_by == "kvreuse"
         assert models.data[0].model_extra["max_model_len"] == 2048
+
+
+# --- model.served_name, and the settings line of a server with approximate and non-default behaviours -------
+@pytest.fixture(scope="class")
+def renamed_server(tmp_path_factory, tiny_model_dir):
+    sets = ("model.served_name=acme/kv-tiny", "cache.suffix.enabled=true", "cache.policy=lfu")
+    with serve(tmp_path_factory, "renamed", *server_args(tiny_model_dir, *sets)) as server:
+        yield server
+
+
+class TestServedNameAndSettings:
+    def test_the_served_name_is_listed_and_answers(self, renamed_server, client_for):
+        client = client_for(renamed_server)
+        assert renamed_server.model == "acme/kv-tiny"
+        assert [m.id for m in client.models.list().data] == ["acme/kv-tiny"]
+        reply = client.completions.create(model="acme/kv-tiny", prompt="Hello", max_tokens=2, temperature=0)
+        assert reply.model == "acme/kv-tiny" and reply.usage.completion_tokens <= 2
+
+    def test_another_model_gets_404_naming_the_served_one(self, renamed_server, http, tiny_model_dir):
+        body = {"model": Path(tiny_model_dir).name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        error = assert_error(post(http, renamed_server, "/chat/completions", body), 404,
+                             f"{Path(tiny_model_dir).name!r} does not exist", "this server serves 'acme/kv-tiny'",
+                             param="model")
+        assert error["code"] == "model_not_found"
+
+    def test_the_settings_line_names_segment_reuse_and_the_policy(self, renamed_server):
+        line = renamed_server.settings_line
+        assert line.startswith("kvreuse settings: segment reuse, approximate: blend recomputing 15%, guard 0.03 nats "
+                               "(cache.suffix.enabled); eviction lfu (cache.policy); decode step eager"), line
+        assert "defaults" not in line
 
 
 # --- 5. tenants: API keys isolate the prefix cache ------------------------------------------------------

@@ -26,6 +26,7 @@ SHORTHANDS = {
     "dtype": "model.dtype",
     "quantization": "model.quantization",
     "weights": "model.weights",
+    "served_model_name": "model.served_name",
     "block_size": "cache.block_size",
     "max_model_len": "server.max_tokens",
     "enable_prefix_caching": "cache.enabled",

@@ -17,7 +17,9 @@ def add_serve(sub) -> None:
     serve.add_argument("--api-keys", help=f"file of API keys -> tenants ({shorthand('api_keys')})")
     serve.add_argument("--admin-api-keys", help=f"file of the API keys that may call /reset_prefix_cache, "
                                                 f"/cache/stats and /metrics ({shorthand('admin_api_keys')})")
-    serve.add_argument("--served-model-name", help="model id clients use (default: the weights file name)")
+    serve.add_argument("--served-model-name", metavar="NAME",
+                       help=f"the model id clients send ({shorthand('served_model_name')}; default: the --model "
+                            f"name, or the weights file's name)")
     serve.add_argument("--replicas", type=positive_int,
                        help=f"engine replicas on Ray Serve behind one endpoint ({shorthand('replicas')}; default 1: "
                             f"no Ray)")
@@ -33,10 +35,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from kvreuse.cluster.launch import ClusterStartError, serve_cluster
 
         try:
-            return serve_cluster(config, served_model_name=args.served_model_name, log_level=args.log_level)
+            return serve_cluster(config, log_level=args.log_level)
         except ClusterStartError as exc:
             print(f"kvreuse: {exc}", file=sys.stderr)
             return 1
     from kvreuse.server.lifecycle import serve
 
-    return serve(config, served_model_name=args.served_model_name, log_level=args.log_level)
+    return serve(config, log_level=args.log_level)

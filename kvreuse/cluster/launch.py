@@ -22,7 +22,7 @@ from kvreuse.engine.front_end import FrontEnd
 from kvreuse.server import lifecycle
 from kvreuse.server.app import client_app
 from kvreuse.server.auth import load_api_keys
-from kvreuse.server.lifecycle import model_name_of, run_http
+from kvreuse.server.lifecycle import run_http, served_model_name
 from kvreuse.server.metrics import Metrics
 
 logger = logging.getLogger(__name__)
@@ -36,7 +36,7 @@ class ClusterStartError(RuntimeError):
     """The replicas could not be started; the message says why (a replica's own error when it has one)."""
 
 
-def serve_cluster(config: Config, *, served_model_name: str | None = None, log_level: str = "warning") -> int:
+def serve_cluster(config: Config, *, log_level: str = "warning") -> int:
     """Serve `config`'s model on `cluster.replicas` replicas until SIGTERM or SIGINT; returns the exit code.
     Raises ConfigError, ModelLoadError (before Ray starts) or ClusterStartError."""
     if config.cluster.routing == "ray_prefix":
@@ -45,8 +45,8 @@ def serve_cluster(config: Config, *, served_model_name: str | None = None, log_l
     # Its config names the model path and the dtype it resolved: every replica loads the same weights in the same
     # dtype, and so names its blocks with the same keys the router computes.
     front = FrontEnd.from_config(config)
+    model_name = served_model_name(config, front.model_path)  # before the path is resolved: a named model's name
     config = front.config
-    model_name = served_model_name or model_name_of(front.model_path)
     with ray_session(config) as joined:
         try:
             handle = deploy(config, front)

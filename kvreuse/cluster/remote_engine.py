@@ -46,6 +46,7 @@ class RemoteEngine:
         self.on_finish, self.on_snapshot = on_finish, on_snapshot
         self._relays: dict[str, asyncio.Task] = {}
         self._running = False
+        self._compile_states: dict[str, str] = {}  # replica -> its decode step's state, as of its latest request
 
     def start(self) -> None:
         self._running = True
@@ -59,6 +60,14 @@ class RemoteEngine:
     def is_alive(self) -> bool:
         """Serving; a replica that dies is replaced by Serve, and its requests fail, but the ingress stays up."""
         return self._running
+
+    @property
+    def compile_states(self) -> list[str]:
+        """Each replica's decode step as of its latest finished request; with `engine.compile = off`, all eager."""
+        config = self.front_end.config
+        if config.engine.compile == "off":
+            return ["eager"] * config.cluster.replicas
+        return [self._compile_states[name] for name in sorted(self._compile_states)]
 
     def submit(self, seq: Sequence) -> asyncio.Queue:
         """Send a sequence made by the front end to a replica; its deltas arrive on the returned queue."""
@@ -102,6 +111,7 @@ class RemoteEngine:
             self.replicas.add(delta.output.replica)
         self._notify(self.on_finish, delta.output)
         if delta.snapshot is not None:
+            self._compile_states[delta.snapshot.replica] = delta.snapshot.compile_state
             self._notify(self.on_snapshot, delta.snapshot)
 
     def _notify(self, callback: Callable | None, *args) -> None:
@@ -149,6 +159,7 @@ class RemoteEngine:
             except Exception as exc:  # replaced since (a new replica has a new name): forget it
                 logger.info("replica %s did not take %s (%s); it is forgotten", name, operation, exc)
                 self.replicas.discard(name)
+                self._compile_states.pop(name, None)
         return results
 
     def shutdown(self, timeout: float = 10.0) -> None:

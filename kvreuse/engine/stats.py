@@ -50,10 +50,25 @@ class EngineStats:
                               bytes_per_block=bytes_per_block, peak_rss_bytes=peak_rss_bytes(), **engine_state)
 
 
+# The decode step's states (decode_graph.py): eager until compiled, and eager for good once failed or cancelled (the
+# engine closed first). `engine.compile = off` is "eager" throughout.
+COMPILE_STATES = ("eager", "compiling", "compiled", "failed", "cancelled")
+
+
+def compile_summary(states: list[str]) -> str:
+    """The decode step of every engine, briefly: their common state, "mixed: 1 compiling, 2 compiled" where
+    they differ (a cluster's replicas), "unknown" with none known (replicas that have served nothing yet)."""
+    if not states:
+        return "unknown"
+    if len(set(states)) == 1:
+        return states[0]
+    return "mixed: " + ", ".join(f"{states.count(s)} {s}" for s in COMPILE_STATES if s in states)
+
+
 @dataclass(frozen=True)
 class DecodeGraphStatus:
     """The compiled decode step (`engine.compile = decode`, decode_graph.py): its state and use so far."""
-    state: str                # compiling, ready, failed or cancelled (the engine closed first)
+    state: str                # one of COMPILE_STATES
     num_steps: int            # steps run through the graph
     compile_s: float | None   # how long compiling took, once done
 
@@ -89,6 +104,11 @@ class EngineSnapshot:
     sessions: dict | None = None       # sessions' retained blocks (SessionRetention.snapshot)
     events: dict | None = None         # with `[events] endpoint`: the publisher's counters (KVEventPublisher.snapshot)
     replica: str | None = None         # the cluster replica whose engine this is; None: this process's own engine
+
+    @property
+    def compile_state(self) -> str:
+        """The decode step's state, one of COMPILE_STATES ("eager" with `engine.compile = off`)."""
+        return self.decode_graph.state if self.decode_graph is not None else "eager"
 
     @property
     def kv_usage(self) -> float:

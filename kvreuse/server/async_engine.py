@@ -103,6 +103,12 @@ class AsyncEngine:
     def is_alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
 
+    @property
+    def compile_states(self) -> list[str]:
+        # Read off the engine thread: the compile thread replaces one string, atomically.
+        graph = self.engine.runner.decode_graph
+        return [graph.state if graph is not None else "eager"]
+
     def submit(self, seq: Sequence) -> asyncio.Queue:
         """Queue a sequence made by `front_end.make_sequence`; its deltas arrive on the returned queue."""
         if not self.is_alive:

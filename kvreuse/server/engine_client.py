@@ -44,6 +44,11 @@ class EngineClient(Protocol):
     def is_alive(self) -> bool:
         """Accepts and runs requests."""
 
+    @property
+    def compile_states(self) -> list[str]:
+        """The decode step's state (stats.COMPILE_STATES) of each engine: this process's own, or each replica's as of
+        its latest finished request (none before a replica has served)."""
+
     def start(self) -> None:
         """Start serving (the app's startup)."""
 

@@ -12,8 +12,10 @@ from pathlib import Path
 
 import uvicorn
 
-from kvreuse.config import Config
+from kvreuse.config import CacheConfig, Config
 from kvreuse.engine.front_end import FrontEnd
+from kvreuse.engine.stats import compile_summary
+from kvreuse.model.named_models import NAMED_MODELS
 from kvreuse.server.async_engine import load_engine
 from kvreuse.server.auth import load_api_keys
 
@@ -25,17 +27,16 @@ CUT_GRACE_S = 5
 APP_MODULE = "kvreuse.server.app"
 
 
-def serve(config: Config, *, served_model_name: str | None = None, log_level: str = "warning") -> int:
-    """Serve `config`'s model over HTTP until SIGTERM or SIGINT; returns the exit code (0 once drained).
-    `served_model_name` is the model id clients use (default: the weights file name without its
-    quantization suffix). Raises ConfigError for a bad API key file, ModelLoadError for bad weights."""
+def serve(config: Config, *, log_level: str = "warning") -> int:
+    """Serve `config`'s model over HTTP as `served_model_name(...)` until SIGTERM or SIGINT; returns the exit code
+    (0 once drained). Raises ConfigError for a bad API key file, ModelLoadError for bad weights."""
     api_keys = load_api_keys(config.server.api_keys_file) if config.server.api_keys_file else None
     engine = load_engine(config, meanwhile=prefetch_app)
     if APP_MODULE not in sys.modules:  # the prefetch failed: import again, on one thread, from fresh directory listings
         importlib.invalidate_caches()
     from kvreuse.server.app import create_app
 
-    model_name = served_model_name or model_name_of(engine.front_end.model_path)
+    model_name = served_model_name(config, engine.front_end.model_path)
     app = create_app(engine, model_name, api_keys)
     return run_http(app, config, describe(config, engine.front_end, model_name, api_keys), log_level)
 
@@ -61,6 +62,47 @@ def describe(config: Config, front: FrontEnd, model_name: str, api_keys: dict | 
             f"auth={'api-keys' if api_keys else 'off'}")
 
 
+# What the settings line says of the decode step in each state (stats.compile_summary).
+COMPILE_NOTES = {"eager": "eager", "compiling": "compiling, eager until done (/health says when)",
+                 "compiled": "compiled", "failed": "eager, its compile failed (see the warning above)",
+                 "cancelled": "eager, its compile was cancelled",
+                 "unknown": "compiled by each replica, eager until then (/health says how far once they serve)"}
+
+
+def settings_line(config: Config, compile_state: str) -> str:
+    """The line after the ready line: every approximate or non-default behaviour that is on, each with the key that
+    turns it off, then the decode step's state; "defaults: exact prefix reuse only, LRU eviction" when none is."""
+    cache, on = config.cache, []
+    if not cache.enabled:
+        on.append("no KV reuse (cache.enabled)")
+    if cache.preset != "none":
+        on.append(f"preset {cache.preset} (cache.preset)")
+    if cache.suffix.enabled:
+        s = cache.suffix
+        repair = f"blend recomputing {s.recompute_ratio:.0%}" if s.mode == "blend" else "shift, unrepaired"
+        guard = f"guard {s.guard_margin:g} nats" if s.guard_margin else "no guard"
+        on.append(f"segment reuse, approximate: {repair}, {guard} (cache.suffix.enabled)")
+    if cache.normalize_input:
+        on.append("input normalized, changes what the model reads (cache.normalize_input)")
+    if config.model.quantization != "none":
+        on.append(f"weights quantized to {config.model.quantization}, approximate (model.quantization)")
+    if cache.policy != "lru":
+        on.append(f"eviction {cache.policy} (cache.policy)")
+    if cache.disk.path:
+        on.append(f"disk tier {cache.disk.path} (cache.disk.path)")
+    if cache.redis.url:
+        on.append("Redis tier (cache.redis.url)")  # not the URL: it may hold a password
+    default = CacheConfig()
+    if (cache.session_retention_s, cache.session_max_share) != (default.session_retention_s,
+                                                                default.session_max_share):
+        on.append(f"session retention {cache.session_retention_s:g} s, up to {cache.session_max_share:.0%} of the "
+                  f"pool (cache.session_retention_s, cache.session_max_share)")
+    behaviour = "; ".join(on) or "defaults: exact prefix reuse only, LRU eviction"
+    decode = "eager (engine.compile off)" if config.engine.compile == "off" else COMPILE_NOTES.get(compile_state,
+                                                                                                  compile_state)
+    return f"{behaviour}; decode step {decode}"
+
+
 def run_http(app, config: Config, description: str, log_level: str = "warning") -> int:
     """Serve `app` on `server.host`:`server.port`, print the ready line with `description` once it accepts
     connections, and drain on SIGTERM/SIGINT (see DrainingServer); returns the exit code (0 once drained)."""
@@ -77,13 +119,24 @@ def run_http(app, config: Config, description: str, log_level: str = "warning") 
     return 0
 
 
+def served_model_name(config: Config, weights: Path) -> str:
+    """The model id clients send: `model.served_name`; else the name `model.path` gave for a named model
+    (`gemma3-270m`), which clients know, not the file it stands for; else the weights' name (`model_name_of`)."""
+    if config.model.served_name:
+        return config.model.served_name
+    if config.model.path in NAMED_MODELS:
+        return config.model.path
+    return model_name_of(weights)
+
+
 def model_name_of(weights: Path) -> str:
     """The id a weights file is served as: SmolLM2-135M-Instruct.Q4_1.gguf -> SmolLM2-135M-Instruct."""
     return re.sub(r"(\.(Q\d\w*|F16|F32|BF16))?\.gguf$", "", weights.name)
 
 
 class DrainingServer(uvicorn.Server):
-    """A uvicorn server that prints `kvreuse ready: URL DESCRIPTION` once it accepts connections and,
+    """A uvicorn server that prints `kvreuse ready: URL DESCRIPTION` and `kvreuse settings: ...` (settings_line)
+    once it accepts connections and,
     on a shutdown signal, has the app refuse new requests (503) while in-flight ones finish. Those still
     running `drain_timeout_s` later are cut: a 503 JSON error, or in a stream an error event and [DONE]."""
 
@@ -97,7 +150,10 @@ class DrainingServer(uvicorn.Server):
         if self.started:
             # The bound address, not the configured one: port 0 picks a free port.
             host, port = self.servers[0].sockets[0].getsockname()[:2]
-            print(f"kvreuse ready: http://{host}:{port}/v1 {self.description}", flush=True)
+            state = self.config.app.state.kvreuse
+            settings = settings_line(state.config, compile_summary(state.engine.compile_states))
+            print(f"kvreuse ready: http://{host}:{port}/v1 {self.description}\nkvreuse settings: {settings}",
+                  flush=True)
 
     def handle_exit(self, sig, frame):
         self.config.app.state.kvreuse.draining = True

@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from kvreuse.engine.engine import LLMEngine
 from kvreuse.engine.output import RequestOutput
-from kvreuse.engine.stats import EngineSnapshot, peak_rss_bytes
+from kvreuse.engine.stats import COMPILE_STATES, EngineSnapshot, peak_rss_bytes
 from kvreuse.kvcache.accounting import ReuseRecord
 from kvreuse.kvcache.tiers.entry import REASONS
 
@@ -96,6 +96,9 @@ class Metrics:
         self.group_tokens = Gauge("kvreuse:kv_tokens_in_use", "Tokens whose K/V requests hold, per layer group of the "
                                   "pool: window is full, or the sliding window's keys", labels + ["group", "window"],
                                   registry=r)
+        self.compile_state = Gauge("kvreuse:decode_compile_state", "Engines whose decode step is in this state: "
+                                   "eager, compiling, compiled, failed or cancelled (1 for the one engine without "
+                                   "replicas)", labels + ["state"], registry=r)
         self.tier_hit_tokens = Counter("kvreuse:tier_hit_tokens", "Cached prompt tokens by where they came from",
                                        labels + ["tier"], registry=r)
         self.tier_load = Histogram("kvreuse:tier_load_seconds", "Time a request's cached prefix took to load from "
@@ -121,6 +124,7 @@ class Metrics:
         for metric in (self.prefix_cache_queries, *self.reuse.values(), self.generation_tokens, self.kv_usage,
                        self.running, self.waiting):
             metric.labels(model_name)  # exported as 0 from the start, not only after the first request
+        self.observe_compile([])
 
     def observe_step(self, engine: LLMEngine) -> None:
         """Gauges, from the engine thread after each step (and after an abort frees blocks)."""
@@ -165,6 +169,12 @@ class Metrics:
     def _advance(self, counter, key: tuple, value: float) -> None:
         counter.inc(max(0.0, value - self._tier_seen.get(key, 0.0)))
         self._tier_seen[key] = max(value, self._tier_seen.get(key, 0.0))
+
+    def observe_compile(self, states: list[str]) -> None:
+        """The decode step's state of each engine (EngineClient.compile_states), read at scrape time: it changes on
+        the compile thread, between steps."""
+        for state in COMPILE_STATES:
+            self.compile_state.labels(self.model_name, state).set(states.count(state))
 
     def exposition(self) -> bytes:
         """The Prometheus text format of every metric, for a `/metrics` scrape."""
