@@ -332,9 +332,10 @@ class EngineConfig(_Section):
         "Seeds sampling for requests that give no seed of their own, so runs are reproducible."))
     # "decode": the decode step compiled by torch.compile in the background, eager until ready (decode_graph.py)
     compile: Literal["off", "decode"] = Field("decode", description=(
-        "`decode`: the decode step is compiled by `torch.compile` in a background thread at start, decoding eagerly "
-        "until it is ready, and stays eager (with a warning) if compiling fails; `off`: always eager "
-        "(docs/design/performance.md)."))
+        "`decode`: the decode step runs through graphs compiled by `torch.compile` once per model, torch and CPU, "
+        "in a process of their own at the lowest CPU priority (`kvreuse serve` builds them; offline runs load them "
+        "when built), decoding eagerly until they are loaded and for good (with a warning) if that fails; `off`: "
+        "always eager (docs/design/performance.md)."))
 
 
 class EventsConfig(_Section):
