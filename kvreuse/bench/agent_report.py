@@ -177,9 +177,7 @@ def markdown(report: dict) -> str:
 
 def ttft_plot(report: dict, path) -> Path:
     """Median TTFT (ms) per step, one line per system. Returns the PNG's path."""
-    from matplotlib.figure import Figure
-
-    from kvreuse.bench.plots import _colour, _save
+    from kvreuse.bench.plots import Figure, _colour, _save  # the bench extra
 
     fig = Figure(figsize=(7.0, 4.5), layout="constrained")
     ax = fig.add_subplot()

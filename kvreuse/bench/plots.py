@@ -12,13 +12,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
-
 from kvreuse.analyze import load_tokenizer, tokenize
 from kvreuse.bench import workloads
 from kvreuse.config import Config
+from kvreuse.extras import PLOTS, require
 from kvreuse.kvcache.simulate import simulate
+
+FigureCanvasAgg = require("matplotlib.backends.backend_agg", "bench", PLOTS).FigureCanvasAgg
+Figure = require("matplotlib.figure", "bench", PLOTS).Figure
 
 TTFT_PNG = "scenario_ttft.png"
 HIT_RATE_PNG = "hit_rate_vs_block_size.png"

@@ -10,8 +10,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import redis
+from kvreuse.extras import require
 
+redis = require("redis", "redis", "a redis-server for the Redis tier's tests and bench")
 INSTALL_HINT = "redis-server is not on PATH: install it with `apt-get install redis-server` (`make test` does)"
 
 

@@ -268,8 +268,7 @@ def markdown(report: dict) -> str:
 def plot(report: dict, path) -> Path:
     """Hit rate (% of prompt tokens) against capacity (log axis), one panel per scenario, one line per retention and
     swa-full dashed. Returns the PNG's path."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    from kvreuse.bench.plots import Figure, FigureCanvasAgg  # the bench extra
 
     names = list(report["scenarios"])
     cols = min(3, len(names))

@@ -6,7 +6,16 @@ import argparse
 from dataclasses import asdict
 from pathlib import Path
 
-from kvreuse.cli.common import MODEL_HELP, InputError, log_level_flag, out_flag, positive_int, progress, publish
+from kvreuse.cli.common import (
+    MODEL_HELP,
+    InputError,
+    check_plots,
+    log_level_flag,
+    out_flag,
+    positive_int,
+    progress,
+    publish,
+)
 
 DEFAULT_SYSTEMS = ("kvreuse", "kvreuse-nocache")  # llama-server when asked: it needs `make bench-peers`
 STARTED = ("kvreuse", "kvreuse-nocache", "llama-server")  # agent_systems.STARTED, without importing the bench
@@ -99,6 +108,7 @@ def cmd_bench_agent(args: argparse.Namespace) -> int:
     from kvreuse.bench.agent_loop import Options
     from kvreuse.bench.agent_replay import Transcript
 
+    check_plots(args.out)
     if args.tool_latency_s < 0:
         raise InputError("--tool-latency-s must be >= 0")
     if args.record and args.replay:

@@ -7,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from kvreuse.cli.common import InputError, log_level_flag, positive_int, progress
+from kvreuse.cli.common import InputError, check_plots, log_level_flag, positive_int, progress
 
 TRACE_PNG = "trace_hit_rate_vs_capacity.png"
 
@@ -46,9 +46,9 @@ def cmd_bench_trace(args: argparse.Namespace) -> int:
     """Replay the trace, print the tables; with --out also the report and the PNG."""
     from kvreuse.bench import trace_bench
     from kvreuse.bench.commands import write_report
-    from kvreuse.bench.plots import capacity_plot
     from kvreuse.bench.trace import TraceError, read_trace
 
+    check_plots(args.out)
     block_size = args.block_size or trace_bench.default_block_size(args.tokens_per_hash)
     if block_size > trace_bench.MAX_BLOCK_SIZE or args.tokens_per_hash % block_size:
         raise InputError(f"--block-size {block_size} must divide --tokens-per-hash {args.tokens_per_hash} and be "
@@ -65,6 +65,8 @@ def cmd_bench_trace(args: argparse.Namespace) -> int:
     table = trace_bench.markdown(report)
     print(table)
     if args.out:
+        from kvreuse.bench.plots import capacity_plot
+
         write_report(Path(args.out), "trace", report, table)
         print(f"wrote {capacity_plot(report, Path(args.out) / TRACE_PNG)}", file=sys.stderr)
     return 0

@@ -8,7 +8,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from kvreuse.cli.common import CHAT_TEMPLATE_HELP, InputError, log_level_flag, positive_int, progress
+from kvreuse.cli.common import CHAT_TEMPLATE_HELP, InputError, check_plots, log_level_flag, positive_int, progress
 
 # The base Gemma 3 270M carries no chat template: the example one is its default here.
 GEMMA_TEMPLATE = Path(__file__).resolve().parents[2] / "examples" / "gemma3-chat.jinja"
@@ -83,6 +83,7 @@ def cmd_bench_windows(args: argparse.Namespace) -> int:
     from kvreuse.kvcache.layout import KVLayout
     from kvreuse.model.chat_template import NoChatTemplate
 
+    check_plots(None if args.no_plot else args.out)
     model_args, tokenizer, fingerprint = load(args.model, args.chat_template)
     if not KVLayout.of(model_args).is_grouped:
         raise InputError(f"{args.model}: no grouped KV layout (it does not mix full-attention and sliding-window "

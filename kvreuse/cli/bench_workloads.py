@@ -10,6 +10,7 @@ from kvreuse.bench.workloads import WORKLOADS
 from kvreuse.cli.bench_live_trace import TRACE_ONLY_FLAGS, GivenFlag, add_trace_flags, cmd_replay_trace
 from kvreuse.cli.common import (
     InputError,
+    check_plots,
     common_flags,
     config_overrides,
     log_level_flag,
@@ -62,6 +63,7 @@ def cmd_bench_scenario(args: argparse.Namespace) -> int:
     """Run the chosen scenarios, each under its preset; print the table, with --out also the report and plots."""
     from kvreuse.bench import commands, scenario_bench
 
+    check_plots(args.out)
     scenarios = _chosen_scenarios(args.scenarios)
     num_requests = args.requests or (4 if args.quick else 24)
     max_tokens = args.max_tokens or (4 if args.quick else 16)

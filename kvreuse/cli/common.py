@@ -12,6 +12,7 @@ from typing import get_args
 from pydantic import BaseModel
 
 from kvreuse.config import CacheConfig, Config, ConfigError, ModelConfig, load_config
+from kvreuse.extras import PLOTS, MissingExtraError, explain, require
 from kvreuse.model.loader import ModelLoadError
 from kvreuse.prompts_file import PromptsFileError
 
@@ -120,6 +121,12 @@ def out_flag(parser: argparse.ArgumentParser, name: str, extra: str = "") -> Non
     parser.add_argument("--out", metavar="DIR", help=f"directory for {name}.json and {name}.md{extra}")
 
 
+def check_plots(out: str | None) -> None:
+    """With --out, that its plots can be drawn (the bench extra): MissingExtraError before the run, not after it."""
+    if out:
+        require("matplotlib", "bench", PLOTS)
+
+
 def progress(line: str) -> None:
     """A bench suite's progress lines go to stderr, so stdout holds only the table."""
     print(line, file=sys.stderr, flush=True)
@@ -136,9 +143,19 @@ def publish(name: str, report: dict, table: str, out: str | None) -> int:
 
 
 def run_command(command: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
-    """Run a command's handler; a bad config or input exits with EXIT_USAGE, a model that fails to load with 1."""
+    """Run a command's handler; a bad config or input exits with EXIT_USAGE, a model that fails to load or a
+    feature whose extra is not installed with 1."""
     try:
         return command(args)
+    except MissingExtraError as exc:
+        print(f"kvreuse: {exc}", file=sys.stderr)
+        return 1
+    except ModuleNotFoundError as exc:  # an extra's module imported without `require`
+        hint = explain(exc)
+        if hint is None:
+            raise
+        print(f"kvreuse: {hint}", file=sys.stderr)
+        return 1
     except ConfigError as exc:
         print(f"kvreuse: config error: {exc}", file=sys.stderr)
         return EXIT_USAGE

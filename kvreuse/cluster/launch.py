@@ -19,6 +19,7 @@ from collections.abc import Iterator
 
 from kvreuse.config import Config, ConfigError
 from kvreuse.engine.front_end import FrontEnd
+from kvreuse.extras import require
 from kvreuse.server import lifecycle
 from kvreuse.server.app import client_app
 from kvreuse.server.auth import load_api_keys
@@ -38,7 +39,8 @@ class ClusterStartError(RuntimeError):
 
 def serve_cluster(config: Config, *, log_level: str = "warning") -> int:
     """Serve `config`'s model on `cluster.replicas` replicas until SIGTERM or SIGINT; returns the exit code.
-    Raises ConfigError, ModelLoadError (before Ray starts) or ClusterStartError."""
+    Raises MissingExtraError (no Ray Serve), ConfigError, ModelLoadError (before Ray starts) or ClusterStartError."""
+    require("ray.serve", "cluster", "cluster.replicas > 1")
     if config.cluster.routing == "ray_prefix":
         ray_prefix_router()  # a Ray without it fails here, before anything starts
     api_keys = load_api_keys(config.server.api_keys_file) if config.server.api_keys_file else None

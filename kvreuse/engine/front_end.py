@@ -35,6 +35,7 @@ from kvreuse.tools.turns import TurnStore
 
 if TYPE_CHECKING:
     from kvreuse.structured import CheckedFormat, FormatSpec, GrammarCompiler
+    from kvreuse.structured.unavailable import NoGrammarEngine
 
 logger = logging.getLogger(__name__)
 
@@ -259,9 +260,18 @@ class FrontEnd:
         return RETENTION_24H_S if retention == "24h" and configured else configured
 
     @functools.cached_property
-    def grammars(self) -> GrammarCompiler:
-        """The compiler of response formats for this tokenizer (built at the first request that asks for one)."""
-        from kvreuse.structured import GrammarCompiler  # xgrammar, only when a request asks for a format
+    def grammars(self) -> GrammarCompiler | NoGrammarEngine:
+        """The compiler of response formats for this tokenizer (built at the first request that asks for one); without
+        xgrammar, one that refuses every format, naming the command that installs it."""
+        from kvreuse.structured.errors import engine_missing
+
+        missing = engine_missing()  # imports xgrammar
+        if missing:
+            from kvreuse.structured.unavailable import NoGrammarEngine
+
+            logger.warning("response formats and tool grammars will be refused: %s", missing)
+            return NoGrammarEngine(missing)
+        from kvreuse.structured import GrammarCompiler
 
         return GrammarCompiler(self.tokenizer, self.model_args.vocab_size, self.config.structured)
 

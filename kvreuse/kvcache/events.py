@@ -47,9 +47,9 @@ from collections import deque
 from typing import Any
 
 import msgspec
-import zmq
 
 from kvreuse.config import EventsConfig
+from kvreuse.extras import require
 from kvreuse.kvcache.block import KVCacheBlock
 from kvreuse.kvcache.block_pool import BlockPool
 
@@ -140,6 +140,7 @@ class KVEventPublisher:
         self._asked = self._done = 0                         # flush requests made / served
         self._closing, self._closed = False, False
         self._wake = threading.Event()                       # set by flush and close: send now
+        zmq = require("zmq", "events", "events.endpoint")
         ctx = zmq.Context.instance()
         self._pub = ctx.socket(zmq.PUB)
         self._replay: zmq.Socket | None = None

