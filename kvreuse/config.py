@@ -166,7 +166,9 @@ class RedisTierConfig(_Section):
         if url:
             from urllib.parse import urlparse
 
-            from redis.connection import parse_url
+            from kvreuse.extras import require
+
+            parse_url = require("redis.connection", "redis", "cache.redis.url").parse_url
             try:
                 parse_url(url)
             except ValueError as exc:

@@ -85,7 +85,7 @@ ALL_CHANGED = Config(
         tier_store_tokens=True,
     ),
     model=ModelConfig(path="C:\\models\\a=b.gguf", chat_template=str(REPO_ROOT / "examples" / "gemma3-chat.jinja"),
-                      tool_call_parser="hermes",
+                      tool_call_parser="hermes", served_name="my-model",
                       dtype="bf16", device="cpu", quantization="int8", weights="dense"),
     engine=EngineConfig(
         num_kv_blocks=1000, kv_cache_memory_mb=1, max_num_seqs=2, max_num_batched_tokens=16, seed=-7, compile="off"
@@ -196,7 +196,7 @@ def test_config_to_ini_writes_every_key():
         "suffix.guard_margin", "disk.path", "disk.max_gb", "redis.url", "redis.ttl_s", "redis.timeout_ms",
         "tier_queue_mb", "tier_secret_file", "tier_store_tokens",
     }
-    assert len(parser["server"]) == 13 and len(parser["model"]) == 7 and len(parser["engine"]) == 6
+    assert len(parser["server"]) == 13 and len(parser["model"]) == 8 and len(parser["engine"]) == 6
     assert len(parser["events"]) == 4 and len(parser["cluster"]) == 7 and len(parser["structured"]) == 4
 
 
@@ -283,7 +283,7 @@ def test_parse_value_conversions():
     ("cache.suffix.enabeld=true",
      "unknown config key 'cache.suffix.enabeld'; did you mean 'cache.suffix.enabled'?"),
     ("model.zzz=1", "unknown config key 'model.zzz'; valid keys: chat_template, device, dtype, path, quantization, "
-                    "tool_call_parser, weights"),
+                    "served_name, tool_call_parser, weights"),
     ("cachee.block_size=16",
      "unknown config section [cachee] in --set 'cachee.block_size=16'; did you mean [cache]? "
      "valid sections: cache, cluster, engine, events, model, server, structured"),

@@ -111,20 +111,23 @@ class Metrics:
         self.tier_dropped = Counter("kvreuse:tier_dropped_blocks", "Published blocks not written to the lower tiers: "
                                     "the write queue was full", labels, registry=r)
         self._tier_seen: dict[tuple, float] = {}  # last snapshot value of each mirrored counter
-        # With --replicas N: each replica's latest engine snapshot, and its gauges.
+        self._add_replica_gauges(labels + ["replica"])
+        self.model_name = model_name
+        for metric in (self.prefix_cache_queries, *self.reuse.values(), self.generation_tokens, self.kv_usage,
+                       self.running, self.waiting):
+            metric.labels(model_name)  # exported as 0 from the start, not only after the first request
+        self.observe_compile([])
+
+    def _add_replica_gauges(self, replica_labels: list[str]) -> None:
+        """With --replicas N: each replica's latest engine snapshot, and its gauges."""
+        r = self.registry
         self.replica_snapshots: dict[str, EngineSnapshot] = {}
-        replica_labels = labels + ["replica"]
         self.replica_kv_usage = Gauge("kvreuse:replica_kv_cache_usage_perc", "A replica's fraction of KV blocks held "
                                       "by requests (as of its latest finished request)", replica_labels, registry=r)
         self.replica_running = Gauge("kvreuse:replica_num_requests_running", "A replica's running requests",
                                      replica_labels, registry=r)
         self.replica_waiting = Gauge("kvreuse:replica_num_requests_waiting", "A replica's waiting requests",
                                      replica_labels, registry=r)
-        self.model_name = model_name
-        for metric in (self.prefix_cache_queries, *self.reuse.values(), self.generation_tokens, self.kv_usage,
-                       self.running, self.waiting):
-            metric.labels(model_name)  # exported as 0 from the start, not only after the first request
-        self.observe_compile([])
 
     def observe_step(self, engine: LLMEngine) -> None:
         """Gauges, from the engine thread after each step (and after an abort frees blocks)."""
