@@ -172,16 +172,20 @@ def test_random_sessions_allocations_and_time_keep_every_structure_consistent(op
         kv.pool.check_integrity()
 
 
-def agent_loop(retention_s: float, num_sessions: int = 4, num_steps: int = 6, num_blocks: int = 64) -> tuple[int, int]:
+def agent_loop(retention_s: float, num_sessions: int = 4, num_steps: int = 6, num_blocks: int = 64,
+               last_steps: tuple[int, ...] | None = None) -> tuple[int, int]:
     """Sessions of growing prompts, round robin (each step: the session's last prompt + 3 new blocks, as tool
-    results and glue), on a pool that ends up holding three sessions' chains of four; (prompt tokens computed, new
-    ones)."""
+    results and glue), on a pool that ends up holding three sessions' chains of four; each session ends after
+    `num_steps` steps, or after its own number in `last_steps`; (prompt tokens computed, new ones)."""
     kv = manager(num_blocks)
     rng = random.Random(0)
-    prompts = {s: tokens(s, 2) for s in range(num_sessions)}  # a 2-block system prompt of each
+    last_steps = last_steps or (num_steps,) * num_sessions
+    prompts = {s: tokens(s, 2) for s in range(len(last_steps))}  # a 2-block system prompt of each
     computed = new = 0
-    for step in range(num_steps):
-        for s in range(num_sessions):
+    for step in range(max(last_steps)):
+        for s, last in enumerate(last_steps):
+            if step >= last:
+                continue  # its conversation is over: it never comes back
             grown = prompts[s] + [rng.randrange(10**6) for _ in range(3 * BS)]
             req = run(kv, grown, session=f"agent-{s}", retention_s=retention_s)
             if step:
@@ -197,6 +201,46 @@ def test_an_agent_loop_on_a_small_pool_computes_fewer_tokens_with_session_retent
     assert same_new == new
     print(f"computed/new: LRU {computed_lru / new:.2f}, with retention {computed_kept / new:.2f}")
     assert computed_kept < 0.75 * computed_lru, (computed_kept, computed_lru)
+
+
+def test_sessions_whose_conversation_is_over_do_not_keep_the_pool_from_those_still_running():
+    # Sessions ending after 3, 6, 9 and 9 steps: those that ended stay retained (their expiry is far), the oldest
+    # retentions of all. Ranked newest first they kept the pool from the sessions still running (2.01 computed per
+    # new token against LRU's 1.00); overtaken by sessions retained after them, they go first.
+    computed_lru, new = agent_loop(retention_s=0.0, last_steps=(3, 6, 9, 9))
+    computed_kept, same_new = agent_loop(retention_s=60.0, last_steps=(3, 6, 9, 9))
+    assert same_new == new
+    print(f"computed/new: LRU {computed_lru / new:.2f}, with retention {computed_kept / new:.2f}")
+    assert computed_kept <= computed_lru, (computed_kept, computed_lru)
+
+
+def test_a_retention_overtaken_by_a_later_ones_session_goes_before_those_still_in_order():
+    kv = manager(16)
+    run(kv, tokens(1, 3), session="a")   # a, b, c retained in this order
+    run(kv, tokens(2, 3), session="b")
+    run(kv, tokens(3, 3), session="c")
+    run(kv, tokens(2, 4), session="b")   # b is back before a: a broke the order (its conversation may be over)
+    assert cached_blocks(kv, tokens(2, 3)) == 3 and len(kv.pool.retention) == 10
+    kv.pool.allocate(16 - 10 + 3)        # the free six, then a's three: a goes first, not b, the newest
+    assert cached_blocks(kv, tokens(1, 3)) == 0
+    assert cached_blocks(kv, tokens(2, 4)) == 4 and cached_blocks(kv, tokens(3, 3)) == 3
+    kv.pool.allocate(1)                  # then the newest retention still in order (b's), its tail first
+    assert cached_blocks(kv, tokens(2, 4)) == 3 and cached_blocks(kv, tokens(3, 3)) == 3
+    kv.check_integrity()
+
+
+def test_a_session_overtaken_and_back_overtakes_none_of_those_retained_after_it():
+    kv = manager(16)
+    run(kv, tokens(1, 3), session="a")
+    run(kv, tokens(2, 3), session="b")
+    run(kv, tokens(3, 3), session="c")
+    run(kv, tokens(2, 4), session="b")   # a overtaken
+    run(kv, tokens(1, 4), session="a")   # a back: c and b were retained after a left, they are still in order
+    assert len(kv.pool.retention) == 11
+    kv.pool.allocate(16 - 11 + 1)        # the free five, then the newest retention's tail: a's
+    assert cached_blocks(kv, tokens(1, 4)) == 3
+    assert cached_blocks(kv, tokens(2, 4)) == 4 and cached_blocks(kv, tokens(3, 3)) == 3
+    kv.check_integrity()
 
 
 # --- through the server --------------------------------------------------------------------------------------

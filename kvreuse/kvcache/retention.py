@@ -6,6 +6,11 @@ blocks stay evictable: the pool evicts them only once the cold blocks and the po
 refuses a request room. Among retained blocks the newest retention goes first, its last block first: sessions whose
 tools started earlier come back earlier (an agent loop is round robin over its sessions), which is exactly the order
 LRU gets wrong. A block kept by several sessions (their shared system prompt and tools) ranks by its oldest one.
+A session that breaks that order is *overtaken*: when a session comes back, the retentions made before its own are
+of sessions that did not come back first, because their conversation is over (an agent's final answer, retained
+until it expires) or their tool is slower. Overtaken retentions go before every retention still in order, the one
+overtaken first going first. Ranked newest first like the others, the sessions of an agent run that had finished,
+the oldest retentions of all, kept the pool from those still running (docs/features/sessions.md).
 
 Retentions hold at most `max_blocks` distinct blocks: a retention that would go beyond is not made (the newest is the
 first to go anyway). Everything is keyed by block uid (a published block's identity), so a block evicted and reused
@@ -31,14 +36,16 @@ class SessionHint:
 
 
 NO_SESSION = SessionHint(b"", 0.0)
+OVERTAKEN = 2**62  # overtaken retentions' ranks count down from here: after every rank still in order
 
 
 @dataclass
 class Retained:
     uids: tuple[int, ...]      # the session's published blocks when its request ended, in chain order
-    rank: int                  # order of retention (later: evicted first)
+    rank: int                  # order of retention (later: evicted first); from OVERTAKEN down once overtaken
     expires_at: float          # time.monotonic() at which it ends
     release: Release | None    # the request's end, told to the policy with each block it hands over
+    overtaken: bool = False    # a session retained after it came back first
     index: dict[int, int] = field(init=False)  # uid -> its place in `uids`
 
     def __post_init__(self):
@@ -54,6 +61,7 @@ class SessionRetention:
         self._heap: list[tuple[int, int, int]] = []  # (-rank, -index, uid): the worst-ranked first; entries go stale
         self._last_release: dict[int, Release | None] = {}  # uid -> the release of its last retention, once let go
         self._ranks = itertools.count(1)
+        self._overtakes = itertools.count(1)
 
     # --- sessions --------------------------------------------------------------------------------------
     def can_retain(self, hint: SessionHint, uids: Iterable[int]) -> bool:
@@ -76,12 +84,26 @@ class SessionRetention:
         return self._let_go(hint.key, old, keep=set(uids))
 
     def end(self, key: bytes) -> list[int]:
-        """End the session's retention (its next request is admitted); the uids no session retains any more."""
+        """End the session's retention (its next request is admitted); the uids no session retains any more. The
+        retentions made before its own are overtaken."""
+        retained = self.sessions.get(key)
+        if retained is not None and not retained.overtaken:  # one overtaken is back after those retained since
+            self._overtake(retained.rank)
         return self._let_go(key, self.sessions.pop(key, None), keep=set())
 
     def expire(self, now: float) -> list[int]:
         """End the retentions whose time is past; the uids no session retains any more."""
-        return [uid for key in [k for k, r in self.sessions.items() if r.expires_at <= now] for uid in self.end(key)]
+        return [uid for key in [k for k, r in self.sessions.items() if r.expires_at <= now]
+                for uid in self._let_go(key, self.sessions.pop(key), keep=set())]
+
+    def _overtake(self, rank: int) -> None:
+        """The retentions still in order made before `rank` (a session that came back) go before the others now."""
+        for retained in self.sessions.values():
+            if retained.rank < rank and not retained.overtaken:
+                retained.rank, retained.overtaken = OVERTAKEN - next(self._overtakes), True
+                for uid in retained.uids:
+                    if uid in self._evictable:
+                        self._push(uid)
 
     def release_of(self, uid: int) -> Release | None:
         """The end of the request that last retained `uid` (for the policy, once no session retains it)."""
