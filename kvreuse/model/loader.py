@@ -290,13 +290,47 @@ def _hf_config(path: Path):
 
 
 def _safetensors_files(path: Path) -> list[Path]:
+    """The directory's weight files: those its `model.safetensors.index.json` names, or else its *.safetensors; each
+    a regular file inside the directory once links are followed (`_shard_roots`), so that a downloaded index or link
+    cannot make the loader open another file, a FIFO or a device."""
     index = path / "model.safetensors.index.json"
-    if index.is_file():
-        return sorted({path / name for name in json.loads(index.read_text())["weight_map"].values()})
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(f"{path}: no *.safetensors files")
-    return files
+    if not index.is_file():
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise ModelLoadError(f"{path}: no *.safetensors files")
+        return [_checked_shard(path, file.name, f"{path}: shard") for file in files]
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        names = sorted(set(weight_map.values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+        raise ModelLoadError(f"{index}: expected a JSON object with a weight_map of tensor names to shard file "
+                             f"names ({type(exc).__name__}: {exc})") from None
+    return [_checked_shard(path, name, f"{index}: shard") for name in names]
+
+
+def _checked_shard(path: Path, name, where: str) -> Path:
+    if not isinstance(name, str) or not name:
+        raise ModelLoadError(f"{where} {name!r} is not a file name")
+    file = path / name  # kept as named: the fingerprint hashes the files in this path order
+    try:
+        target = file.resolve()
+    except (OSError, ValueError, RuntimeError) as exc:  # a NUL byte, a link loop
+        raise ModelLoadError(f"{where} {name!r} is not a file name ({exc})") from None
+    if not any(target.is_relative_to(root) for root in _shard_roots(path)):
+        raise ModelLoadError(f"{where} {name!r} resolves to {target}, outside the model directory {path.resolve()}")
+    if not target.is_file():
+        why = "does not exist" if not target.exists() else "is not a regular file"
+        raise ModelLoadError(f"{where} {name!r} {why} ({target})")
+    return file
+
+
+def _shard_roots(path: Path) -> tuple[Path, ...]:
+    """Where a directory's weight files may lie once links are followed: inside it, and for a Hugging Face hub cache
+    snapshot (models--org--name/snapshots/REVISION, whose files link to ../../blobs), in that repository's blobs."""
+    root = path.resolve()
+    if root.parent.name == "snapshots" and root.parent.parent.name.startswith("models--"):
+        return root, root.parent.parent / "blobs"
+    return (root,)
 
 
 def _hf_fingerprint(path: Path, files: list[Path]) -> str:
