@@ -107,3 +107,36 @@ def test_the_server_chats_with_a_template_file_and_refuses_what_it_raises_on(bas
         assert refused.status_code == 400, refused.text
         assert refused.json()["error"]["param"] == "messages"
         assert "the chat template refused the conversation: no system role here" in refused.json()["error"]["message"]
+
+
+# A template that loads another one cannot render in the sandbox (it has none to load): refused by name, not a 500.
+LOADING = {"include": "{% include 'header.jinja' %}", "import": "{% import 'macros.jinja' as m %}",
+           "from ... import": "{% from 'macros.jinja' import turn %}", "extends": "{% extends 'base.jinja' %}"}
+
+
+@pytest.mark.parametrize("tag", list(LOADING))
+def test_a_template_file_that_loads_another_is_refused_when_the_config_loads(tmp_path, tag):
+    path = tmp_path / "loads.jinja"
+    path.write_text("{# the header #}\n" + LOADING[tag] + TEMPLATE)
+    with pytest.raises(ConfigError, match=rf"'model.chat_template': the chat template file .*loads\.jinja uses "
+                                          rf"\{{% {tag} %\}} on line 2, which kvreuse cannot render: a chat template "
+                                          rf"must be self-contained"):
+        make_config(model__chat_template=str(path))
+
+
+@pytest.mark.parametrize("tag", list(LOADING))
+def test_the_server_answers_400_to_a_models_own_template_that_loads_another(tmp_path, base_model_dir, tag):
+    path = tmp_path / "model"
+    shutil.copytree(base_model_dir, path)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": LOADING[tag] + TEMPLATE}))
+    with app_server(tiny_engine(str(path))) as (_, root), http_client(30.0) as http:
+        for route in ("/v1/chat/completions", "/tokenize"):
+            refused = http.post(f"{root}{route}", json={"model": "tiny", "messages": MESSAGES, "max_tokens": 2})
+            assert refused.status_code == 400, refused.text
+            error = refused.json()["error"]
+            assert (error["param"], error["code"]) == ("messages", "unsupported_chat_template")
+            assert error["message"].startswith(f"messages: the chat template uses {{% {tag} %}} on line 1, which "
+                                               f"kvreuse cannot render")
+        completion = http.post(f"{root}/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 2})
+        assert completion.status_code == 200, completion.text

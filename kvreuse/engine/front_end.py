@@ -24,7 +24,7 @@ from kvreuse.kvcache.layout import resolve_layout
 from kvreuse.kvcache.normalize import normalize_text
 from kvreuse.kvcache.request import new_cache_request
 from kvreuse.model import dtype_probe
-from kvreuse.model.chat_template import NoChatTemplate
+from kvreuse.model.chat_template import NoChatTemplate, UnsupportedChatTemplate
 from kvreuse.model.gguf_weights import resolve_weights, weights_tag
 from kvreuse.model.loader import ModelArgs, ModelInfo, load_model_info
 from kvreuse.model.quantize import quantization_tag
@@ -173,6 +173,8 @@ class FrontEnd:
             return self.tokenizer.render_chat(messages, tools)
         except NoChatTemplate as exc:
             raise RequestError(f"messages: {exc}", "messages", "no_chat_template") from None
+        except UnsupportedChatTemplate as exc:
+            raise RequestError(f"messages: {exc}", "messages", "unsupported_chat_template") from None
         except TemplateError as exc:  # the template's own raise_exception, e.g. roles that do not alternate
             raise RequestError(f"messages: the chat template refused the conversation: {exc}", "messages") from None
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 NO_TEMPLATE = ("this model has no chat template (its files carry none, as a base model's): start kvreuse with "
@@ -14,6 +15,35 @@ class NoChatTemplate(ValueError):
 
     def __init__(self) -> None:
         super().__init__(NO_TEMPLATE)
+
+
+class UnsupportedChatTemplate(ValueError):
+    """A chat template that loads other templates ({% include %}, {% import %}, {% extends %}): its sandbox has none
+    to load, so it cannot render."""
+
+
+LOADING_TAGS = {"Include": "{% include %}", "Import": "{% import %}", "FromImport": "{% from ... import %}",
+                "Extends": "{% extends %}"}
+
+
+def check_self_contained(template: str | dict[str, str], where: str) -> None:
+    """UnsupportedChatTemplate naming `where` ("the chat template") and the first tag of `template` (a text, or
+    transformers' named texts) that would load another template."""
+    for text in template.values() if isinstance(template, dict) else (template,):
+        if (tag := _loading_tag(text)) is not None:
+            raise UnsupportedChatTemplate(f"{where} uses {tag}, which kvreuse cannot render: a chat template must "
+                                          f"be self-contained (there are no other templates to include, import or "
+                                          f"extend)")
+
+
+@functools.lru_cache(maxsize=16)
+def _loading_tag(text: str) -> str | None:
+    from jinja2 import nodes
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    tree = _compile_jinja_template(text).environment.parse(text)
+    found = next(tree.find_all((nodes.Include, nodes.Import, nodes.FromImport, nodes.Extends)), None)
+    return None if found is None else f"{LOADING_TAGS[type(found).__name__]} on line {found.lineno}"
 
 
 def load_chat_template(path: str | Path) -> str:
@@ -33,4 +63,5 @@ def load_chat_template(path: str | Path) -> str:
     except TemplateError as exc:
         line = f"line {exc.lineno}: " if getattr(exc, "lineno", None) else ""
         raise ValueError(f"the chat template file {path} is not a valid Jinja template ({line}{exc.message})") from None
+    check_self_contained(text, f"the chat template file {path}")
     return text

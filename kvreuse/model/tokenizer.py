@@ -19,7 +19,7 @@ from tokenizers import Encoding
 from tokenizers import Tokenizer as RustTokenizer
 
 from kvreuse.model.cache_dir import write_json_atomically
-from kvreuse.model.chat_template import NoChatTemplate, load_chat_template
+from kvreuse.model.chat_template import NoChatTemplate, check_self_contained, load_chat_template
 from kvreuse.model.gguf_tokenizer import cache_dir, load_gguf_tokenizer
 
 _FACTS_FILE = "facts.json"  # beside a converted GGUF tokenizer: what Tokenizer computes from its whole vocabulary
@@ -157,9 +157,10 @@ class Tokenizer:
                             tools: list[dict] | None = None) -> str:
         """Renders with the chat template, the model's own or the one given to `load` (transformers runs it in a
         sandboxed jinja2), with `tools` (OpenAI's function definitions) for templates that show them.
-        NoChatTemplate if there is neither."""
+        NoChatTemplate if there is neither, UnsupportedChatTemplate if it loads other templates."""
         if not self.hf.chat_template:
             raise NoChatTemplate()
+        check_self_contained(self.hf.chat_template, "the chat template")
         return self.hf.apply_chat_template(messages, tools=tools, tokenize=False,
                                            add_generation_prompt=add_generation_prompt)
 
