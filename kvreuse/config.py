@@ -30,6 +30,8 @@ from typing_extensions import Self
 from kvreuse.model.chat_template import load_chat_template
 from kvreuse.model.named_models import NAMED_MODELS
 
+MAX_PIN_TTL_S = 30 * 86400  # a pin's longest TTL, 30 days (a request's pin_ttl_s and cache.pin_ttl_s); 0 has none
+
 
 class ConfigError(ValueError):
     """A config file, override or value is invalid; the message names the key or line and the problem."""
@@ -209,8 +211,9 @@ class CacheConfig(_Section):
     pin_max_share: float = Field(0.25, ge=0.0, le=1.0, description=(
         "Share of the KV pool that pinned prefixes (`POST /cache/warm` with `pin`) may hold together; a pin beyond it "
         "is refused, naming this key. 0: no pinning ([features/prefix-caching.md](features/prefix-caching.md))."))
-    pin_ttl_s: int = Field(3600, ge=0, description=(
-        "How long a pin lasts unless its warm request says (`pin_ttl_s`), in seconds; 0: until `POST /cache/unpin`."))
+    pin_ttl_s: int = Field(3600, ge=0, le=MAX_PIN_TTL_S, description=(
+        "How long a pin lasts unless its warm request says (`pin_ttl_s`), in seconds, at most 30 days; 0: until "
+        "`POST /cache/unpin`."))
     session_retention_s: float = Field(300.0, ge=0.0, description=(
         "How long a session's blocks are retained after its request ends, in seconds: a request with a "
         "`prompt_cache_key` leaves them evicted after every other cached block until the session's next request "

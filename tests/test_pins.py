@@ -12,10 +12,11 @@ import time
 
 import pytest
 
+from kvreuse.config import MAX_PIN_TTL_S, ConfigError
 from kvreuse.kvcache.block_pool import BlockPool
 from kvreuse.kvcache.pins import Pins
 
-from .helpers import drain, greedy, server_args, tiny_llm
+from .helpers import drain, greedy, make_config, server_args, tiny_llm
 from .server_process import http_client, start_server
 from .test_sliding_window_cache import BLOCK, engine, tokens
 
@@ -140,9 +141,29 @@ def test_warm_with_pin_unpin_and_stats_over_http(server):
         assert pins["num_pins"] == 1 and 0 < pins["next_expiry_s"] <= 600
         assert client.post(f"{server.root}/cache/unpin").json()["unpinned_blocks"] == pins["blocks"]
         assert client.get(f"{server.root}/cache/stats").json()["pins"]["num_pins"] == 0
-        bad = client.post(f"{server.root}/cache/warm", json={"items": [{"prompt": "x"}], "pin": True,
-                                                             "pin_ttl_s": -1})
-        assert bad.status_code == 400 and "pin_ttl_s" in bad.text
+
+
+@pytest.mark.parametrize("ttl", ["5", 5.0, 1.5, True, None, [5], -1, MAX_PIN_TTL_S + 1, 10**30, 2**63])
+def test_a_pin_ttl_is_whole_seconds_up_to_30_days(server, ttl):
+    with http_client() as client:
+        warm = client.post(f"{server.root}/cache/warm", json={"items": [{"prompt": DOCUMENT}], "pin": True,
+                                                              "pin_ttl_s": ttl if ttl is not None else MAX_PIN_TTL_S})
+        if ttl is None:  # the bound itself is accepted
+            assert warm.status_code == 200 and warm.json()["pins"][0]["refused"] is None, warm.text
+            assert MAX_PIN_TTL_S - 60 < client.get(f"{server.root}/cache/stats").json()["pins"]["next_expiry_s"]
+            assert client.post(f"{server.root}/cache/unpin").json()["unpinned_blocks"] > 0
+            return
+        assert warm.status_code == 400, warm.text
+        error = warm.json()["error"]
+        assert error["param"] == "pin_ttl_s"
+        assert error["message"].startswith("pin_ttl_s must be an integer number of seconds from 0 to 2592000 (30 days")
+        assert client.get(f"{server.root}/cache/stats").json()["pins"]["num_pins"] == 0
+
+
+def test_the_configured_pin_ttl_is_bounded_too():
+    with pytest.raises(ConfigError, match=r"cache.pin_ttl_s"):
+        make_config(cache__pin_ttl_s=MAX_PIN_TTL_S + 1)
+    assert make_config(cache__pin_ttl_s=MAX_PIN_TTL_S).cache.pin_ttl_s == MAX_PIN_TTL_S
 
 
 def test_cache_warm_url_pin_as_a_user_runs_it(server, tmp_path):
@@ -172,3 +193,13 @@ def test_pins_yield_to_a_request_that_could_not_run_otherwise(tiny_model_dir):
     drain(eng, max_steps=200)  # bounded: without the pins yielding, the request would wait forever
     assert seq.finish_reason == "length" and eng.kv_manager.pins.num_blocks == 0
     eng.check_integrity()
+
+
+def test_cache_warm_refuses_a_pin_ttl_over_30_days_before_sending(tmp_path, capsys):
+    from kvreuse.cli import main
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": DOCUMENT}) + "\n", encoding="utf-8")
+    argv = ["cache", "warm", str(prompts), "--url", "http://127.0.0.1:9", "--pin", "--pin-ttl-s"]  # port 9: nobody
+    assert main([*argv, str(MAX_PIN_TTL_S + 1)]) == 2
+    assert "--pin-ttl-s needs --pin and a value from 0 to 2592000 (30 days)" in capsys.readouterr().err

@@ -9,6 +9,7 @@ import os
 import sys
 
 from kvreuse.cli.common import InputError, build_config, common_flags
+from kvreuse.config import MAX_PIN_TTL_S
 from kvreuse.prompts_file import read_prompts_file
 
 NO_TIER = "no lower KV tier is configured (cache.disk.path, cache.redis.url)"
@@ -112,8 +113,8 @@ def _warm_server(args: argparse.Namespace) -> int:
     """Send the file's prompts to a server's POST /cache/warm (pinned with --pin); 1 if a pin was refused."""
     import httpx
 
-    if args.pin_ttl_s is not None and (not args.pin or args.pin_ttl_s < 0):
-        raise InputError("--pin-ttl-s needs --pin and a value >= 0")
+    if args.pin_ttl_s is not None and (not args.pin or not 0 <= args.pin_ttl_s <= MAX_PIN_TTL_S):
+        raise InputError(f"--pin-ttl-s needs --pin and a value from 0 to {MAX_PIN_TTL_S} (30 days)")
     records = read_prompts_file(args.file)
     if not records:
         raise InputError(f"{args.file}: no prompts")

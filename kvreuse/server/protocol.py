@@ -23,6 +23,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from kvreuse.config import MAX_PIN_TTL_S
 from kvreuse.model.tokenizer import check_unicode
 from kvreuse.sampling_params import MAX_CHOICES, MAX_LOGPROBS, SEED_RANGE
 
@@ -374,7 +375,16 @@ class WarmRequest(BaseModel):
     # Hold each item's cached prefix in the pool (kvcache/pins.py), within cache.pin_max_share of it, for pin_ttl_s
     # seconds (default cache.pin_ttl_s; 0: until POST /cache/unpin).
     pin: bool = False
-    pin_ttl_s: int | None = Field(None, ge=0)
+    pin_ttl_s: int | None = None
+
+    @field_validator("pin_ttl_s", mode="before")
+    @classmethod
+    def _whole_seconds(cls, value: Any) -> Any:
+        if value is None or (type(value) is int and 0 <= value <= MAX_PIN_TTL_S):
+            return value
+        got = "" if type(value) is int else f", got {type(value).__name__} {value!r:.32}"
+        raise ValueError(f"pin_ttl_s must be an integer number of seconds from 0 to {MAX_PIN_TTL_S} (30 days; 0: "
+                         f"until POST /cache/unpin){got}")
 
 
 class DetokenizeRequest(BaseModel):
