@@ -5,6 +5,8 @@ a full disk, a stalled writer) a miss with output identical to no cache, counted
 from __future__ import annotations
 
 import json
+import logging
+import re
 import struct
 import threading
 import time
@@ -142,19 +144,45 @@ FAULTS = {
 }
 
 
-@pytest.mark.parametrize("reason", list(FAULTS))
-def test_a_bad_entry_is_a_miss_counted_deleted_and_recomputed(tiny_model_dir, tmp_path, reference, reason):
+def replace_header(path: Path, head: bytes) -> None:
+    data = path.read_bytes()
+    magic, version, head_len = struct.unpack_from("<4sHI", data)
+    path.write_bytes(struct.pack("<4sHI", magic, version, len(head)) + head + data[10 + head_len:])
+
+
+def header_text(path: Path) -> bytes:
+    data = path.read_bytes()
+    return data[10:10 + struct.unpack_from("<4sHI", data)[2]]
+
+
+# Headers no decoder should choke on: each is refused with reason "header", never a traceback.
+HEADER_FAULTS = {
+    "nested-200k-deep": lambda p: replace_header(p, b"[" * 200_000 + b"]" * 200_000),  # json's RecursionError
+    # Parses, but a field 900 deep (repr'd in a message, it could recurse past the limit): only flat fields pass.
+    "field-nested-900-deep": lambda p: replace_header(p, re.sub(rb'"key": ?"[0-9a-f]+"',
+                                                                b'"key":' + b"[" * 900 + b"]" * 900, header_text(p))),
+    "not-json": lambda p: replace_header(p, b"\xff\xfe{not json"),
+    "not-an-object": lambda p: replace_header(p, b"[1, 2, 3]"),
+}
+CASES = [*FAULTS.items(), *(("header", fault) for fault in HEADER_FAULTS.values())]
+
+
+@pytest.mark.parametrize("reason,fault", CASES, ids=[*FAULTS, *HEADER_FAULTS])
+def test_a_bad_entry_is_a_miss_counted_deleted_and_recomputed(tiny_model_dir, tmp_path, reference, reason, fault,
+                                                              caplog):
     computed_then_closed(tiny_model_dir, cache__disk__path=tmp_path)
     bad_index = 3
     llm = tiny_llm(tiny_model_dir, cache__disk__path=tmp_path)
     bad = entry_file(tmp_path, chain_keys(llm, PROMPT)[bad_index])
-    FAULTS[reason](bad)
+    fault(bad)
     llm = tiny_llm(tiny_model_dir, cache__disk__path=tmp_path)  # a fresh index over the damaged files
-    out = llm.generate(PROMPT, GREEDY)[0]
+    with caplog.at_level(logging.DEBUG, logger="kvreuse"):
+        out = llm.generate(PROMPT, GREEDY)[0]
     assert out.token_ids == reference[PROMPT]
     assert out.usage.cached_tokens_disk == bad_index * BS  # the chain up to the bad entry
     disk = tier_counters(llm.engine, "disk")
     assert disk["invalid_entries"] == {reason: 1}
+    assert [r.getMessage()[:80] for r in caplog.records if r.exc_info] == []  # refused, not crashed on
     llm.engine.tiers.flush()
     # The bad entry was deleted; the block, computed again, was written again, valid.
     payload = entry.decode(bad.read_bytes(), llm.engine.tiers.spec, chain_keys(llm, PROMPT)[bad_index],

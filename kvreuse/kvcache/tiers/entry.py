@@ -117,13 +117,24 @@ def _framing(view: memoryview) -> tuple[dict, int, int]:
         raise InvalidEntry("truncated", "header cut short")
     try:
         header = json.loads(bytes(view[_PREFIX.size:body]))
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested deeper than the parser goes
+        raise InvalidEntry("header", f"not JSON: {type(exc).__name__}: {exc}"[:200]) from None
+    if not isinstance(header, dict) or not all(map(_flat, header.values())):
+        raise InvalidEntry("header", "not a JSON object of strings, integers and lists of integers")
+    try:
         payload_bytes = int(header["payload_bytes"])
     except (ValueError, KeyError, TypeError) as exc:
-        raise InvalidEntry("header", str(exc)) from None
+        raise InvalidEntry("header", f"payload_bytes: {type(exc).__name__}: {exc}"[:200]) from None
     if view.nbytes != body + payload_bytes + SIGNATURE_BYTES:
         raise InvalidEntry("truncated", f"{view.nbytes - body - SIGNATURE_BYTES} payload bytes, the header says "
                                         f"{payload_bytes}")
     return header, body, body + payload_bytes
+
+
+def _flat(value) -> bool:
+    """A header value as `encode` writes them: a string, an integer or a list of integers (nothing nested, so that
+    comparing and naming it in a message stay cheap)."""
+    return isinstance(value, str | int) or (isinstance(value, list) and all(isinstance(v, int) for v in value))
 
 
 def _check_tokens(header: dict, token_ids: Sequence[int]) -> None:
