@@ -155,5 +155,7 @@ def test_closing_the_engine_kills_a_build_still_running(compiling, tiny_model_di
     process = graph._process
     assert process is not None and process.poll() is None, graph.error
     assert os.getpriority(os.PRIO_PROCESS, process.pid) == BUILD_NICENESS
+    # its own group, to be killed with its compilers; the engine's session, whose autogroup its nice value is within
+    assert os.getpgid(process.pid) == process.pid and os.getsid(process.pid) == os.getsid(0)
     llm.close()
     assert graph.wait(0) and graph.state == "cancelled" and process.poll() is not None and not graph.is_built

@@ -318,7 +318,7 @@ class DecodeGraph:
                     raise CompileCancelled
                 self._process = subprocess.Popen([*self.build_command, json.dumps(self.key)], stdout=output,
                                                  stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                                 start_new_session=True, preexec_fn=_build_process_setup)
+                                                 preexec_fn=_build_process_setup)
             code = self._process.wait()
         if not self.is_built:
             lines = log.read_text(errors="replace").strip().splitlines() or ["(no output)"]
@@ -330,7 +330,11 @@ class DecodeGraph:
 
 
 def _build_process_setup() -> None:
-    """In the build process before it starts: the lowest CPU priority, and killed if the engine's process dies."""
+    """In the build process before it starts: a process group of its own (close() kills the compiler processes with
+    it), the lowest CPU priority, and killed if the engine's process dies. Not a session of its own: Linux's
+    autogroup gives each session an equal share of the CPU whatever its processes' nice values, which had the build
+    take one of two cores from the server (64-token answers 15-30x slower while it ran, docs/bench/first-run.md)."""
+    os.setpgid(0, 0)
     os.setpriority(os.PRIO_PROCESS, 0, BUILD_NICENESS)
     if sys.platform == "linux":
         ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
