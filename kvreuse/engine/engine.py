@@ -74,12 +74,17 @@ class LLMEngine:
         if not compile_later:
             self.start_compile(build=False)
 
-    def start_compile(self, build: bool = True) -> None:
+    def start_compile(self, build: bool = True, wait_if_built_s: float = 0.0) -> None:
         """Load the decode step's compiled graphs in the background (engine.compile = decode), having them built
-        first where they are not (`build`; otherwise the step stays eager), unless that has started already."""
+        first where they are not (`build`; otherwise the step stays eager), unless that has started already. Where
+        they were built before, wait up to `wait_if_built_s` for the load (seconds), so that the first step runs
+        compiled; a build is never waited for."""
         graph = self.runner.decode_graph
         if graph is not None and graph.can_start(build):
+            built = graph.is_built
             graph.start(build)
+            if built:
+                graph.wait(wait_if_built_s)
 
     # The pool's and the model's shape, as the front end sized them.
     @property

@@ -34,17 +34,19 @@ from kvreuse.warm import warm_up
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.5
+LOAD_BUILT_GRAPHS_S = 120.0  # how long a start waits for the load of decode graphs built before (a few seconds)
 T = TypeVar("T")
 
 
 def load_engine(config: Config, meanwhile: Callable[[], object] | None = None) -> LLMEngine:
     """The engine an AsyncEngine will step, loaded and warmed up on a passing thread: the caller's thread (the
     server's event loop) then holds no OpenMP team that would slow the engine thread's (omp_thread.py), and runs
-    `meanwhile()` in the meantime. The decode step's compile starts after the warm-up, and runs on while the engine
-    serves eagerly."""
+    `meanwhile()` in the meantime. The decode step's graphs, where they were built before, are loaded before it
+    returns, so that the first request decodes compiled; otherwise their build starts after the warm-up, and runs on
+    while the engine serves eagerly."""
     def load() -> LLMEngine:
         engine = warm_up(LLMEngine(config, compile_later=True))
-        engine.start_compile()
+        engine.start_compile(wait_if_built_s=LOAD_BUILT_GRAPHS_S)
         return engine
 
     engine = on_passing_thread(load, meanwhile=meanwhile)
