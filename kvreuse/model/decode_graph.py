@@ -8,15 +8,14 @@ in place (a pool passed into the graph would be copied by functionalization, onc
 bucket (`row_buckets`: 1, 2-16 and 17-64; 17-32 and 33-64 where the linears branch on the row count).
 
 The graphs are built ahead of time, once per model, torch and CPU, by a child process at the lowest CPU priority
-(graph_store.py; ~3 minutes on 2 cores, docs/bench/first-run; longer while the server is busy, as it yields
-them), and loaded in a few seconds by every engine afterwards: the engine decodes eagerly until they are loaded,
-never slower for them. A load still running when the engine closes or the interpreter exits is cancelled (`close`),
-and so is a build (its process killed): a daemon thread left inside torch at exit is killed in a C++ frame that must not unwind, and the
-process aborts ("terminate called without an active exception", exit 134). Without a C++ compiler (or on any error)
-the graphs are abandoned with a warning and every step runs eagerly. The compiled step computes the same numbers as the
+(graph_store.py; ~3 minutes on 2 cores, docs/bench/first-run; longer while the server is busy, as it yields them), and
+loaded in a few seconds by every engine afterwards: the engine decodes eagerly until they are loaded, never slower for
+them. A load still running when the engine closes or the interpreter exits is cancelled (`close`), and so is a build
+(its process killed): a daemon thread left inside torch at exit is killed in a C++ frame that must not unwind, and the
+process aborts ("terminate called without an active exception", exit 134). Without a C++ compiler (or on any error) the
+graphs are abandoned with a warning and every step runs eagerly. The compiled step computes the same numbers as the
 eager one up to float reassociation (|diff| ~1e-5 in fp32 hidden states); greedy outputs are tested equal
-(tests/test_decode_graph.py).
-"""
+(tests/test_decode_graph.py)."""
 
 from __future__ import annotations
 
