@@ -86,7 +86,7 @@ def test_kvreuse_serve_on_the_defaults_stops_on_sigterm_with_exit_0_while_the_de
 def test_a_fresh_server_answers_at_eager_speed_or_better_while_its_decode_step_is_built(tmp_path):
     """make run's command on a fresh machine: a 64-token request every 10 s from the ready line until the decode
     step's graphs are loaded, and one after. None may take 5x the fastest: eager decoding is ~1.4x the compiled
-    step, and the compile in the serving process made them 10-50x slower (docs/bench/first-run/first-run.md: the benchmark)."""
+    step, and the compile in the serving process made them 10-50x slower (the benchmark: docs/bench/first-run/)."""
     env = cold_inductor_env(tmp_path)
     with served(env) as root:
         results = probes(root, "first", every_s=10.0, after=1, max_s=480.0)

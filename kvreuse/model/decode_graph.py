@@ -332,7 +332,7 @@ def _build_process_setup() -> None:
     """In the build process before it starts: a process group of its own (close() kills the compiler processes with
     it), the lowest CPU priority, and killed if the engine's process dies. Not a session of its own: Linux's
     autogroup gives each session an equal share of the CPU whatever its processes' nice values, which had the build
-    take one of two cores from the server (64-token answers 15-30x slower while it ran, docs/bench/first-run/first-run.md)."""
+    take one of two cores from the server (64-token answers 15-30x slower while it ran; docs/bench/first-run/)."""
     os.setpgid(0, 0)
     os.setpriority(os.PRIO_PROCESS, 0, BUILD_NICENESS)
     if sys.platform == "linux":
