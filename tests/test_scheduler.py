@@ -36,14 +36,16 @@ def step(scheduler: Scheduler) -> list[tuple[str, int]]:
 
 
 def finish_step(scheduler: Scheduler, batch: SchedulerOutput) -> None:
-    """What the engine does after the forward of `batch` (with token 0 as every sample), then the integrity check."""
-    scheduler.update(batch, StepOutput([None] * len(batch.seqs)))
-    for seq in batch.seqs:
-        if seq.num_computed_tokens == seq.num_tokens:
-            seq.token_ids.append(0)
-            if seq.num_completion_tokens >= seq.params.max_tokens:
-                scheduler.finish(seq, "length")
+    """The engine's postprocess after the forward of `batch` (with token 0 as every sample, finishing on max_tokens
+    only), then the integrity check."""
+    draws = [[(0, None)] if s.num_computed_tokens + s.num_scheduled_tokens == s.num_tokens else None
+             for s in batch.seqs]
+    scheduler.postprocess(batch, StepOutput(draws), max_tokens_only)
     scheduler.check_integrity()
+
+
+def max_tokens_only(seq: Sequence, token_id: int) -> str | None:
+    return "length" if seq.num_completion_tokens >= seq.params.max_tokens else None
 
 
 def test_one_budget_per_step_is_spent_in_arrival_order_and_chunks_the_rest():

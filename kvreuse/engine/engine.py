@@ -1,4 +1,4 @@
-"""The engine: admits requests, runs scheduler -> model runner -> postprocess one step at a time."""
+"""The engine: admits requests, runs schedule -> copies -> forward -> postprocess -> copies one step at a time."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import torch
 from kvreuse.config import Config, SegmentConfig
 from kvreuse.engine.block_io import PoolBlockIO
 from kvreuse.engine.built_model import build_model
-from kvreuse.engine.detokenizer import detokenize, find_stop, stop_search_start
 from kvreuse.engine.front_end import (  # noqa: F401 (RequestError, DTYPES, dtype_name: importers' names from here)
     DTYPES,
     FrontEnd,
@@ -20,12 +19,19 @@ from kvreuse.engine.front_end import (  # noqa: F401 (RequestError, DTYPES, dtyp
     resolve_device,
     resolve_dtype,
 )
-from kvreuse.engine.model_runner import ModelRunner
+from kvreuse.engine.model_runner import ModelRunner, StepOutput
 from kvreuse.engine.output import RequestOutput, Usage
 from kvreuse.engine.precompile import precompile_command
-from kvreuse.engine.scheduler import Scheduler, SchedulerOutput
+from kvreuse.engine.scheduler import (  # noqa: F401 (MAX_ADMISSION_FAULTS: importers' name from here)
+    MAX_ADMISSION_FAULTS,
+    Scheduler,
+    SchedulerFault,
+    SchedulerOutput,
+    StepResult,
+)
 from kvreuse.engine.sequence import Sequence
 from kvreuse.engine.stats import DecodeGraphStatus, EngineSnapshot, EngineStats
+from kvreuse.engine.stop import StopCheck
 from kvreuse.kvcache.accounting import ReuseRecord
 from kvreuse.kvcache.copy_jobs import CopyJobs
 from kvreuse.kvcache.events import KVEventPublisher
@@ -33,15 +39,10 @@ from kvreuse.kvcache.manager import KVCacheManager
 from kvreuse.kvcache.pins import PinResult
 from kvreuse.kvcache.request import CacheRequest, ReuseScope
 from kvreuse.kvcache.tiers.store import TieredStore
-from kvreuse.layers.sampler import TokenLogprob
 from kvreuse.model.decode_graph import COMPILED_ROWS, DecodeGraph
 from kvreuse.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-# Steps in a row whose scheduling may raise while weighing the same waiting request before it is failed: a fault that
-# passes spares it, one of its own must not hold the queue behind it.
-MAX_ADMISSION_FAULTS = 3
 
 
 class LLMEngine:
@@ -68,6 +69,7 @@ class LLMEngine:
         self.segment_settings = config.cache.suffix  # immutable, replaced only by set_segment_settings
         self.stats = EngineStats()
         self.scheduler = Scheduler(self.kv_manager, config.engine.max_num_seqs, config.engine.max_num_batched_tokens)
+        self.stop = StopCheck(front.tokenizer, front.max_model_len)
         self.sequences: dict[str, Sequence] = {}
         # Last, so that a failure above leaves no bound port or thread behind.
         self.events = self._start_events(config)
@@ -163,63 +165,47 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[Sequence]:
-        """One forward. Returns the sequences that produced a token or finished in it.
+        """One forward: schedule -> copies -> forward -> postprocess -> copies. Returns the sequences that produced a
+        token or finished in it.
 
         An exception inside the step fails only the sequences of that step: they finish with finish_reason
         "error" and the exception in `error`, their blocks are freed, and the engine goes on with the rest. Only
         if its state is then inconsistent (`check_integrity` fails) does the exception leave `step`."""
-        batch, updated = None, []
+        batch, done = None, StepResult()
         self.kv_manager.expire(self.kv_manager.clock())
         try:
             batch = self.scheduler.schedule()
-            if batch.seqs:
-                self._run(batch, updated)
-            else:
+            if not batch.seqs:
                 self.scheduler.wait_for_head(timeout=0.05)
+                return []
+            self._copy(batch.copy_jobs)  # loaded and cached K/V into the admitted sequences' blocks
+            step = self.runner.run(batch.seqs, self.segment_settings)
+            self._record_step(batch, step)
+            done = self.scheduler.postprocess(batch, step, self.stop)
+            self._record_finished(done.finished)
+            for jobs in done.copy_jobs:
+                self._copy(jobs)
         except Exception as exc:
-            # Scheduling itself failed: every sequence it may have touched (all but those still waiting) is the step's,
-            # and the queue's head too once weighing it has raised MAX_ADMISSION_FAULTS times: a fault of its own,
-            # which would otherwise hold the queue behind it forever.
+            fault = exc if isinstance(exc, SchedulerFault) else SchedulerFault(exc)
+            if fault.done is not None:  # postprocess raised: what it finished before is reported all the same
+                done = fault.done
+                self._record_finished(done.finished)
+            # Scheduling itself failed: every sequence it may have touched (all but those still waiting) is the step's.
             waiting = {id(s) for s in self.scheduler.waiting}
             touched = batch.seqs if batch is not None else [s for s in self.sequences.values() if id(s) not in waiting]
-            head = self.scheduler.considering
-            if head is not None and id(head) in waiting:
-                head.num_admission_faults += 1
-                if head.num_admission_faults >= MAX_ADMISSION_FAULTS:
-                    touched.append(head)
-            self.scheduler.considering = None
-            updated += [s for s in self._fail(touched, exc) if all(s is not u for u in updated)]
-        return updated
+            failed = self._fail(touched + fault.culprits, fault.cause)
+            return done.updated + [s for s in failed if all(s is not u for u in done.updated)]
+        return done.updated
 
-    def _run(self, batch: SchedulerOutput, updated: list[Sequence]) -> None:
-        """The forward and its postprocess; appends to `updated` as it goes, so that if it raises, the sequences
-        that already finished are still reported."""
-        self._copy(batch.copy_jobs)  # loaded and cached K/V into the admitted sequences' blocks
-        step = self.runner.run(batch.seqs, self.segment_settings)
-        now = time.perf_counter()
+    def _record_step(self, batch: SchedulerOutput, step: StepOutput) -> None:
+        """The step's stats, and how each sequence in its first step obtained its prompt (once, from its first
+        admission): the cache's record plus the repair's outcome."""
         self.stats.record_step(self.kv_manager, batch.num_prefill_tokens)
         for seq in batch.seqs:
-            if seq.reuse is None:  # its first step: how the prompt was obtained (once, from its first admission)
+            if seq.reuse is None:
                 seq.reuse = ReuseRecord.admitted(seq.num_prompt_tokens, seq.kv)
                 if seq.request_id in step.outcomes:
                     seq.reuse = step.outcomes[seq.request_id].account(seq.reuse)
-        self._copy(self.scheduler.update(batch, step))
-        for seq, draws in zip(batch.seqs, step.draws, strict=True):
-            if draws is None:
-                continue
-            if seq.params.max_tokens == 0:  # it only scores its prompt: the prompt is done
-                self._finish(seq, "length", now)
-                updated.append(seq)
-                continue
-            forked = seq.unforked_choices
-            for choice in forked:  # before `seq` takes its token: a first token that ends it frees its blocks
-                choice.reuse = ReuseRecord()  # the prompt is its request's, accounted once, on `seq`
-                self._copy(self.scheduler.fork(seq, choice))
-            self._append(seq, *draws[0], now)
-            updated.append(seq)
-            for choice, draw in zip(forked, draws[1:], strict=True):
-                self._append(choice, *draw, now)
-                updated.append(choice)
 
     def _copy(self, jobs: CopyJobs) -> None:
         """Every tensor copy the cache asks for, in its order: tier payloads into the pool, pool blocks into pool
@@ -231,18 +217,6 @@ class LLMEngine:
             self.runner.copy_blocks(jobs.copies)
         for job in jobs.stores:
             self.tiers.store(job.blocks, job.positions, job.tiers)
-
-    def _append(self, seq: Sequence, token_id: int, logprob: TokenLogprob | None, now: float) -> None:
-        seq.token_ids.append(token_id)
-        if logprob is not None:
-            seq.cumulative_logprob += logprob.logprob
-            if seq.params.logprobs is not None:
-                seq.logprobs.append(logprob)
-        if seq.matcher is not None and not seq.matcher.is_finished():
-            seq.matcher.accept(token_id)
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-        self._check_finished(seq, token_id, now)
 
     def _fail(self, seqs: list[Sequence], exc: Exception) -> list[Sequence]:
         """Finish the unfinished of `seqs` with finish_reason "error" and free their blocks; returns them. Like
@@ -260,39 +234,18 @@ class LLMEngine:
         self.check_integrity()  # blocks published by earlier steps were computed whole: the cache stays valid
         return failed
 
-    def _check_finished(self, seq: Sequence, token_id: int, now: float) -> None:
-        """Detokenize the new token (incrementally) and finish on EOS, a stop string, max_tokens or the context
-        limit. Stops are searched only where the new text can complete one, with the same result as searching
-        the whole text every step (see detokenizer.py)."""
-        params = seq.params
-        reason = None
-        tokenizer = self.front_end.tokenizer
-        if (not params.ignore_eos and token_id in tokenizer.eos_token_ids) or token_id in params.stop_token_ids:
-            reason = "stop"
-        search_from = stop_search_start(len(seq.output_text), params.stop)
-        pending = detokenize(tokenizer, seq)    # a character still cut short, if any
-        text = seq.output_text + pending
-        cut = find_stop(text, params.stop, search_from) if params.stop else -1
-        if cut >= 0:
-            text, reason = text[:cut], "stop"
-        elif reason is None and (seq.num_completion_tokens >= params.max_tokens
-                                 or seq.num_tokens >= self.front_end.max_model_len):
-            reason = "length"
-        if reason is not None:
-            seq.output_text = text  # what decoding the whole completion gives, a cut-short character as U+FFFD
-            self._finish(seq, reason, now)
-
-    def _finish(self, seq: Sequence, reason: str, now: float) -> None:
-        seq.finish_time = now
-        self.scheduler.finish(seq, reason)
-        if seq.group_finished:
-            self.sequences.pop(seq.group_id, None)
-        self.stats.record_finished(seq)
-        if seq.index == 0:
-            reuse = " ".join(f"{k}={v}" for k, v in seq.reuse_or_planned.as_dict().items())
-            logger.info("cache-hit request=%s %s completion=%d ttft_ms=%.1f finish=%s hit_rate_total=%.3f",
-                        seq.request_id, reuse, seq.num_completion_tokens, (seq.ttft_s or 0) * 1000, reason,
-                        self.stats.reuse.hit_rate)
+    def _record_finished(self, finished: list[Sequence]) -> None:
+        """Sequences the postprocess finished: a request whose every choice is done leaves the engine, each adds its
+        record to the stats, and each request logs its cache hit."""
+        for seq in finished:
+            if seq.group_finished:
+                self.sequences.pop(seq.group_id, None)
+            self.stats.record_finished(seq)
+            if seq.index == 0:
+                reuse = " ".join(f"{k}={v}" for k, v in seq.reuse_or_planned.as_dict().items())
+                logger.info("cache-hit request=%s %s completion=%d ttft_ms=%.1f finish=%s hit_rate_total=%.3f",
+                            seq.request_id, reuse, seq.num_completion_tokens, (seq.ttft_s or 0) * 1000,
+                            seq.finish_reason, self.stats.reuse.hit_rate)
 
     def output(self, seq: Sequence) -> RequestOutput:
         """The output of the request `seq` started (its choice 0): with n > 1, every choice returned is in `choices`

@@ -13,24 +13,39 @@ youngest running sequence is preempted: its blocks are freed and it goes back to
 recomputed later.
 
 The scheduler alone writes a sequence's `num_computed_tokens` and `num_scheduled_tokens`: at admission, preemption and
-fork, and after each forward (`update`, which also has the cache publish what was computed).
+fork, and after each forward. It owns the whole aftermath of a forward (`postprocess`): computed tokens advance and
+the cache publishes them, n > 1 choices fork, the drawn tokens are appended, the engine's stop check says who
+finishes, and finished sequences free their blocks. A fault in `schedule` or `postprocess` leaves as a
+`SchedulerFault` that names what the engine must fail besides the step's sequences (a queue head whose weighing keeps
+raising), and what `postprocess` had already done.
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvreuse.engine.sequence import Sequence, SequenceStatus
 from kvreuse.engine.waiting_queue import WaitingQueue
+from kvreuse.kvcache.accounting import ReuseRecord
 from kvreuse.kvcache.copy_jobs import CopyJobs
 from kvreuse.kvcache.manager import KVCacheManager
 
 if TYPE_CHECKING:
-    from kvreuse.engine.model_runner import StepOutput
+    from kvreuse.engine.model_runner import Draw, StepOutput
+    from kvreuse.layers.sampler import TokenLogprob
 
 logger = logging.getLogger(__name__)
+
+# Steps in a row whose scheduling may raise while weighing the same waiting request before it is failed: a fault that
+# passes spares it, one of its own must not hold the queue behind it.
+MAX_ADMISSION_FAULTS = 3
+
+# The engine's stop check: why `seq` finishes after appending `token_id` ("stop", "length"), or None.
+StopRule = Callable[[Sequence, int], "str | None"]
 
 
 @dataclass
@@ -44,6 +59,25 @@ class SchedulerOutput:
         return sum(s.num_scheduled_tokens for s in self.seqs if s.is_prefilling)
 
 
+@dataclass
+class StepResult:
+    """What `postprocess` did after a forward."""
+    updated: list[Sequence] = field(default_factory=list)   # produced a token or finished, in that order
+    finished: list[Sequence] = field(default_factory=list)  # finished (blocks freed), in that order
+    copy_jobs: list[CopyJobs] = field(default_factory=list)  # to run in this order (publishing, then each fork)
+
+
+class SchedulerFault(Exception):
+    """`cause` raised inside `schedule` or `postprocess`. `culprits`: sequences to fail besides the step's own (the
+    queue's head, once weighing it has raised MAX_ADMISSION_FAULTS steps in a row: a fault of its own, which would
+    otherwise hold the queue behind it forever). `done`: what `postprocess` had done before it raised, if it had
+    started."""
+
+    def __init__(self, cause: Exception, culprits: list[Sequence] | None = None, done: StepResult | None = None):
+        super().__init__(str(cause))
+        self.cause, self.culprits, self.done = cause, culprits or [], done
+
+
 class Scheduler:
     def __init__(self, kv_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
         self.kv_manager = kv_manager
@@ -52,7 +86,7 @@ class Scheduler:
         self.waiting = WaitingQueue()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        self.considering: Sequence | None = None  # the queue's head while `schedule` weighs admitting it
+        self._considering: Sequence | None = None  # the queue's head while `schedule` weighs admitting it
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -66,6 +100,23 @@ class Scheduler:
             self.kv_manager.wait_for_load(self.waiting.head.kv, timeout)
 
     def schedule(self) -> SchedulerOutput:
+        """The next forward's sequences and token counts, and the copy jobs their admission asks for. Raises
+        SchedulerFault where it fails."""
+        try:
+            return self._schedule()
+        except Exception as exc:
+            raise SchedulerFault(exc, culprits=self._count_head_fault()) from exc
+
+    def _count_head_fault(self) -> list[Sequence]:
+        """After `schedule` raised: count a fault against the queue's head if it was being weighed; it is the fault's
+        culprit from its MAX_ADMISSION_FAULTS-th on."""
+        head, self._considering = self._considering, None
+        if head is None or all(s is not head for s in self.waiting):
+            return []
+        head.num_admission_faults += 1
+        return [head] if head.num_admission_faults >= MAX_ADMISSION_FAULTS else []
+
+    def _schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         out = SchedulerOutput([])
         for seq in list(self.running):
@@ -83,7 +134,7 @@ class Scheduler:
                 break  # the batch is full, counting the choices its requests will fork
             if kv.is_loading(seq.kv):
                 break  # strict arrival order: the queue waits for its head's prefix to arrive
-            self.considering = seq
+            self._considering = seq
             match = kv.match(seq.kv)
             publishing = [(s.kv, s.num_computed_tokens + s.num_scheduled_tokens) for s in out.seqs]
             if kv.gains_by_waiting(seq.kv, match, publishing):
@@ -111,7 +162,7 @@ class Scheduler:
             num_prefilling += 1
             budget -= num_tokens
             seats += self.seats_of(seq)
-        self.considering = None
+        self._considering = None
         return out
 
     @property
@@ -124,9 +175,24 @@ class Scheduler:
         and its choices beyond go to the queue when forked."""
         return min(seq.num_seats, self.max_num_seqs)
 
-    def update(self, out: SchedulerOutput, step: StepOutput) -> CopyJobs:
-        """After the forward of `out`: each sequence's computed tokens advance by what it computed, and the cache
-        publishes them (see KVCacheManager.update). Returns the copy jobs that publishing asks for."""
+    def postprocess(self, out: SchedulerOutput, step: StepOutput, stop: StopRule) -> StepResult:
+        """The aftermath of the forward of `out`: each sequence's computed tokens advance and the cache publishes
+        them (KVCacheManager.update); a sequence that drew tokens forks its unforked choices (n > 1), takes its token
+        and gives each choice its own; `stop` says which of them finish, and those free their blocks. Raises
+        SchedulerFault (with what was done) where it fails after publishing."""
+        done = StepResult(copy_jobs=[self._advance(out, step)])
+        now = time.perf_counter()
+        try:
+            for seq, draws in zip(out.seqs, step.draws, strict=True):
+                if draws is not None:
+                    self._take_draws(seq, draws, stop, now, done)
+        except Exception as exc:
+            raise SchedulerFault(exc, done=done) from exc
+        return done
+
+    def _advance(self, out: SchedulerOutput, step: StepOutput) -> CopyJobs:
+        """Each sequence's computed tokens advance by what it computed, and the cache publishes them; the copy jobs
+        that publishing asks for."""
         jobs = CopyJobs()
         for seq in out.seqs:
             seq.num_computed_tokens += seq.num_scheduled_tokens
@@ -135,6 +201,39 @@ class Scheduler:
             jobs += self.kv_manager.update(seq.kv, seq.num_computed_tokens, exact=outcome is not None and outcome.exact,
                                            prompt_logprobs=step.prompt_logprobs.get(seq.request_id))
         return jobs
+
+    def _take_draws(self, seq: Sequence, draws: list[Draw], stop: StopRule, now: float, done: StepResult) -> None:
+        if seq.params.max_tokens == 0:  # it only scores its prompt: the prompt is done
+            self._finish_at(seq, "length", now, done)
+            done.updated.append(seq)
+            return
+        forked = seq.unforked_choices
+        for choice in forked:  # before `seq` takes its token: a first token that ends it frees its blocks
+            choice.reuse = ReuseRecord()  # the prompt is its request's, accounted once, on `seq`
+            done.copy_jobs.append(self.fork(seq, choice))
+        for target, (token_id, logprob) in zip([seq, *forked], draws, strict=True):
+            self._append(target, token_id, logprob, stop, now, done)
+            done.updated.append(target)
+
+    def _append(self, seq: Sequence, token_id: int, logprob: TokenLogprob | None, stop: StopRule, now: float,
+                done: StepResult) -> None:
+        seq.token_ids.append(token_id)
+        if logprob is not None:
+            seq.cumulative_logprob += logprob.logprob
+            if seq.params.logprobs is not None:
+                seq.logprobs.append(logprob)
+        if seq.matcher is not None and not seq.matcher.is_finished():
+            seq.matcher.accept(token_id)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        reason = stop(seq, token_id)
+        if reason is not None:
+            self._finish_at(seq, reason, now, done)
+
+    def _finish_at(self, seq: Sequence, reason: str, now: float, done: StepResult) -> None:
+        seq.finish_time = now
+        self.finish(seq, reason)
+        done.finished.append(seq)
 
     def fork(self, seq: Sequence, choice: Sequence) -> CopyJobs:
         """Start `choice` (n > 1) from `seq`'s computed prompt: running beside it, sharing its full blocks with a copy
