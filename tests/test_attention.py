@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvreuse.kernels import build as kernels
-from kvreuse.layers.attention import AttentionMetadata, paged_attention, store_kv
+from kvreuse.kvcache.block import NULL_BLOCK as POOL_NULL_BLOCK
+from kvreuse.layers.attention import NULL_BLOCK, NULL_SLOT, AttentionMetadata, paged_attention, store_kv
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 6, 2, 8
 SCALE = 0.37  # deliberately not 1/sqrt(HEAD_DIM), so an ignored scale shows up
@@ -299,6 +300,20 @@ def test_padded_query_rows_are_safe():
     out, ranges = case.step([0, 1, 2, 3], starts, query_lens)
     assert out.shape[0] == sum(query_lens)
     case.check([0, 1, 2, 3], out, ranges)
+
+
+def test_ragged_tables_and_passed_window_blocks_read_the_null_block_only_masked():
+    assert NULL_BLOCK == POOL_NULL_BLOCK and NULL_SLOT // 4 == NULL_BLOCK
+    null_slots = range(NULL_BLOCK * 4, NULL_BLOCK * 4 + 4)
+    # Sequence 0's window passed its first two blocks; sequence 1's table is one block, padded.
+    decode = AttentionMetadata.build([15, 2], [1, 1], [[NULL_BLOCK, NULL_BLOCK, 5, 6], [7]], 4, CPU)
+    assert decode.context_slots[1, 3:].tolist() == [NULL_SLOT] * 13
+    window = decode.windowed(5)  # sequence 0 reads keys 11..15: blocks 5 and 6 only
+    visible = window.context_slots[window.attn_mask[:, 0, 0]]
+    assert visible.tolist() == [23, 24, 25, 26, 27, 28, 29, 30]
+    prefill = AttentionMetadata.build([0, 0], [5, 2], [[3, 4], [6]], 4, CPU)
+    assert prefill.context_slots[1, 2:].tolist() == [NULL_SLOT] * 3
+    assert not any(s in null_slots for s in prefill.context_slots[prefill.attn_mask[:, 0].any(1)].tolist())
 
 
 # ----------------------------------------------------------------------------- the fused decode kernel

@@ -9,7 +9,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvreuse.kvcache.block_pool import BlockPool
+from kvreuse.kvcache.block import NULL_BLOCK
+from kvreuse.kvcache.block_pool import BlockPool, num_physical_blocks
 from kvreuse.kvcache.manager import KVCacheManager
 from kvreuse.kvcache.request import CacheRequest
 
@@ -60,15 +61,16 @@ def evict_one_at_a_time(pool: BlockPool, keys: list[bytes]) -> list[bytes]:
 
 
 class PoolModel:
-    """An independent reference of what BlockPool should do: exact free-list order, exact victims."""
+    """An independent reference of what BlockPool should do: exact free-list order, exact victims. Blocks 1 to
+    num_blocks; block 0 is the null block, which nothing touches."""
 
     def __init__(self, num_blocks: int, max_cached: int, policy: str):
         self.policy = policy
         self.max_cached = max_cached
-        self.free = deque(range(num_blocks))
-        self.ref = [0] * num_blocks
-        self.key: list[bytes | None] = [None] * num_blocks
-        self.hits = [0] * num_blocks
+        self.free = deque(range(1, num_blocks + 1))
+        self.ref = [0] * (num_blocks + 1)
+        self.key: list[bytes | None] = [None] * (num_blocks + 1)
+        self.hits = [0] * (num_blocks + 1)
         self.evictable: dict[int, int] = {}  # block id -> stamp of the moment it became evictable
         self.stamp = 0
         self.evictions = 0
@@ -149,7 +151,7 @@ def test_random_operations_keep_pool_consistent(num_blocks, max_cached, policy, 
     uids: set[int] = set()
 
     for _ in range(data.draw(st.integers(1, 40), label="num_ops")):
-        held_unkeyed = [b for b in range(num_blocks) if model.ref[b] > 0 and model.key[b] is None]
+        held_unkeyed = [b for b in range(1, num_blocks + 1) if model.ref[b] > 0 and model.key[b] is None]
         indexed = sorted(pool.key_to_block)
         choices = [op for op in OPS
                    if (op == "allocate" and pool.num_free_blocks > 0)
@@ -222,7 +224,7 @@ def test_random_operations_keep_pool_consistent(num_blocks, max_cached, policy, 
 
         # --- after every operation --------------------------------------------------------------------
         pool.check_integrity()
-        held = [0] * num_blocks
+        held = [0] * (num_blocks + 1)
         for ids in holders:
             for b in ids:
                 held[b] += 1
@@ -251,7 +253,7 @@ def test_random_operations_keep_pool_consistent(num_blocks, max_cached, policy, 
                 assert pool.blocks[b].block_key != key
             elif pool.blocks[b].ref_cnt == 0:
                 assert pool.blocks[b] in pool.evictable
-        for b in range(num_blocks):  # a held keyed block keeps its key
+        for b in range(1, num_blocks + 1):  # a held keyed block keeps its key
             if model.ref[b] > 0 and model.key[b] is not None:
                 assert pool.key_to_block.get(model.key[b]) is pool.blocks[b]
 
@@ -263,12 +265,12 @@ def test_random_operations_keep_pool_consistent(num_blocks, max_cached, policy, 
 def test_free_releases_tail_first():
     pool = BlockPool(4)
     ids = pool.allocate(4)
-    assert ids == [0, 1, 2, 3] and not pool.free_block_ids
-    pool.free([0, 1, 2, 3])
-    assert list(pool.free_block_ids) == [3, 2, 1, 0]
-    ticks = [pool.blocks[b].last_access for b in (3, 2, 1, 0)]
+    assert ids == [1, 2, 3, 4] and not pool.free_block_ids  # block 0 is the null block
+    pool.free([1, 2, 3, 4])
+    assert list(pool.free_block_ids) == [4, 3, 2, 1]
+    ticks = [pool.blocks[b].last_access for b in (4, 3, 2, 1)]
     assert ticks == sorted(ticks) and len(set(ticks)) == 4
-    assert pool.allocate(2) == [3, 2]
+    assert pool.allocate(2) == [4, 3]
 
 
 def test_lru_evicts_a_freed_sequence_tail_first():
@@ -292,7 +294,7 @@ def test_lru_evicts_least_recently_freed_first_and_a_hit_moves_to_most_recent():
     assert evict_one_at_a_time(pool, keys) == [b"A", b"C", b"D", b"B"]
     for k in keys:
         assert pool.lookup(k, tokens_of(k), None) is None
-    assert all(b.block_key is None and b.ref_cnt == 1 for b in pool.blocks)
+    assert all(pool.blocks[b].block_key is None and pool.blocks[b].ref_cnt == 1 for b in ids.values())
 
 
 def test_lru_block_hit_while_held_becomes_evictable_at_last_release():
@@ -388,7 +390,7 @@ def test_max_cached_blocks_zero_retains_nothing():
     pool.free([ids[k] for k in keys])
     pool.check_integrity()
     assert pool.num_cached_blocks == 0 and not pool.key_to_block
-    assert sorted(pool.free_block_ids) == [0, 1, 2, 3]
+    assert sorted(pool.free_block_ids) == [1, 2, 3, 4]
     assert pool.num_evictions == 4
     assert all(b.block_key is None for b in pool.blocks)
 
@@ -417,9 +419,9 @@ def test_allocation_evicts_every_cached_block_when_needed(policy):
     assert pool.can_allocate(4) and not pool.can_allocate(5)
     got = pool.allocate(4)
     pool.check_integrity()
-    assert sorted(got) == [0, 1, 2, 3]
+    assert sorted(got) == [1, 2, 3, 4]
     assert not pool.key_to_block and pool.num_cached_blocks == 0 and pool.num_evictions == 4
-    assert all(b.ref_cnt == 1 and b.block_key is None for b in pool.blocks)
+    assert all(pool.blocks[b].ref_cnt == 1 and pool.blocks[b].block_key is None for b in got)
 
 
 def test_allocation_takes_free_blocks_before_evicting():
@@ -428,12 +430,36 @@ def test_allocation_takes_free_blocks_before_evicting():
     pool.free([ids[b"A"]])
     pool.free([ids[b"B"]])
     assert pool.num_free_blocks == 4
-    assert pool.allocate(2) == [2, 3]
+    assert pool.allocate(2) == [3, 4]
     assert set(pool.key_to_block) == {b"A", b"B"} and pool.num_evictions == 0
     assert pool.allocate(2) == [ids[b"A"], ids[b"B"]]
     assert pool.num_evictions == 2 and not pool.key_to_block
     with pytest.raises(AssertionError):
         pool.allocate(1)
+
+
+def test_the_null_block_is_never_allocated_held_freed_evicted_or_published():
+    pool = BlockPool(3)
+    assert len(pool.blocks) == num_physical_blocks(3) == 4 and pool.num_blocks == pool.num_free_blocks == 3
+    ids = pool.allocate(3)
+    assert NULL_BLOCK not in ids and not pool.can_allocate(1) and pool.num_used_blocks == 3
+    for i, block_id in enumerate(ids):
+        pool.register(block_id, bytes([i]), (i,), None)
+    pool.free(ids)
+    assert pool.num_cached_blocks == 3
+    assert NULL_BLOCK not in pool.allocate(3) and pool.num_evictions == 3  # evicting every cached block
+    with pytest.raises(AssertionError):
+        pool.hold([NULL_BLOCK])
+    with pytest.raises(AssertionError):
+        pool.free([NULL_BLOCK])
+    with pytest.raises(AssertionError):
+        pool.register(NULL_BLOCK, b"null", (0,), None)
+    null = pool.blocks[NULL_BLOCK]
+    assert null.ref_cnt == 0 and null.block_key is None and null.uid is None and null.num_hits == 0
+    pool.check_integrity()
+    pool.free_block_ids.append(NULL_BLOCK)
+    with pytest.raises(AssertionError, match="null block"):
+        pool.check_integrity()
 
 
 def test_in_use_blocks_are_never_evicted():
@@ -491,7 +517,7 @@ def test_register_requires_a_held_unkeyed_block():
     with pytest.raises(AssertionError):
         pool.register(a, b"k2", [1], None)   # already keyed
     with pytest.raises(AssertionError):
-        pool.register(1, b"k3", [1], None)   # not held
+        pool.register(2, b"k3", [1], None)   # not held
     pool.free([a])
     with pytest.raises(AssertionError):
         pool.free([a])                     # double free

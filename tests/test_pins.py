@@ -39,18 +39,19 @@ def cached_pool(num_blocks: int = 8) -> BlockPool:
 
 def test_a_pin_holds_its_blocks_and_a_replaced_pin_does_not_pile_up_references():
     pool = cached_pool()
+    b0, b1, b2, b3, b4 = range(1, 6)  # block 0 is the null block
     pins = Pins(pool, max_blocks=4)
-    pins.pin(b"a", [0, 1, 2], 12, expires_at=None)
-    assert [pool.blocks[b].ref_cnt for b in (0, 1, 2, 3)] == [1, 1, 1, 0]
+    pins.pin(b"a", [b0, b1, b2], 12, expires_at=None)
+    assert [pool.blocks[b].ref_cnt for b in (b0, b1, b2, b3)] == [1, 1, 1, 0]
     assert pool.num_cached_blocks == 5  # the pinned three are held, not evictable
-    pins.pin(b"a", [0, 1, 2], 12, expires_at=5.0)  # again: a new expiry, the same references
-    assert [pool.blocks[b].ref_cnt for b in (0, 1, 2)] == [1, 1, 1]
-    pins.pin(b"b", [0, 1, 3], 12, expires_at=None)  # shares two blocks: four distinct
-    assert pins.num_blocks == 4 and pool.blocks[0].ref_cnt == 2
-    assert not pins.can_pin(b"c", [4]) and pins.can_pin(b"b", [0, 1])  # replacing b frees its place
+    pins.pin(b"a", [b0, b1, b2], 12, expires_at=5.0)  # again: a new expiry, the same references
+    assert [pool.blocks[b].ref_cnt for b in (b0, b1, b2)] == [1, 1, 1]
+    pins.pin(b"b", [b0, b1, b3], 12, expires_at=None)  # shares two blocks: four distinct
+    assert pins.num_blocks == 4 and pool.blocks[b0].ref_cnt == 2
+    assert not pins.can_pin(b"c", [b4]) and pins.can_pin(b"b", [b0, b1])  # replacing b frees its place
     pins.check_integrity()
     assert pins.expire(now=4.0) == 0 and pins.expire(now=5.0) == 1
-    assert pins.num_blocks == 3 and pool.blocks[2].ref_cnt == 0
+    assert pins.num_blocks == 3 and pool.blocks[b2].ref_cnt == 0
     assert pins.unpin_all() == 3 and pool.num_used_blocks == 0
     pins.check_integrity()
 

@@ -144,8 +144,7 @@ def test_a_shared_prefix_ranks_by_its_oldest_session_and_sessions_are_scoped_by_
 def test_a_retained_block_evicted_and_reused_is_not_taken_for_the_retained_one():
     kv = manager(4)
     run(kv, tokens(1, 2), session="a")
-    kv.pool.allocate(4)                  # a's blocks are evicted, their ids reused
-    kv.pool.free([0, 1, 2, 3])
+    kv.pool.free(kv.pool.allocate(4))    # a's blocks are evicted, their ids reused
     run(kv, tokens(2, 2), session="b")   # on a's old block ids
     kv.pool.end_retention(run_key(kv, "a"))
     assert len(kv.pool.retention) == 2 and cached_blocks(kv, tokens(2, 2)) == 2

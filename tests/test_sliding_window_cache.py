@@ -338,6 +338,30 @@ def test_window_blocks_go_with_the_block_they_are_found_through():
     mgr.check_integrity()
 
 
+def test_a_window_table_holds_the_null_block_where_its_window_has_passed():
+    from kvreuse.kvcache.block import NULL_BLOCK
+
+    mgr = manager("policy")
+    req = mgr.new_request(tokens(10 * BLOCK, 52))
+    mgr.admit(req, mgr.match(req), req.num_tokens)
+    mgr.update(req, req.num_tokens)
+    assert NULL_BLOCK not in req.block_table
+    for table, start in zip(req.window_tables, req.window_starts, strict=True):
+        assert start > 0 and table[:start] == [NULL_BLOCK] * start and NULL_BLOCK not in table[start:]
+    child = mgr.new_request(list(req.token_ids))
+    mgr.fork(req, child, req.num_tokens)  # shares every table, the null block's entries included
+    assert child.window_tables == req.window_tables
+    mgr.check_integrity([req, child])
+    num_window = 10 - req.window_starts[0]
+    assert mgr.num_blocks_in_use_by_group([req, child]) == (10, num_window, num_window)
+    null = mgr.pool.blocks[NULL_BLOCK]
+    assert null.ref_cnt == 0 and null.uid is None and NULL_BLOCK not in mgr.pool.free_block_ids
+    mgr.free(child)
+    mgr.free(req)
+    mgr.check_integrity()
+    assert mgr.pool.num_free_blocks == mgr.pool.num_blocks == 400
+
+
 def test_a_request_whose_tables_a_failed_step_left_uneven_is_still_freed():
     mgr = manager()
     req = mgr.new_request(tokens(5 * BLOCK, 51))

@@ -77,7 +77,7 @@ class RecordingForward:
     def __init__(self, engine: LLMEngine, coverage: Counter):
         self.engine, self.coverage = engine, coverage
         self.bs = engine.block_size
-        self.slots: list[int | None] = [None] * (engine.num_kv_blocks * self.bs)
+        self.slots: list[int | None] = [None] * (len(engine.kv_manager.pool.blocks) * self.bs)  # the null block too
 
     def slot(self, seq: Sequence, position: int) -> int:
         return seq.kv.block_table[position // self.bs] * self.bs + position % self.bs

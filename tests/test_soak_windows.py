@@ -19,7 +19,7 @@ A wrong window is silent in a real model (a few logits drift), so the stand-in m
 slot, what K/V it would hold (the group, the position and the tokens up to it), writes each computed position into
 every group's table, and before the step's queries read, reads back through group 0's table every position so far
 and through each window group's table every position its window reads (from `start - window + 1` on, none of them
-RELEASED). A wrong hit, a window block missing or of another group, a block freed while still read and reused, fails
+NULL_BLOCK). A wrong hit, a window block missing or of another group, a block freed while still read and reused, fails
 there. The tier's entries are the slots' records (RecordingBlockIO), so a load that put the wrong K/V into any group's
 block fails the same read-back. It samples from the tokens so read back, so each choice's completion is known without
 any cache. The engine turns an exception inside a step into finish_reason "error" for that step's requests; the soak
@@ -52,9 +52,10 @@ from hypothesis import strategies as st
 from kvreuse.engine.engine import LLMEngine
 from kvreuse.engine.model_runner import StepOutput
 from kvreuse.engine.sequence import Sequence
+from kvreuse.kvcache.block import NULL_BLOCK
 from kvreuse.kvcache.block_pool import BlockPool
 from kvreuse.kvcache.eviction import POLICIES
-from kvreuse.kvcache.layout import RELEASED, first_window_block
+from kvreuse.kvcache.layout import first_window_block
 from kvreuse.kvcache.tiers.entry import BlockSpec
 from kvreuse.kvcache.window_groups import WindowRetention
 from kvreuse.llm import LLM
@@ -117,7 +118,7 @@ class RecordingForward:
         self.engine, self.coverage = engine, coverage
         self.bs = engine.block_size
         self.windows = engine.kv_manager.windows
-        self.slots: list[Held | None] = [None] * (engine.num_kv_blocks * self.bs)
+        self.slots: list[Held | None] = [None] * (len(engine.kv_manager.pool.blocks) * self.bs)  # the null block too
         self.prefix_hashes: dict[str, list[int]] = {}
         self.admissions: set[tuple[str, int]] = set()
 
@@ -133,7 +134,7 @@ class RecordingForward:
 
     def slot(self, seq: Sequence, group: int, position: int) -> int:
         block_id = seq.kv.block_tables[group][position // self.bs]
-        assert block_id != RELEASED, f"{seq.request_id}: group {group} released the block of position {position}"
+        assert block_id != NULL_BLOCK, f"{seq.request_id}: group {group} released the block of position {position}"
         return block_id * self.bs + position % self.bs
 
     def forward(self, seq: Sequence) -> list[tuple[int, None]] | None:
@@ -144,7 +145,7 @@ class RecordingForward:
         self.on_admission(seq, start)
         if not seq.kv.use_cache:
             pool = self.engine.kv_manager.pool
-            assert all(pool.blocks[b].block_key is None for t in tables for b in t if b != RELEASED), \
+            assert all(pool.blocks[b].block_key is None for t in tables for b in t if b != NULL_BLOCK), \
                 f"{seq.request_id} (use_cache=False) holds a published block"
         hashes = self.hashes(seq)
         for group in range(len(tables)):
@@ -194,7 +195,7 @@ class RecordingForward:
         for group, table in enumerate(kv.block_tables):
             first = 0 if group == 0 else first_window_block(start, self.windows[group - 1], self.bs)
             for i, block_id in enumerate(table[first:num_hits], start=first):
-                assert block_id != RELEASED, f"{seq.request_id}: a hit without group {group}'s window"
+                assert block_id != NULL_BLOCK, f"{seq.request_id}: a hit without group {group}'s window"
                 block = pool.blocks[block_id]
                 if i >= num_pool_hits:
                     continue
@@ -214,7 +215,7 @@ class RecordingForward:
         slot."""
         self.coverage["block copies"] += len(copies)
         for source, destination in copies:
-            assert RELEASED not in (source, destination), f"a copy of a released block: {source} -> {destination}"
+            assert NULL_BLOCK not in (source, destination), f"a copy of a released block: {source} -> {destination}"
             for j in range(self.bs):
                 self.slots[destination * self.bs + j] = self.slots[source * self.bs + j]
 

@@ -107,8 +107,9 @@ class FrontEnd:
         self.block_size = config.cache.block_size
         self.kv_layout = resolve_layout(info.args, config.cache)
         self.bytes_per_block = kv_bytes_per_block(info.args, self.kv_layout, self.block_size, dtype)
+        # Usable blocks; a budget in memory also covers the pool's null block (block_pool.py).
         self.num_kv_blocks = config.engine.num_kv_blocks or max(1, config.engine.kv_cache_memory_mb * 2**20
-                                                                // self.bytes_per_block)
+                                                                // self.bytes_per_block - 1)
         self.max_model_len = min(config.server.max_tokens, info.args.max_position_embeddings)
         # Sampling of requests that bring no seed of their own draws from here: a run is reproducible.
         self.generator = torch.Generator().manual_seed(config.engine.seed)

@@ -14,6 +14,7 @@ import torch
 from kvreuse.config import SegmentConfig
 from kvreuse.engine.repair import RepairOutcome, forward_reusing
 from kvreuse.engine.sequence import Sequence
+from kvreuse.kvcache.block_pool import num_physical_blocks
 from kvreuse.kvcache.layout import KVLayout
 from kvreuse.kvcache.pool_memory import zeroed
 from kvreuse.layers.attention import AttentionMetadata
@@ -53,9 +54,9 @@ class ModelRunner:
         self.layout = layout or KVLayout.full(args.num_layers)
         self.decode_graph = decode_graph  # the compiled decode step, used once it is ready
         self.eos_token_ids = eos_token_ids  # masked, with stop_token_ids, until min_tokens
-        # [layers_per_block, K/V, num_blocks, block_size, num_kv_heads, head_dim]
-        self.kv_cache = zeroed((self.layout.layers_per_block, 2, num_blocks, block_size, args.num_kv_heads,
-                                args.head_dim), dtype, device)
+        # [layers_per_block, K/V, num_blocks + 1 (the null block), block_size, num_kv_heads, head_dim]
+        self.kv_cache = zeroed((self.layout.layers_per_block, 2, num_physical_blocks(num_blocks), block_size,
+                                args.num_kv_heads, args.head_dim), dtype, device)
         slots = layer_caches(self.kv_cache)
         self.layer_caches = [slots[j] for j in self.layout.slot_of]  # each model layer's (k_cache, v_cache) views
 

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The pool's reserved block (BlockPool): never allocated, held, freed, evicted or published. A sliding window's table
+# holds it where the window has passed a block, and attention pads ragged tables with it; what it holds is never read
+# unmasked.
+NULL_BLOCK = 0
+
 
 @dataclass(eq=False)
 class KVCacheBlock:

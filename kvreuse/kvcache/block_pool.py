@@ -9,6 +9,12 @@ Requests always win over the cache: `allocate` takes free blocks first, then evi
 first (released with `cold`, oldest first: sliding-window blocks no likely hit needs), then the policy's victim, then
 the blocks retained for sessions whose next request is yet to come.
 `max_cached_blocks` bounds the cached (unreferenced) blocks retained; the pool size bounds the rest.
+
+Beside its `num_blocks` blocks (ids 1 to num_blocks) the pool has one more, the null block (block.NULL_BLOCK, id 0),
+in none of those states: it stands in block tables where a sliding window has passed a block, and pads ragged tables.
+It is allocated on top of the configured size, so `num_blocks` (engine.num_kv_blocks, cache.max_blocks, the stats)
+counts usable blocks only; the K/V tensor holds num_blocks + 1 blocks (`num_physical_blocks`), and a pool derived
+from `engine.kv_cache_memory_mb` gives the null block's memory up from its usable blocks.
 """
 
 from __future__ import annotations
@@ -17,9 +23,14 @@ import itertools
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 
-from kvreuse.kvcache.block import KVCacheBlock
+from kvreuse.kvcache.block import NULL_BLOCK, KVCacheBlock
 from kvreuse.kvcache.eviction import EvictionPolicy, Release, make_policy
 from kvreuse.kvcache.retention import SessionHint, SessionRetention
+
+
+def num_physical_blocks(num_blocks: int) -> int:
+    """Blocks the K/V tensor of a pool of `num_blocks` usable blocks holds: the null block too."""
+    return num_blocks + 1
 
 
 class BlockPool:
@@ -27,8 +38,8 @@ class BlockPool:
                  max_retained_blocks: int = 0):
         self.num_blocks = num_blocks
         self.max_cached_blocks = num_blocks if max_cached_blocks is None else max_cached_blocks
-        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        self.free_block_ids: deque[int] = deque(range(num_blocks))
+        self.blocks = [KVCacheBlock(i) for i in range(num_physical_blocks(num_blocks))]  # the null block's too
+        self.free_block_ids: deque[int] = deque(range(NULL_BLOCK + 1, num_physical_blocks(num_blocks)))
         self.evictable = make_policy(policy)  # by `cache.policy` name, or an instance (a replay's offline MIN)
         self.cold: dict[int, KVCacheBlock] = {}  # cached blocks evicted before the policy's, by block id, oldest first
         self.retention = SessionRetention(max_retained_blocks)  # cached blocks evicted after the policy's
@@ -77,6 +88,7 @@ class BlockPool:
         """A request reuses these blocks: take a reference to each (a cached one stops being evictable)."""
         tick = next(self._tick)
         for block_id in block_ids:
+            assert block_id != NULL_BLOCK, "the null block is never held"
             block = self.blocks[block_id]
             if block.ref_cnt == 0:
                 self._uncache(block)
@@ -240,8 +252,9 @@ class BlockPool:
     def check_integrity(self) -> None:
         free = Counter(self.free_block_ids)
         assert all(c == 1 for c in free.values()), "a block is in the free list twice"
+        self._check_null_block(free)
         in_use = cached = 0
-        for block in self.blocks:
+        for block in self.blocks[NULL_BLOCK + 1:]:
             assert block.ref_cnt >= 0, f"block {block.block_id} has ref_cnt {block.ref_cnt}"
             is_free, is_cold, is_cached = block.block_id in free, block.block_id in self.cold, block in self.evictable
             is_retained = block in self.retention
@@ -270,3 +283,11 @@ class BlockPool:
         assert self.num_cached_blocks <= self.max_cached_blocks, "more cached blocks than max_cached_blocks"
         self.evictable.check_integrity()
         self.retention.check_integrity()
+
+    def _check_null_block(self, free: Counter) -> None:
+        null = self.blocks[NULL_BLOCK]
+        assert NULL_BLOCK not in free, "the null block is in the free list"
+        assert null.ref_cnt == 0 and null.num_hits == 0, f"the null block is held (ref_cnt {null.ref_cnt})"
+        assert null.block_key is None and null.uid is None, "the null block is published"
+        assert null.block_id not in self.cold and null not in self.evictable and null not in self.retention, \
+            "the null block is cached"

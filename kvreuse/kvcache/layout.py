@@ -19,10 +19,6 @@ from kvreuse.model.args import ModelArgs
 
 logger = logging.getLogger(__name__)
 
-# A window table's entry for a block its window no longer reads: its K/V were released (the attention metadata reads
-# block 0 there, masked by the window).
-RELEASED = -1
-
 
 @dataclass(frozen=True)
 class KVGroup:

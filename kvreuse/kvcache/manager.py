@@ -9,11 +9,12 @@ from collections.abc import Sequence
 from concurrent.futures import TimeoutError as FutureTimeout  # the builtin from 3.11, not on 3.10
 
 from kvreuse.config import CacheConfig
+from kvreuse.kvcache.block import NULL_BLOCK
 from kvreuse.kvcache.block_pool import BlockPool
 from kvreuse.kvcache.copy_jobs import CopyJobs
 from kvreuse.kvcache.eviction import EvictionPolicy, Release
 from kvreuse.kvcache.hashing import BlockHashFn, extend_chain, sha256_block_key
-from kvreuse.kvcache.layout import RELEASED, KVLayout
+from kvreuse.kvcache.layout import KVLayout
 from kvreuse.kvcache.match import NO_MATCH, Match
 from kvreuse.kvcache.pins import Pins
 from kvreuse.kvcache.prompt_logprobs import PromptLogprobStore
@@ -418,7 +419,7 @@ also needs, in every window group, the blocks its window reads before position n
                 uid = twin.uid if twin else self.pool.register(block_id, key, token_ids, parent_uid, i * bs,
                                                                req.extra_key)
                 position = self._position(req, i)
-                if twin is None and uid is not None and RELEASED not in position:
+                if twin is None and uid is not None and NULL_BLOCK not in position:
                     stored.append(StoredBlock(key, req.block_keys[i - 1] if i else None, tuple(token_ids)))
                     stored_ids.append(position)
             req.block_uids.append(uid)
@@ -426,7 +427,7 @@ also needs, in every window group, the blocks its window reads before position n
 
     @staticmethod
     def _position(req: CacheRequest, index: int) -> tuple[int, ...]:
-        """Block `index` of `req` in every layer group, group 0 first (RELEASED where a window has passed it)."""
+        """Block `index` of `req` in every layer group, group 0 first (the null block where a window has passed it)."""
         return tuple(table[index] for table in req.block_tables)
 
     # --- pinned prefixes (pins.py) -----------------------------------------------------------------------
@@ -466,9 +467,10 @@ also needs, in every window group, the blocks its window reads before position n
         if self.window_groups is not None:
             self.window_groups.fork(parent, child, num_full)
         jobs = CopyJobs()
-        for parent_table, child_table in zip(parent.block_tables, child.block_tables, strict=True):
+        starts = [0, *child.window_starts]  # each table's first block held; the null block before it
+        for parent_table, child_table, start in zip(parent.block_tables, child.block_tables, starts, strict=True):
             shared = parent_table[:num_full]
-            self.pool.hold([b for b in shared if b != RELEASED])
+            self.pool.hold(shared[start:])
             child_table += shared
             if num_computed_tokens % self.block_size:
                 child_table += self.pool.allocate(1)
@@ -513,7 +515,7 @@ also needs, in every window group, the blocks its window reads before position n
             for held, table in zip(groups, req.block_tables, strict=False):
                 held.update(table)
         for held in groups:
-            held.discard(RELEASED)
+            held.discard(NULL_BLOCK)
         return tuple(map(len, groups))
 
     def check_integrity(self, holders: Sequence[CacheRequest] = ()) -> None:

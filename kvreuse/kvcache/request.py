@@ -32,8 +32,8 @@ class CacheRequest:
     # Identity (pool uid) of each published full block, in order; None: private (not published, or its chain broke).
     block_uids: list[int | None] = field(default_factory=list)
     # A grouped layout's sliding-window groups (kvcache/layout.py): each one's block table, as long as `block_table`,
-    # RELEASED before its window (from `window_starts[g]` on, every block is held); and how many of the leading
-    # blocks were offered for publishing.
+    # the null block (block.NULL_BLOCK) before its window (from `window_starts[g]` on, every block is held); and how
+    # many of the leading blocks were offered for publishing.
     window_tables: list[list[int]] = field(default_factory=list)
     window_starts: list[int] = field(default_factory=list)
     num_window_published: int = 0

@@ -1,8 +1,8 @@
 """The sliding-window groups of a grouped layout (kvcache/layout.py), for the KVCacheManager: each request's window
 tables beside its full-attention `block_table`, the window a prefix hit needs, and what becomes of the blocks a
 window has passed. The manager calls these at the points it handles group 0 (match, admit, update, fork, free,
-check_integrity); the tables are as long as group 0's, RELEASED before the window (from `window_starts[g]` on every
-block is held).
+check_integrity); the tables are as long as group 0's, the null block (block.NULL_BLOCK) before the window (from
+`window_starts[g]` on every block is held).
 
 A window block is published under its position's chain key tagged with its group, after the full-attention block of
 its position (its `parent_uid`), so it is only ever found through that block's identity, and goes when it goes
@@ -13,8 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Literal
 
+from kvreuse.kvcache.block import NULL_BLOCK
 from kvreuse.kvcache.block_pool import BlockPool
-from kvreuse.kvcache.layout import RELEASED, first_window_block
+from kvreuse.kvcache.layout import first_window_block
 from kvreuse.kvcache.match import Match
 from kvreuse.kvcache.request import CacheRequest
 
@@ -76,10 +77,10 @@ class WindowGroups:
 
     # --- admission, growth and fork ------------------------------------------------------------------
     def admit(self, req: CacheRequest, match: Match) -> None:
-        """Window tables for a request admitted with `match`: released before the window, the hits' window blocks
-        held. (The manager then grows every table alike.)"""
+        """Window tables for a request admitted with `match`: the null block before the window, the hits' window
+        blocks held. (The manager then grows every table alike.)"""
         first = len(match.hits) - (len(match.windows[0]) if match.windows else 0)
-        req.window_tables = [[RELEASED] * first + list(w) for w in match.windows or [()] * self.num_groups]
+        req.window_tables = [[NULL_BLOCK] * first + list(w) for w in match.windows or [()] * self.num_groups]
         for table in req.window_tables:
             self.pool.hold(table[first:])
         req.window_starts = [first] * self.num_groups
@@ -103,7 +104,7 @@ class WindowGroups:
             token_ids = req.token_ids[i * bs:(i + 1) * bs]
             for g, table in enumerate(req.window_tables, start=1):
                 block_id, key = table[i], self._key(req, i, g)
-                if block_id != RELEASED and self.pool.blocks[block_id].uid is None and \
+                if block_id != NULL_BLOCK and self.pool.blocks[block_id].uid is None and \
                         self.pool.lookup(key, token_ids, anchor_uid) is None:
                     self.pool.register(block_id, key, token_ids, anchor_uid, i * bs, req.extra_key, group=g)
         req.num_window_published = len(req.block_uids)
@@ -127,7 +128,7 @@ class WindowGroups:
                 self.pool.discard(passed)
             else:
                 self.pool.free(passed, cold=self.retention == "cold")
-            table[start:first] = [RELEASED] * (first - start)
+            table[start:first] = [NULL_BLOCK] * (first - start)
             req.window_starts[g] = first
 
     def release_order(self, req: CacheRequest) -> list[int]:
@@ -146,8 +147,8 @@ class WindowGroups:
         held = []
         for g, (table, start) in enumerate(zip(req.window_tables, req.window_starts, strict=True), start=1):
             assert len(table) == len(req.block_table), f"window group {g}'s table is not as long as group 0's"
-            assert all(b == RELEASED for b in table[:start]), f"window group {g} holds a block before its window"
-            assert RELEASED not in table[start:], f"window group {g} released a block inside its window"
+            assert all(b == NULL_BLOCK for b in table[:start]), f"window group {g} holds a block before its window"
+            assert NULL_BLOCK not in table[start:], f"window group {g} released a block inside its window"
             for i, block_id in enumerate(table[start:], start=start):
                 block = self.pool.blocks[block_id]
                 assert block.block_key is None or (block.group == g and block.position == i * self.block_size), \

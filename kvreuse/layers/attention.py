@@ -15,12 +15,18 @@ import torch.nn.functional as F
 
 from kvreuse.kernels import build as kernels
 
+# The KV pool's null block (kvreuse/kvcache/block.py's NULL_BLOCK; tests/test_attention.py keeps them equal): no
+# request holds it, so it pads ragged block tables and stands where a sliding window has passed a block. Whatever it
+# holds is masked.
+NULL_BLOCK = 0
+NULL_SLOT = 0  # its first slot (NULL_BLOCK * block_size at any block size): pads each sequence's keys
+
 
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor   # [num_tokens] pool slot where each new token's K/V is written
     query_index: torch.Tensor    # [num_seqs, max_query_len] row of each query in the flat batch (pad: repeat)
-    context_slots: torch.Tensor  # [num_seqs, max_context_len] pool slots of each sequence's keys (pad: 0)
+    context_slots: torch.Tensor  # [num_seqs, max_context_len] pool slots of each sequence's keys (pad: NULL_SLOT)
     # [num_seqs, 1, max_query_len, max_context_len] True where attending is allowed; None when nothing is masked
     attn_mask: torch.Tensor | None
     output_index: torch.Tensor   # [num_tokens] rows of the padded output that are real tokens, in batch order
@@ -42,8 +48,8 @@ class AttentionMetadata:
         device: torch.device,
     ) -> AttentionMetadata:
         """Sequence b computes positions [start_positions[b], start_positions[b] + query_lens[b]) and
-        attends causally to every position before and including each query. A table entry RELEASED
-        (kvcache/layout.py: a block its sliding window no longer reads) reads block 0 under the window's mask."""
+        attends causally to every position before and including each query. A table entry NULL_BLOCK (a block its
+        sliding window no longer reads) is read under the window's mask."""
         if all(n == 1 for n in query_lens):
             return cls.for_decode([s + 1 for s in start_positions], block_tables, block_size, device)
         queries = [torch.arange(s, s + n) for s, n in zip(start_positions, query_lens, strict=True)]
@@ -59,7 +65,7 @@ class AttentionMetadata:
         The same metadata `for_queries` builds for that case, with fewer ops (it is built every decode step)."""
         num_seqs, max_context_len = len(context_lens), max(context_lens)
         max_blocks = max(len(t) for t in block_tables)
-        tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in block_tables]).clamp_min_(0)  # [B, blocks]
+        tables = torch.tensor([t + [NULL_BLOCK] * (max_blocks - len(t)) for t in block_tables])  # [B, blocks]
         lens = torch.tensor(context_lens)                                              # [B]
         key_pos = torch.arange(max_context_len)                                        # [K]
         context_slots = tables[:, key_pos // block_size] * block_size + key_pos % block_size  # [B, K]
@@ -68,7 +74,7 @@ class AttentionMetadata:
         attn_mask = None
         if min(context_lens) < max_context_len:
             visible = key_pos < lens[:, None]                                          # [B, K]
-            context_slots = torch.where(visible, context_slots, 0)
+            context_slots = torch.where(visible, context_slots, NULL_SLOT)
             attn_mask = visible[:, None, None, :].to(device)                           # [B, 1, 1, K]
         return cls(
             slot_mapping=slot_mapping.to(device),
@@ -101,15 +107,14 @@ class AttentionMetadata:
         context_lens = torch.stack([p[-1] + 1 for p in query_positions])               # [B]
         max_context_len = int(context_lens.max())
         max_blocks = max(len(t) for t in block_tables)
-        tables = torch.zeros(num_seqs, max_blocks, dtype=torch.long)
+        tables = torch.full((num_seqs, max_blocks), NULL_BLOCK, dtype=torch.long)       # [B, blocks]
         for b, table in enumerate(block_tables):
             tables[b, : len(table)] = torch.tensor(table, dtype=torch.long)
-        tables.clamp_min_(0)                                                           # RELEASED: below
 
         key_pos = torch.arange(max_context_len)                                        # [K]
         key_blocks = tables[:, torch.div(key_pos, block_size, rounding_mode="floor")]  # [B, K]
         context_slots = key_blocks * block_size + key_pos % block_size                 # [B, K]
-        context_slots = torch.where(key_pos < context_lens[:, None], context_slots, 0)
+        context_slots = torch.where(key_pos < context_lens[:, None], context_slots, NULL_SLOT)
         attn_mask = key_pos[None, None, :] <= query_pos[:, :, None]                    # [B, Q, K]
 
         j = torch.arange(max_query_len)                                                # [Q]
@@ -145,7 +150,7 @@ class AttentionMetadata:
         new_lens = lens.clamp_max(window)                                              # [B]
         visible = j < new_lens[:, None]                                                # [B, W]
         keys = (first[:, None] + j).clamp_max(self.context_slots.shape[1] - 1)         # [B, W]
-        slots = torch.where(visible, self.context_slots.gather(1, keys), 0)            # [B, W]
+        slots = torch.where(visible, self.context_slots.gather(1, keys), NULL_SLOT)    # [B, W]
         mask = None if bool(visible.all()) else visible[:, None, None, :]              # [B, 1, 1, W]
         return AttentionMetadata(self.slot_mapping, self.query_index, slots, mask, self.output_index, decode=True,
                                  context_lens=new_lens, query_positions=self.query_positions)
