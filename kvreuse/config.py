@@ -333,6 +333,9 @@ class EngineConfig(_Section):
     max_num_seqs: int = Field(16, ge=1, description="Sequences batched together in one step.")
     max_num_batched_tokens: int = Field(2048, ge=1, description=(
         "Token budget of one step (decode tokens and prompt chunks); longer prompts are prefilled in chunks."))
+    threads: int = Field(0, ge=0, le=1024, description=(
+        "Threads of the engine's parallel ops; 0: the CPUs this process may use (its affinity and cgroup quota), "
+        "fewer while other programs keep those CPUs busy (docs/design/performance.md, threads on shared hosts)."))
     seed: int = Field(0, description=(
         "Seeds sampling for requests that give no seed of their own, so runs are reproducible."))
     # "decode": the decode step compiled by torch.compile in the background, eager until ready (decode_graph.py)

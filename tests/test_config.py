@@ -88,7 +88,8 @@ ALL_CHANGED = Config(
                       tool_call_parser="hermes", served_name="my-model",
                       dtype="bf16", device="cpu", quantization="int8", weights="dense"),
     engine=EngineConfig(
-        num_kv_blocks=1000, kv_cache_memory_mb=1, max_num_seqs=2, max_num_batched_tokens=16, seed=-7, compile="off"
+        num_kv_blocks=1000, kv_cache_memory_mb=1, max_num_seqs=2, max_num_batched_tokens=16, threads=3, seed=-7,
+        compile="off"
     ),
     events=EventsConfig(endpoint="tcp://127.0.0.1:6557", replay_endpoint="ipc:///tmp/kv replay", topic="kv",
                         buffer_steps=5),
@@ -196,7 +197,7 @@ def test_config_to_ini_writes_every_key():
         "suffix.guard_margin", "disk.path", "disk.max_gb", "redis.url", "redis.ttl_s", "redis.timeout_ms",
         "tier_queue_mb", "tier_secret_file", "tier_store_tokens",
     }
-    assert len(parser["server"]) == 13 and len(parser["model"]) == 8 and len(parser["engine"]) == 6
+    assert len(parser["server"]) == 13 and len(parser["model"]) == 8 and len(parser["engine"]) == 7
     assert len(parser["events"]) == 4 and len(parser["cluster"]) == 7 and len(parser["structured"]) == 4
 
 

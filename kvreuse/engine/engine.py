@@ -11,6 +11,7 @@ import torch
 from kvreuse.config import Config, SegmentConfig
 from kvreuse.engine.block_io import PoolBlockIO
 from kvreuse.engine.built_model import build_model
+from kvreuse.engine.cpu_share import thread_policy
 from kvreuse.engine.front_end import (  # noqa: F401 (RequestError, DTYPES, dtype_name: importers' names from here)
     DTYPES,
     FrontEnd,
@@ -70,6 +71,7 @@ class LLMEngine:
         self.stats = EngineStats()
         self.scheduler = Scheduler(self.kv_manager, config.engine.max_num_seqs, config.engine.max_num_batched_tokens)
         self.stop = StopCheck(front.tokenizer, front.max_model_len)
+        self.threads = thread_policy(config.engine)
         self.sequences: dict[str, Sequence] = {}
         # Last, so that a failure above leaves no bound port or thread behind.
         self.events = self._start_events(config)
@@ -172,6 +174,7 @@ class LLMEngine:
         "error" and the exception in `error`, their blocks are freed, and the engine goes on with the rest. Only
         if its state is then inconsistent (`check_integrity` fails) does the exception leave `step`."""
         batch, done = None, StepResult()
+        self.threads.adjust()
         self.kv_manager.expire(self.kv_manager.clock())
         try:
             batch = self.scheduler.schedule()
@@ -270,6 +273,7 @@ class LLMEngine:
         return self.stats.snapshot(
             self.kv_manager, front.bytes_per_block, num_requests_running=len(running),
             num_requests_waiting=len(self.scheduler.waiting), kv_capacity_tokens=front.kv_capacity_tokens,
+            threads=self.threads.threads,
             group_windows=tuple(g.window for g in front.kv_layout.groups),
             group_tokens_in_use=tuple(n * self.block_size for n in group_blocks),
             decode_graph=DecodeGraphStatus(graph.state, graph.num_steps, graph.compile_s) if graph else None,

@@ -95,6 +95,7 @@ class EngineSnapshot:
     num_requests_running: int
     num_requests_waiting: int
     kv_capacity_tokens: int = 0        # the longest sequence the pool holds (FrontEnd.kv_capacity_tokens)
+    threads: int = 0                   # of the engine's parallel ops now (engine/cpu_share.py)
     group_windows: tuple[int | None, ...] = (None,)  # each layer group's window (None: full attention)
     # Tokens whose K/V requests hold, per layer group, in whole blocks (a window group holds only its windows).
     group_tokens_in_use: tuple[int, ...] = ()

@@ -175,7 +175,9 @@ def call_step(step: Callable, model: CausalLM, input_ids: torch.Tensor, position
 def compile_bucket(model: CausalLM, bucket: Bucket) -> Callable:
     """The step for `bucket`'s row counts, compiled ahead of time (torch's AOT precompile)."""
     ids, positions, kv = scratch_step(model, bucket)
-    compiled = torch.compile(_own_step(), fullgraph=True)
+    # Threads are read at run time (omp_get_max_threads), not fixed at compile time: the engine's count follows its
+    # CPU share (engine/cpu_share.py).
+    compiled = torch.compile(_own_step(), fullgraph=True, options={"cpp.dynamic_threads": True})
     return call_step(lambda *inputs: compiled.aot_compile((inputs, {})), model, ids, positions, kv)
 
 

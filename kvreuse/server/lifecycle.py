@@ -97,6 +97,8 @@ def settings_line(config: Config, compile_state: str) -> str:
                                                                 default.session_max_share):
         on.append(f"session retention {cache.session_retention_s:g} s, up to {cache.session_max_share:.0%} of the "
                   f"pool (cache.session_retention_s, cache.session_max_share)")
+    if config.engine.threads:
+        on.append(f"{config.engine.threads} threads, fixed (engine.threads)")
     behaviour = "; ".join(on) or "defaults: exact prefix reuse only, LRU eviction"
     decode = "eager (engine.compile off)" if config.engine.compile == "off" else COMPILE_NOTES.get(compile_state,
                                                                                                   compile_state)

@@ -43,12 +43,13 @@ class GaugeValues:
     kv_capacity_tokens: int                 # the longest sequence one engine holds
     group_windows: tuple[int | None, ...]
     group_tokens_in_use: tuple[int, ...]
+    threads: int                            # of the engines' parallel ops, summed
 
     @classmethod
     def of(cls, s: EngineSnapshot) -> GaugeValues:
         return cls(s.blocks_in_use, s.blocks_total, s.num_requests_running, s.num_requests_waiting, s.blocks_cached,
                    s.evictions, s.eviction_policy, s.peak_kv_bytes_in_use, s.kv_capacity_tokens, s.group_windows,
-                   s.group_tokens_in_use)
+                   s.group_tokens_in_use, s.threads)
 
     @classmethod
     def summed(cls, snapshots: list[EngineSnapshot], eviction_policy: str) -> GaugeValues:
@@ -58,7 +59,8 @@ class GaugeValues:
                    sum(s.blocks_cached for s in snapshots), sum(s.evictions for s in snapshots), eviction_policy,
                    max(s.peak_kv_bytes_in_use for s in snapshots), max(s.kv_capacity_tokens for s in snapshots),
                    snapshots[0].group_windows,
-                   tuple(map(sum, zip(*(s.group_tokens_in_use for s in snapshots), strict=True))))
+                   tuple(map(sum, zip(*(s.group_tokens_in_use for s in snapshots), strict=True))),
+                   sum(s.threads for s in snapshots))
 
 
 class Metrics:
@@ -96,6 +98,8 @@ class Metrics:
         self.group_tokens = Gauge("kvreuse:kv_tokens_in_use", "Tokens whose K/V requests hold, per layer group of the "
                                   "pool: window is full, or the sliding window's keys", labels + ["group", "window"],
                                   registry=r)
+        self.threads = Gauge("kvreuse:engine_threads", "Threads of the engine's parallel ops: the CPUs it may use, "
+                             "fewer while other programs keep them busy (engine.threads)", labels, registry=r)
         self.compile_state = Gauge("kvreuse:decode_compile_state", "Engines whose decode step is in this state: "
                                    "eager, compiling, compiled, failed or cancelled (1 for the one engine without "
                                    "replicas)", labels + ["state"], registry=r)
@@ -155,6 +159,7 @@ class Metrics:
         self.evictions.labels(m, g.eviction_policy).set(g.evictions)
         self.peak_kv_bytes.labels(m).set(g.peak_kv_bytes_in_use)
         self.kv_capacity.labels(m).set(g.kv_capacity_tokens)
+        self.threads.labels(m).set(g.threads)
         for group, (window, num_tokens) in enumerate(zip(g.group_windows, g.group_tokens_in_use, strict=True)):
             self.group_tokens.labels(m, str(group), "full" if window is None else str(window)).set(num_tokens)
 
