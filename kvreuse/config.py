@@ -105,6 +105,12 @@ class ServerConfig(_Section):
     max_stop_strings: int = Field(16, ge=1, description=(
         "Stop strings per request; more get 400 naming `stop` (offline too)."))
     max_stop_chars: int = Field(256, ge=1, description="Characters per stop string; longer ones get 400 naming `stop`.")
+    chat_template_timeout_s: float = Field(5.0, gt=0.0, le=3600.0, description=(
+        "Seconds one conversation may take to render with the chat template (in a worker process, killed then); "
+        "longer gets 400 naming this key (docs/server.md, security)."))
+    chat_template_max_mb: int = Field(512, ge=16, description=(
+        "Memory one render with the chat template may take, and the size of the text it makes, in MB; more gets "
+        "400 naming this key."))
 
 
 class SegmentConfig(_Section):

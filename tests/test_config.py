@@ -56,6 +56,8 @@ ALL_CHANGED = Config(
         api_keys_file="/etc/kvreuse/keys 100%.txt",
         default_max_tokens=17,
         drain_timeout_s=5,
+        chat_template_timeout_s=0.5,
+        chat_template_max_mb=64,
         max_body_mb=8,
         max_queue_per_tenant=2,
         max_stop_strings=4,
@@ -197,7 +199,7 @@ def test_config_to_ini_writes_every_key():
         "suffix.guard_margin", "disk.path", "disk.max_gb", "redis.url", "redis.ttl_s", "redis.timeout_ms",
         "tier_queue_mb", "tier_secret_file", "tier_store_tokens",
     }
-    assert len(parser["server"]) == 13 and len(parser["model"]) == 8 and len(parser["engine"]) == 7
+    assert len(parser["server"]) == 15 and len(parser["model"]) == 8 and len(parser["engine"]) == 7
     assert len(parser["events"]) == 4 and len(parser["cluster"]) == 7 and len(parser["structured"]) == 4
 
 

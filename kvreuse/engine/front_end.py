@@ -24,6 +24,7 @@ from kvreuse.kvcache.layout import resolve_layout
 from kvreuse.kvcache.normalize import normalize_text
 from kvreuse.kvcache.request import new_cache_request
 from kvreuse.model import dtype_probe
+from kvreuse.model.chat_render import ChatTemplateFailed, ChatTemplateLimit
 from kvreuse.model.chat_template import NoChatTemplate, UnsupportedChatTemplate
 from kvreuse.model.gguf_weights import resolve_weights, weights_tag
 from kvreuse.model.loader import ModelArgs, ModelInfo, load_model_info
@@ -176,8 +177,10 @@ class FrontEnd:
             raise RequestError(f"messages: {exc}", "messages", "no_chat_template") from None
         except UnsupportedChatTemplate as exc:
             raise RequestError(f"messages: {exc}", "messages", "unsupported_chat_template") from None
-        except TemplateError as exc:  # the template's own raise_exception, e.g. roles that do not alternate
+        except (TemplateError, ChatTemplateFailed) as exc:  # its raise_exception, e.g. roles that do not alternate
             raise RequestError(f"messages: the chat template refused the conversation: {exc}", "messages") from None
+        except ChatTemplateLimit as exc:
+            raise RequestError(f"messages: {exc}", "messages", "chat_template_limit") from None
 
     def tokenize_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """The prompt tokens of a conversation under the chat template: only the template's own markers become

@@ -19,6 +19,7 @@ from tokenizers import Encoding
 from tokenizers import Tokenizer as RustTokenizer
 
 from kvreuse.model.cache_dir import write_json_atomically
+from kvreuse.model.chat_render import ChatRenderer, InProcessRenderer, RenderLimits, WorkerRenderer
 from kvreuse.model.chat_template import NoChatTemplate, check_self_contained, load_chat_template
 from kvreuse.model.gguf_tokenizer import cache_dir, load_gguf_tokenizer
 
@@ -64,6 +65,7 @@ class ChatText:
 class Tokenizer:
     def __init__(self, hf_tokenizer, facts_file: Path | None = None):
         self.hf = hf_tokenizer
+        self.renderer: ChatRenderer = InProcessRenderer(hf_tokenizer)  # a server's renders in a worker (chat_render.py)
         # Encode/decode go straight to the Rust tokenizer: transformers' wrapper reconfigures it per call,
         # which is not safe when the server's preparation threads and the engine thread use it at once.
         self._backend = hf_tokenizer.backend_tokenizer
@@ -92,6 +94,16 @@ class Tokenizer:
         if chat_template_file:
             hf_tokenizer.chat_template = load_chat_template(chat_template_file)
         return cls(hf_tokenizer, facts_file)
+
+    def render_in_worker(self, limits: RenderLimits) -> None:
+        """Render conversations in a worker process within `limits` from now on (a server's requests)."""
+        self.render_in_process()
+        self.renderer = WorkerRenderer(self.hf, limits)
+
+    def render_in_process(self) -> None:
+        """Render conversations on the calling thread again; a worker is stopped."""
+        self.renderer.close()
+        self.renderer = InProcessRenderer(self.hf)
 
     @property
     def _text_backend(self) -> RustTokenizer:
@@ -156,13 +168,12 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None) -> str:
         """Renders with the chat template, the model's own or the one given to `load` (transformers runs it in a
-        sandboxed jinja2), with `tools` (OpenAI's function definitions) for templates that show them.
+        sandboxed jinja2, on `renderer`), with `tools` (OpenAI's function definitions) for templates that show them.
         NoChatTemplate if there is neither, UnsupportedChatTemplate if it loads other templates."""
         if not self.hf.chat_template:
             raise NoChatTemplate()
         check_self_contained(self.hf.chat_template, "the chat template")
-        return self.hf.apply_chat_template(messages, tools=tools, tokenize=False,
-                                           add_generation_prompt=add_generation_prompt)
+        return self.renderer.render(messages, tools, add_generation_prompt)
 
     def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> ChatText:
         """A conversation under the chat template, with the generation prompt, ready for `encode_chat`. A message's

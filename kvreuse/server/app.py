@@ -27,6 +27,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from kvreuse.engine.engine import LLMEngine
+from kvreuse.model.chat_render import RenderLimits
 from kvreuse.server import routes_admin, routes_cache, routes_models, routes_openai, routes_tokenize
 from kvreuse.server.async_engine import AsyncEngine
 from kvreuse.server.auth import load_admin_keys
@@ -70,6 +71,9 @@ def client_app(client: EngineClient, metrics: Metrics, model_name: str,
 @asynccontextmanager
 async def _run_engine(app: FastAPI):
     state: ServerState = app.state.kvreuse
+    # Requests' conversations render in a worker process with a deadline and a memory cap (model/chat_render.py).
+    tokenizer, limits = state.engine.front_end.tokenizer, state.engine.front_end.config.server
+    tokenizer.render_in_worker(RenderLimits(limits.chat_template_timeout_s, limits.chat_template_max_mb))
     # The grammar compiler (xgrammar's import, the tokenizer's vocabulary) takes ~0.5 s holding the GIL: built now,
     # not while the first request with a format or tools makes every other request wait on it.
     await asyncio.to_thread(lambda: state.engine.front_end.grammars)
@@ -78,4 +82,5 @@ async def _run_engine(app: FastAPI):
     yield
     state.ready = False
     await asyncio.to_thread(state.engine.shutdown)  # what is queued for the lower tiers is written before we exit
+    tokenizer.render_in_process()
 
