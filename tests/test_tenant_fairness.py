@@ -226,9 +226,10 @@ def test_under_a_64x16_flood_from_one_tenant_another_tenants_request_keeps_its_l
 
 # --- in-process: the preparation threads, held on an event -----------------------------------------------------
 @contextmanager
-def held_preparation(tiny_model_dir: str, monkeypatch) -> Iterator[tuple[object, str, threading.Event, list]]:
-    """The app on a thread, whose preparation of any prompt starting "hold" waits until the yielded event is set;
-    yields (app, root, event, the prompts prepared)."""
+def held_preparation(tiny_model_dir: str, monkeypatch, keys: bool = True
+                     ) -> Iterator[tuple[object, str, threading.Event, list]]:
+    """The app on a thread (with KEYS, or without keys), whose preparation of any prompt starting "hold" waits until
+    the yielded event is set; yields (app, root, event, the prompts prepared)."""
     engine = tiny_engine(tiny_model_dir)
     release, prepared = threading.Event(), []
     make_sequence = engine.front_end.make_sequence
@@ -241,7 +242,7 @@ def held_preparation(tiny_model_dir: str, monkeypatch) -> Iterator[tuple[object,
         return make_sequence(prompt, *args, **kwargs)
 
     monkeypatch.setattr(engine.front_end, "make_sequence", holding)
-    with app_server(engine, {key: tenant for tenant, key in KEYS.items()}) as (app, root):
+    with app_server(engine, {key: tenant for tenant, key in KEYS.items()} if keys else None) as (app, root):
         try:
             yield app, root, release, prepared
         finally:
@@ -255,11 +256,11 @@ def wait_until(predicate, timeout: float = 10.0) -> None:
         time.sleep(0.02)
 
 
-def post_in_thread(root: str, tenant: str, prompt: str, results: dict) -> threading.Thread:
+def post_in_thread(root: str, tenant: str | None, prompt: str, results: dict, **fields) -> threading.Thread:
     def post():
         with http_client(60.0) as client:
-            results[prompt] = client.post(f"{root}/v1/completions", headers=auth(tenant),
-                                          json={"model": "tiny", "prompt": prompt, "max_tokens": 1})
+            results[prompt] = client.post(f"{root}/v1/completions", headers=auth(tenant) if tenant else {},
+                                          json={"model": "tiny", "prompt": prompt, "max_tokens": 1, **fields})
 
     thread = threading.Thread(target=post, daemon=True)
     thread.start()
@@ -327,3 +328,21 @@ def test_sequences_not_prompts_count_toward_the_tenants_share(tiny_model_dir):
         assert too_large.status_code == 400, too_large.text  # 6 sequences never fit a share of 4: not a retry
         error = too_large.json()["error"]
         assert error["code"] == "too_many_sequences" and "server.max_queue_per_tenant = 4" in error["message"]
+
+
+def test_without_keys_requests_that_may_compile_leave_a_thread_to_plain_ones(tiny_model_dir, monkeypatch):
+    """Without API keys every request is one tenant's, so two held format requests took both threads and a plain
+    request waited behind them (12 compile bombs held a 1-token request for 32 s). Jobs that may compile a grammar
+    now hold at most all threads but one."""
+    with held_preparation(tiny_model_dir, monkeypatch, keys=False) as (app, root, release, prepared):
+        results: dict = {}
+        json_object = {"response_format": {"type": "json_object"}}
+        holders = [post_in_thread(root, None, f"hold {i}", results, **json_object) for i in range(2)]
+        wait_until(lambda: len(prepared) == 1 and app.state.kvreuse.preparation.num_waiting(None) == 1)
+        post_in_thread(root, None, "Plain meanwhile", results).join(30)
+        assert results["Plain meanwhile"].status_code == 200, "a plain request waited for the held formats"
+        assert prepared[0] in ("hold 0", "hold 1") and prepared[1:] == ["Plain meanwhile"]
+        release.set()
+        for thread in holders:
+            thread.join(30)
+        assert [results[f"hold {i}"].status_code for i in range(2)] == [200, 200]

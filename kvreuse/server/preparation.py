@@ -7,6 +7,11 @@ jobs wait in its own FIFO, and a freed thread goes to the waiting tenant served 
 large schemas of one tenant thus compile one after the other on one thread while another tenant's request is
 tokenized on the other. Without API keys every request is one tenant's, which may use every thread.
 
+Whatever the tenants, jobs that may compile a grammar (a response format, a tool choice) hold at most all threads but
+one, and wait in a line of their own: new formats are checked one at a time, for up to `structured.compile_timeout_s`
+each, so twelve format bombs in flight would otherwise hold both threads while plain requests queued behind them
+(a 1-token request waited 32 s without keys). A request that compiles nothing always finds a thread.
+
 A job whose client disconnects while it waits is dropped (499) and never starts; one that is running (a compile
 cannot be interrupted) finishes, its thread is given back only then, and its result is thrown away.
 """
@@ -34,6 +39,7 @@ PER_TENANT_THREADS = 1   # with API keys: so that another tenant always finds a 
 DISCONNECT_POLL_S = 0.25
 
 T = TypeVar("T")
+Line = tuple[str | None, bool]  # where a job waits: its tenant (None: no API keys), and whether it may compile
 
 
 def client_gone() -> APIError:
@@ -47,9 +53,10 @@ class Preparation:
         self.threads, self.per_tenant = threads, per_tenant
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvreuse-prepare")
         self._running: Counter[str | None] = Counter()  # jobs on a thread now, per tenant
-        # tenant -> the turns its waiting jobs wait for, oldest first; tenants in the order they came.
-        self._waiting: dict[str | None, deque[asyncio.Future]] = {}
-        self._last_turn: dict[str | None, int] = {}  # tenant -> the number of its latest job started
+        self._num_compiling = 0  # jobs on a thread now that may compile a grammar
+        # (tenant, compiles) -> the turns its waiting jobs wait for, oldest first; lines in the order they came.
+        self._waiting: dict[Line, deque[asyncio.Future]] = {}
+        self._last_turn: dict[Line, int] = {}  # line -> the number of its latest job started
         self._num_started = 0
 
     @property
@@ -57,24 +64,27 @@ class Preparation:
         return sum(self._running.values())
 
     def num_waiting(self, tenant: str | None) -> int:
-        return len(self._waiting.get(tenant, ()))
+        return sum(len(turns) for (owner, _), turns in self._waiting.items() if owner == tenant)
 
-    async def run(self, tenant: str | None, request: Request, fn: Callable[..., T], *args) -> T:
+    async def run(self, tenant: str | None, request: Request, fn: Callable[..., T], *args,
+                  compiles: bool = False) -> T:
         """`fn(*args)` on a preparation thread once it is `tenant`'s turn; its exceptions (APIError included) are
-        raised here. 499 if the client of `request` disconnects before the job starts or before it is answered."""
-        await self._take_turn(tenant, request)
+        raised here. 499 if the client of `request` disconnects before the job starts or before it is answered.
+        `compiles`: the job may compile a grammar (it then waits for one of all threads but one)."""
+        line = (tenant, compiles)
+        await self._take_turn(line, request)
         try:
             if await request.is_disconnected():
                 raise client_gone()
             job = self._pool.submit(fn, *args)
         except BaseException:
-            self._leave(tenant)
+            self._leave(line)
             raise
         loop = asyncio.get_running_loop()
 
         def ended(_: Future) -> None:  # the thread is given back when the job ends, not when its waiter gives up
             with suppress(RuntimeError):  # the loop already closed: nothing waits any more
-                loop.call_soon_threadsafe(self._leave, tenant)
+                loop.call_soon_threadsafe(self._leave, line)
 
         job.add_done_callback(ended)
         result = await asyncio.wrap_future(job)
@@ -82,10 +92,10 @@ class Preparation:
             raise client_gone()
         return result
 
-    async def _take_turn(self, tenant: str | None, request: Request) -> None:
-        """Wait for a thread of `tenant`'s; 499 (the place in line given up) if the client leaves meanwhile."""
+    async def _take_turn(self, line: Line, request: Request) -> None:
+        """Wait for a thread for `line`; 499 (the place in line given up) if the client leaves meanwhile."""
         turn = asyncio.get_running_loop().create_future()
-        self._waiting.setdefault(tenant, deque()).append(turn)
+        self._waiting.setdefault(line, deque()).append(turn)
         self._dispatch()
         try:
             while not turn.done():
@@ -96,41 +106,47 @@ class Preparation:
                         raise client_gone() from None
         except BaseException:
             if turn.done():          # given a thread just as it gave up: give it back
-                self._leave(tenant)
+                self._leave(line)
             else:
                 turn.cancel()
-                self._forget(tenant, turn)
+                self._forget(line, turn)
             raise
 
     def _dispatch(self) -> None:
-        """Hand free threads to the waiting tenants in turn, each within its bound."""
+        """Hand free threads to the waiting lines in turn, each within its bounds."""
         while self.num_running < self.threads:
-            ready = [t for t in self._waiting if self._may_start(t)]
+            ready = [line for line in self._waiting if self._may_start(line)]
             if not ready:
                 return
-            tenant = min(ready, key=lambda t: self._last_turn.get(t, 0))  # the first of equals: the first to come
-            turns = self._waiting[tenant]
+            line = min(ready, key=lambda x: self._last_turn.get(x, 0))  # the first of equals: the first to come
+            turns = self._waiting[line]
             turn = turns.popleft()
             if not turns:
-                del self._waiting[tenant]
+                del self._waiting[line]
+            tenant, compiles = line
             self._running[tenant] += 1
+            self._num_compiling += compiles
             self._num_started += 1
-            self._last_turn[tenant] = self._num_started
+            self._last_turn[line] = self._num_started
             turn.set_result(None)
 
-    def _may_start(self, tenant: str | None) -> bool:
-        return tenant is None or self._running[tenant] < self.per_tenant
+    def _may_start(self, line: Line) -> bool:
+        tenant, compiles = line
+        within_tenant = tenant is None or self._running[tenant] < self.per_tenant
+        return within_tenant and (not compiles or self._num_compiling < max(1, self.threads - 1))
 
-    def _leave(self, tenant: str | None) -> None:
+    def _leave(self, line: Line) -> None:
+        tenant, compiles = line
         self._running[tenant] -= 1
+        self._num_compiling -= compiles
         if self._running[tenant] <= 0:
             del self._running[tenant]
         self._dispatch()
 
-    def _forget(self, tenant: str | None, turn: asyncio.Future) -> None:
-        turns = self._waiting.get(tenant)
+    def _forget(self, line: Line, turn: asyncio.Future) -> None:
+        turns = self._waiting.get(line)
         if turns is not None and turn in turns:
             turns.remove(turn)
             if not turns:
-                del self._waiting[tenant]
+                del self._waiting[line]
 

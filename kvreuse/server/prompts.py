@@ -112,6 +112,13 @@ def tool_request(body: ChatCompletionRequest) -> ToolRequest | None:
         raise APIError(400, str(exc), param=exc.field) from exc
 
 
+def may_compile(body: SamplingFields) -> bool:
+    """Preparing `body` may compile a grammar: it asks for an output format, or offers tools the model may call."""
+    asks_format = any(field is not None for field in (body.response_format, body.guided_json, body.guided_regex,
+                                                       body.guided_choice))
+    return asks_format or (bool(getattr(body, "tools", None)) and getattr(body, "tool_choice", None) != "none")
+
+
 def structured_format(body: SamplingFields) -> FormatSpec | None:
     """The output format the body asks for (response_format or vLLM's guided_*), or None."""
     if body.response_format is None and body.guided_json is None and body.guided_regex is None \

@@ -12,7 +12,7 @@ from fastapi import APIRouter, Depends, Request
 from kvreuse.server.admission import request_sequences, reserve
 from kvreuse.server.auth import TenantDep, authenticate
 from kvreuse.server.json_route import FastJSONRoute
-from kvreuse.server.prompts import chat_prompt, check_model, completion_prompts
+from kvreuse.server.prompts import chat_prompt, check_model, completion_prompts, may_compile
 from kvreuse.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvreuse.server.responses import respond
 from kvreuse.server.state import StateDep
@@ -26,7 +26,7 @@ async def completions(body: CompletionRequest, request: Request, state: StateDep
     reservation = reserve(state, tenant, request_sequences(len(body.prompts), body))
     try:
         prompts = await state.preparation.run(tenant, request, completion_prompts, state.engine.front_end, body,
-                                              tenant)
+                                              tenant, compiles=may_compile(body))
         return await respond(state, prompts, body, request, tenant, chat=False, reservation=reservation)
     finally:
         state.admissions.release(reservation)  # taken over by the admissions, or the request failed before
@@ -38,7 +38,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     reservation = reserve(state, tenant, request_sequences(1, body))
     try:
         prompt, dropped = await state.preparation.run(tenant, request, chat_prompt, state.engine.front_end, body,
-                                                      tenant)
+                                                      tenant, compiles=may_compile(body))
         return await respond(state, [prompt], body, request, tenant, chat=True, truncated_turns=dropped,
                              reservation=reservation)
     finally:
