@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvreuse.engine.detokenizer import detokenize
-from kvreuse.engine.engine import RequestError
+from kvreuse.engine.engine import LLMEngine, RequestError
 from kvreuse.engine.model_runner import StepOutput
 from kvreuse.engine.sequence import Sequence
 from kvreuse.kvcache.request import CacheRequest
@@ -273,5 +273,11 @@ def test_an_engine_resolves_its_model_once(tiny_model_dir, monkeypatch):
         assert engine.dtype_description == f"fp32 ({engine.resolved.dtype_why})"
         model_config = engine.resolved.model_config  # what the compiled step's build process resolves: no probe
         assert model_config.dtype == "fp32" and model_config.path == str(engine.front_end.model_path)
+        given = LLMEngine(tiny_config(tiny_model_dir, model__dtype="auto"), resolved=engine.resolved)
+        try:  # an engine given its ResolvedModel resolves nothing
+            assert calls == {"resolve_model": 1, "load_model_info": 1, "probe": 1}
+            assert given.front_end.fingerprint == engine.front_end.fingerprint
+        finally:
+            given.close()
     finally:
         llm.close()
