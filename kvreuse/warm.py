@@ -21,7 +21,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from kvreuse.engine.engine import LLMEngine
-from kvreuse.engine.front_end import FrontEnd, RequestError
+from kvreuse.engine.errors import RequestError
+from kvreuse.engine.front_end import FrontEnd
 from kvreuse.engine.output import RequestOutput
 from kvreuse.engine.sequence import Sequence
 from kvreuse.kvcache.accounting import ReuseRecord

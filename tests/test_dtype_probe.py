@@ -62,7 +62,7 @@ def measured(monkeypatch):
 ])
 def test_auto_takes_the_dtype_the_probe_measured_faster_and_logs_it(measured, caplog, measurement, expected):
     measured.next = measurement
-    with caplog.at_level(logging.INFO, logger="kvreuse.engine.front_end"):
+    with caplog.at_level(logging.INFO, logger="kvreuse.engine.resolved_model"):
         dtype, why = resolve_dtype("auto", CPU, ARGS)
     assert dtype == expected
     assert why == f"auto: bf16 {measurement.fp32_prefill_s / measurement.bf16_prefill_s:.1f}x fp32 on prefill GEMMs"

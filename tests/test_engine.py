@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvreuse.engine.detokenizer import detokenize
-from kvreuse.engine.engine import RequestError
+from kvreuse.engine.engine import LLMEngine, RequestError
 from kvreuse.engine.model_runner import StepOutput
 from kvreuse.engine.sequence import Sequence
 from kvreuse.kvcache.request import CacheRequest
@@ -241,3 +241,43 @@ def test_incremental_detokenization_equals_whole_decoding_at_every_token(real_to
         assert seq.output_text + pending == whole
         assert not seq.output_text.endswith("\ufffd")      # a partial character is held back, never streamed
     assert seq.output_text + pending == real_tokenizer.decode(completion)
+
+
+def test_an_engine_resolves_its_model_once(tiny_model_dir, monkeypatch):
+    """One resolve_model per engine: one read of the model's metadata, one dtype probe (`auto`); the front end and the
+    compiled step's build command take what it decided."""
+    from kvreuse.engine import engine as engine_module
+    from kvreuse.engine import resolved_model
+    from kvreuse.model import dtype_probe
+
+    calls = {"resolve_model": 0, "load_model_info": 0, "probe": 0}
+
+    def counting(module, name):
+        real = getattr(module, name)
+
+        def counted(*args, **kwargs):
+            calls[name] += 1
+            return real(*args, **kwargs)
+        monkeypatch.setattr(module, name, counted)
+
+    counting(engine_module, "resolve_model")
+    counting(resolved_model, "load_model_info")
+    counting(dtype_probe, "probe")
+    llm = LLM(tiny_config(tiny_model_dir, model__dtype="auto"))
+    try:
+        assert calls == {"resolve_model": 1, "load_model_info": 1, "probe": 1}
+        engine = llm.engine
+        assert engine.front_end.resolved is engine.resolved
+        assert engine.front_end.fingerprint == engine.resolved.fingerprint
+        assert engine.resolved.dtype_why.startswith("auto: ")
+        assert engine.dtype_description == f"fp32 ({engine.resolved.dtype_why})"
+        model_config = engine.resolved.model_config  # what the compiled step's build process resolves: no probe
+        assert model_config.dtype == "fp32" and model_config.path == str(engine.front_end.model_path)
+        given = LLMEngine(tiny_config(tiny_model_dir, model__dtype="auto"), resolved=engine.resolved)
+        try:  # an engine given its ResolvedModel resolves nothing
+            assert calls == {"resolve_model": 1, "load_model_info": 1, "probe": 1}
+            assert given.front_end.fingerprint == engine.front_end.fingerprint
+        finally:
+            given.close()
+    finally:
+        llm.close()

@@ -24,7 +24,7 @@ from kvreuse.bench.engine_sizes import Sizes
 from kvreuse.bench.llamacpp_peer import LlamaCppPeer
 from kvreuse.bench.timing import Interleaved
 from kvreuse.config import load_config
-from kvreuse.engine.front_end import resolve_device
+from kvreuse.engine.resolved_model import resolve_device
 from kvreuse.kvcache.layout import resolve_layout
 from kvreuse.llm import LLM
 from kvreuse.model import dtype_probe

@@ -68,7 +68,7 @@ def _warm_summary(summary: dict) -> str:
 def cmd_cache_warm(args: argparse.Namespace) -> int:
     """Compute the KV of every prompt in the file and write it to the lower tiers; 1 if any failed or was lost
     (not written in time, dropped by the queue, refused by a tier)."""
-    from kvreuse.engine.engine import RequestError
+    from kvreuse.engine.errors import RequestError
     from kvreuse.llm import LLM
     from kvreuse.warm import WarmError, warm
 

@@ -76,7 +76,7 @@ def _print_summary(s: EngineSnapshot) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     """Run the prompts given as arguments or in --input; texts on stdout, per-request stats on stderr."""
-    from kvreuse.engine.engine import RequestError
+    from kvreuse.engine.errors import RequestError
     from kvreuse.llm import LLM
 
     config = build_config(args)

@@ -1,11 +1,11 @@
 """`kvreuse serve --replicas N`: the OpenAI app here, N engine replicas on Ray Serve behind it.
 
-This process is the ingress: it reads the model's metadata (never its weights) into a FrontEnd, which resolves
-`model.dtype = auto` once so every replica computes, and keys its blocks, alike, starts Ray (or joins
-`cluster.ray_address`), deploys the replicas with the cache-aware router, and serves the same FastAPI app as the
-single server, with a RemoteEngine in place of the engine thread, through the same uvicorn server (ready line,
-SIGTERM draining). Serve's own HTTP proxy
-is not started: requests reach the replicas only through this ingress's DeploymentHandle.
+This process is the ingress: it resolves the model once from its metadata, never its weights (`resolve_model`:
+`model.dtype = auto` among the rest), so that every replica computes, and keys its blocks, alike; builds its FrontEnd
+from that ResolvedModel; starts Ray (or joins `cluster.ray_address`), deploys the replicas with the cache-aware
+router, and serves the same FastAPI app as the single server, with a RemoteEngine in place of the engine thread,
+through the same uvicorn server (ready line, SIGTERM draining). Serve's own HTTP proxy is not started: requests reach
+the replicas only through this ingress's DeploymentHandle.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from collections.abc import Iterator
 
 from kvreuse.config import Config, ConfigError
 from kvreuse.engine.front_end import FrontEnd
+from kvreuse.engine.resolved_model import resolve_model
 from kvreuse.extras import require
 from kvreuse.server import lifecycle
 from kvreuse.server.app import client_app
@@ -44,11 +45,12 @@ def serve_cluster(config: Config, *, log_level: str = "warning") -> int:
     if config.cluster.routing == "ray_prefix":
         ray_prefix_router()  # a Ray without it fails here, before anything starts
     api_keys = load_api_keys(config.server.api_keys_file) if config.server.api_keys_file else None
-    # Its config names the model path and the dtype it resolved: every replica loads the same weights in the same
-    # dtype, and so names its blocks with the same keys the router computes.
-    front = FrontEnd.from_config(config)
-    model_name = served_model_name(config, front.model_path)  # before the path is resolved: a named model's name
-    config = front.config
+    # The replicas' config names what was resolved here (path, dtype, weights): every replica loads the same weights
+    # in the same dtype, with no probe, and so names its blocks with the same keys the router computes.
+    resolved = resolve_model(config)
+    model_name = served_model_name(config, resolved.path)  # before the path is resolved: a named model's name
+    config = resolved.config_of(config)
+    front = FrontEnd(config, resolved, compiles_grammars=False)  # it checks response formats; replicas compile them
     with ray_session(config) as joined:
         try:
             handle = deploy(config, front)

@@ -12,17 +12,18 @@ from kvreuse.config import Config, SegmentConfig
 from kvreuse.engine.block_io import PoolBlockIO
 from kvreuse.engine.built_model import build_model
 from kvreuse.engine.cpu_share import thread_policy
-from kvreuse.engine.front_end import (  # noqa: F401 (RequestError, DTYPES, dtype_name: importers' names from here)
-    DTYPES,
-    FrontEnd,
-    RequestError,
-    dtype_name,
-    resolve_device,
-    resolve_dtype,
-)
+from kvreuse.engine.errors import RequestError
+from kvreuse.engine.front_end import FrontEnd
 from kvreuse.engine.model_runner import ModelRunner, StepOutput
 from kvreuse.engine.output import RequestOutput, Usage
 from kvreuse.engine.precompile import precompile_command
+from kvreuse.engine.resolved_model import (  # noqa: F401 (DTYPES, dtype_name, resolve_dtype: importers' names)
+    DTYPES,
+    ResolvedModel,
+    dtype_name,
+    resolve_dtype,
+    resolve_model,
+)
 from kvreuse.engine.scheduler import (  # noqa: F401 (MAX_ADMISSION_FAULTS: importers' name from here)
     MAX_ADMISSION_FAULTS,
     Scheduler,
@@ -49,19 +50,21 @@ logger = logging.getLogger(__name__)
 class LLMEngine:
     """The model, its KV pool, the cache and the scheduler, with the front end that prepares their requests."""
 
-    def __init__(self, config: Config, *, compile_later: bool = False):
+    def __init__(self, config: Config, *, compile_later: bool = False, resolved: ResolvedModel | None = None):
         """`compile_later`: the decode step's compile waits for `start_compile()` (the server warms up first: a
-        compile beside the warm-up held the GIL and both cores, and delayed the ready line by seconds)."""
-        self.device = resolve_device(config.model.device)
-        built = build_model(config.model, self.device)
-        self.front_end = FrontEnd(config, built.info, built.dtype, built.dtype_why)
+        compile beside the warm-up held the GIL and both cores, and delayed the ready line by seconds). `resolved`:
+        `resolve_model(config)` where the caller has it already; the model is resolved here otherwise, once."""
+        self.resolved = resolved = resolved or resolve_model(config)
+        self.device = resolved.device
+        built = build_model(resolved)
+        self.front_end = FrontEnd(config, resolved)
         front, model = self.front_end, built.model
         self.weights_description = built.weights_description
         num_blocks = front.num_kv_blocks
         decode_graph = (DecodeGraph(model, min(COMPILED_ROWS, config.engine.max_num_batched_tokens),
-                                    precompile_command(built.resolved(config.model)))
+                                    precompile_command(resolved.model_config))
                         if config.engine.compile == "decode" else None)
-        self.runner = ModelRunner(model, num_blocks, front.block_size, built.dtype, self.device,
+        self.runner = ModelRunner(model, num_blocks, front.block_size, resolved.dtype, self.device,
                                   front.tokenizer.eos_token_ids, decode_graph, front.kv_layout)
         self.tiers = TieredStore.from_config(config.cache, PoolBlockIO(self.runner.kv_cache, front.fingerprint,
                                                                          front.kv_layout))

@@ -1,8 +1,9 @@
 """The request-preparation half of the engine: normalize, tokenize, validate, make the Sequence.
 
-It needs the model's metadata (shape, fingerprint, tokenizer), the dtype and the pool size, never its weights: the
-LLMEngine builds one (its `front_end`), and an ingress that never runs the model builds one from `load_model_info`
-(`FrontEnd.from_config`), so both prepare a request, and key its blocks, exactly alike.
+It needs the resolved model (resolved_model.py: shape, fingerprint, dtype, KV layout), its tokenizer and the pool
+size, never its weights: the LLMEngine builds one (its `front_end`), and an ingress that never runs the model builds
+one from the same ResolvedModel (`FrontEnd.from_config`), so both prepare a request, and key its blocks, exactly
+alike.
 """
 
 from __future__ import annotations
@@ -11,24 +12,19 @@ import functools
 import itertools
 import logging
 from collections.abc import Collection
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 from jinja2 import TemplateError
 
 from kvreuse.config import Config
-from kvreuse.engine.model_runner import kv_bytes_per_block
+from kvreuse.engine.errors import RequestError, check_text
+from kvreuse.engine.resolved_model import ResolvedModel, resolve_model
 from kvreuse.engine.sequence import Sequence
-from kvreuse.kvcache.layout import resolve_layout
 from kvreuse.kvcache.normalize import normalize_text
 from kvreuse.kvcache.request import new_cache_request
-from kvreuse.model import dtype_probe
 from kvreuse.model.chat_render import ChatTemplateFailed, ChatTemplateLimit
 from kvreuse.model.chat_template import NoChatTemplate, UnsupportedChatTemplate
-from kvreuse.model.gguf_weights import resolve_weights, weights_tag
-from kvreuse.model.loader import ModelArgs, ModelInfo, load_model_info
-from kvreuse.model.quantize import quantization_tag
 from kvreuse.model.tokenizer import ChatText, Tokenizer, check_unicode
 from kvreuse.sampling_params import SamplingParams
 from kvreuse.tools.parsers import ToolParser, detect_format, get_parser
@@ -40,78 +36,29 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 RETENTIONS = (None, "in_memory", "in-memory", "24h")  # OpenAI's prompt_cache_retention (the JS SDK sent "in-memory")
 RETENTION_24H_S = 86_400.0
-
-
-class RequestError(ValueError):
-    """A request the engine refuses; the message names the field and the limit. `field` is the request field it is
-    about (prompt, messages, stop, cache_salt), `code` a machine-readable reason (context_length_exceeded) or None."""
-
-    def __init__(self, message: str, field: str = "prompt", code: str | None = None):
-        super().__init__(message)
-        self.field, self.code = field, code
-
-
-def _check_text(field: str, value: object) -> None:
-    """A string field hashed as UTF-8 (cache_salt, prompt_cache_key): RequestError naming it otherwise."""
-    if not isinstance(value, str):
-        raise RequestError(f"{field} must be a string, got {type(value).__name__}", field)
-    try:
-        check_unicode(value)
-    except ValueError as exc:
-        raise RequestError(f"{field}: {exc}", field) from None
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("model.device = cuda, but no CUDA device is available")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device, args: ModelArgs) -> tuple[torch.dtype, str]:
-    """The dtype of the weights and KV, and why (empty for an explicit `model.dtype`): `auto` is bf16 on CUDA
-    and, on a CPU, whichever dtype the probe measured faster on `args`' prefill-shaped GEMMs (logged at INFO)."""
-    if name != "auto":
-        return DTYPES[name], ""
-    if device.type == "cuda":
-        return torch.bfloat16, "auto: cuda"
-    result = dtype_probe.probe(args)
-    logger.info("model.dtype = auto: %s on this CPU; %s", dtype_name(result.dtype), result.describe())
-    return result.dtype, f"auto: {result.summary}"
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return next(name for name, d in DTYPES.items() if d == dtype)
 
 
 class FrontEnd:
     """Prepares requests for one model in one dtype; touches no engine state, so any thread may use it."""
 
-    def __init__(self, config: Config, info: ModelInfo, dtype: torch.dtype, why: str = "", *,
-                 compiles_grammars: bool = True):
+    def __init__(self, config: Config, resolved: ResolvedModel, *, compiles_grammars: bool = True):
+        """The front end of `resolved`, the model `resolve_model(config)` resolved; it resolves nothing again."""
         self.config = config
         # False where no model runs (a cluster's ingress): response formats are checked here, compiled by replicas.
         self.compiles_grammars = compiles_grammars
-        self.model_path, self.model_args = info.path, info.args
-        self.dtype = dtype
-        self.dtype_description = f"{dtype_name(dtype)} ({why})" if why else dtype_name(dtype)
-        # Cache keys must change whenever the numbers in the KV would: weights, dtype and quantization.
-        self.weights = resolve_weights(config.model.weights, config.model.quantization, info.path,
-                                       resolve_device(config.model.device))
-        tags = [quantization_tag(config.model.quantization), weights_tag(self.weights)]
-        self.fingerprint = ":".join([info.fingerprint, str(dtype).removeprefix("torch."), *filter(None, tags)])
-        self.tokenizer = Tokenizer.load(info.path, info.fingerprint, config.model.chat_template or None)
+        self.resolved = resolved
+        self.model_path, self.model_args = resolved.path, resolved.args
+        self.dtype, self.dtype_description = resolved.dtype, resolved.dtype_description
+        self.weights, self.fingerprint, self.kv_layout = resolved.weights, resolved.fingerprint, resolved.kv_layout
+        self.tokenizer = Tokenizer.load(resolved.path, resolved.info.fingerprint, config.model.chat_template or None)
         self.block_size = config.cache.block_size
-        self.kv_layout = resolve_layout(info.args, config.cache)
-        self.bytes_per_block = kv_bytes_per_block(info.args, self.kv_layout, self.block_size, dtype)
+        self.bytes_per_block = resolved.kv_bytes_per_block(self.block_size)
         # Usable blocks; a budget in memory also covers the pool's null block (block_pool.py).
         self.num_kv_blocks = config.engine.num_kv_blocks or max(1, config.engine.kv_cache_memory_mb * 2**20
                                                                 // self.bytes_per_block - 1)
-        self.max_model_len = min(config.server.max_tokens, info.args.max_position_embeddings)
+        self.max_model_len = min(config.server.max_tokens, resolved.args.max_position_embeddings)
         # Sampling of requests that bring no seed of their own draws from here: a run is reproducible.
         self.generator = torch.Generator().manual_seed(config.engine.seed)
         self._request_counter = itertools.count()
@@ -119,19 +66,13 @@ class FrontEnd:
 
     @classmethod
     def from_config(cls, config: Config) -> FrontEnd:
-        """The front end of `config`'s model, from its metadata alone; `model.dtype = auto` is resolved here
-        (the probe), for the device `model.device` names. Its `config` names the model path and dtype resolved, so
-        that engines built from it (a cluster's replicas) load the same weights in the same dtype, and key their
-        blocks alike. It runs no model, so it only checks response formats (`compiles_grammars` False): the replica
-        that runs a sequence compiles its grammar. ModelLoadError for a bad model path."""
-        info = load_model_info(config.model.path or None)
-        dtype, why = resolve_dtype(config.model.dtype, resolve_device(config.model.device), info.args)
-        weights = resolve_weights(config.model.weights, config.model.quantization, info.path,
-                                  resolve_device(config.model.device))
-        template = config.model.chat_template and str(Path(config.model.chat_template).resolve())
-        model = config.model.model_copy(update={"path": str(info.path), "dtype": dtype_name(dtype),
-                                                "weights": weights, "chat_template": template})
-        return cls(config.model_copy(update={"model": model}), info, dtype, why, compiles_grammars=False)
+        """The front end of `config`'s model alone (`resolve_model`), for a process that runs no model. Its `config`
+        names what was resolved (`ResolvedModel.config_of`), so that engines built from it (a cluster's replicas)
+        load the same weights in the same dtype, and key their blocks alike. It only checks response formats
+        (`compiles_grammars` False): the replica that runs a sequence compiles its grammar. ModelLoadError for a bad
+        model path."""
+        resolved = resolve_model(config)
+        return cls(resolved.config_of(config), resolved, compiles_grammars=False)
 
     @functools.cached_property
     def kv_capacity_tokens(self) -> int:
@@ -231,7 +172,7 @@ class FrontEnd:
         (`cache.session_retention_s`, or a day for `retention` "24h"; kvcache/retention.py)."""
         for field, text in (("cache_salt", cache_salt), ("prompt_cache_key", session_key)):
             if text is not None:
-                _check_text(field, text)
+                check_text(field, text)
         if retention not in RETENTIONS:
             raise RequestError(f"prompt_cache_retention must be one of {', '.join(map(str, RETENTIONS))}, got "
                                f"{retention!r}", "prompt_cache_retention")

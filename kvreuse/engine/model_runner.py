@@ -22,14 +22,8 @@ from kvreuse.layers.logits_processors import SamplingRow
 from kvreuse.layers.sampler import TokenLogprob, sample_rows
 from kvreuse.model.decode_graph import DecodeGraph
 from kvreuse.model.decoder import CausalLM, ForwardKV, layer_caches
-from kvreuse.model.loader import ModelArgs
 
 PROMPT_LOGITS_ROWS = 256  # prompt rows turned into logits at once: [256, vocab] fp32 is 48 MiB for a 48K vocabulary
-
-
-def kv_bytes_per_block(args: ModelArgs, layout: KVLayout, block_size: int, dtype: torch.dtype) -> int:
-    """K and V of the layers one block holds (every layer, unless the layout groups them)."""
-    return layout.layers_per_block * 2 * block_size * args.num_kv_heads * args.head_dim * dtype.itemsize
 
 
 Draw = tuple[int, TokenLogprob | None]  # a sampled token, and its logprob when asked for

@@ -1,9 +1,9 @@
 """The process that builds a model's compiled decode step (model/graph_store.py), started by its engine's DecodeGraph
 at the lowest CPU priority: `python -m kvreuse.engine.precompile MODEL_CONFIG_JSON MAX_ROWS KEY_JSON`.
 
-It builds the model from the engine's resolved `[model]` section (built_model.py), and the graphs only if its model
-has the key the engine asked for: a model that came out otherwise (another measured kernel row limit, say) builds
-nothing, and the engine says so and decodes eagerly.
+It builds the model from the engine's resolved `[model]` section (`ResolvedModel.model_config`), and the graphs only
+if its model has the key the engine asked for: a model that came out otherwise (another measured kernel row limit,
+say) builds nothing, and the engine says so and decodes eagerly.
 """
 
 from __future__ import annotations
@@ -22,13 +22,14 @@ def precompile_command(model: ModelConfig) -> list[str]:
 
 def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from kvreuse.config import Config
     from kvreuse.engine.built_model import build_model
-    from kvreuse.engine.front_end import resolve_device
+    from kvreuse.engine.resolved_model import resolve_model
     from kvreuse.model.decode_graph import build_graphs, row_buckets
     from kvreuse.model.graph_store import graph_key
 
     config, key = ModelConfig.model_validate_json(argv[0]), json.loads(argv[1])
-    model = build_model(config, resolve_device(config.device)).model
+    model = build_model(resolve_model(Config(model=config))).model  # the default [cache]: no graph depends on it
     buckets = [tuple(b) for b in key["buckets"]]
     own = graph_key(model, row_buckets(model, buckets[-1][1]))
     if own != key:

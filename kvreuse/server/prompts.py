@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from kvreuse.engine.front_end import FrontEnd, RequestError
+from kvreuse.engine.errors import RequestError
+from kvreuse.engine.front_end import FrontEnd
 from kvreuse.engine.sequence import Sequence
 from kvreuse.kvcache.hashing import scoped_salt
 from kvreuse.sampling_params import InvalidSamplingParam, SamplingParams

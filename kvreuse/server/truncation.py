@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from kvreuse.engine.front_end import FrontEnd, RequestError
+from kvreuse.engine.errors import RequestError
+from kvreuse.engine.front_end import FrontEnd
 
 LEADING_ROLES = ("system", "developer")
 
