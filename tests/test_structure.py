@@ -156,3 +156,31 @@ def test_prometheus_counts_every_field_of_the_record_under_its_own_name():
         assert scrape.get(f"{metric}_total", model_name="m") == 2 * getattr(out.usage, name), metric
     for tier, num_tokens in out.usage.cached_by_tier().items():
         assert scrape.get("kvreuse:tier_hit_tokens_total", model_name="m", tier=tier) == 2 * num_tokens, tier
+
+
+# --- the module map in docs/design/architecture.md -------------------------------------------------------------
+def _module_map() -> dict[str, str]:
+    """The `## Modules` table of docs/design/architecture.md: its first column (a module or a folder) -> its row."""
+    text = (PACKAGE.parent / "docs" / "design" / "architecture.md").read_text(encoding="utf-8")
+    section = text.split("\n## Modules\n", 1)[1].split("\n## ", 1)[0]
+    return {line.split("`")[1]: line for line in section.splitlines() if line.startswith("| `")}
+
+
+def test_the_module_map_names_every_module():
+    """Each module of the package has a row of its own, or is named in its folder's row (`kvcache/eviction/`:
+    `lru.py`; `cli/`: `generate`)."""
+    rows = _module_map()
+    unnamed = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = path.relative_to(PACKAGE).as_posix()
+        if path.name in ("__init__.py", "__main__.py") or module in rows:
+            continue
+        folders = [name for name in rows if name.endswith("/") and module.startswith(name)]
+        if not any(path.name in rows[folder] or f"`{path.stem}`" in rows[folder] for folder in folders):
+            unnamed.append(module)
+    assert not unnamed, f"docs/design/architecture.md's module map lacks {unnamed}"
+
+
+def test_the_module_map_names_no_module_that_is_gone():
+    gone = [name for name in _module_map() if name.endswith(".py") and not (PACKAGE / name).exists()]
+    assert not gone, f"docs/design/architecture.md's module map names modules that do not exist: {gone}"
