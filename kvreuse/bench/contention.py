@@ -10,20 +10,19 @@ and their ratio to the same variant's quiet median.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
 import sys
 import time
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
 from kvreuse.bench.agent_report import machine
-from kvreuse.bench.first_run import PROBE, served
+from kvreuse.bench.first_run import PROBE, publish, served
 from kvreuse.engine.cpu_share import cpus_available
 
 SETTLE_S = 0.5  # the neighbours' start, before the probe
@@ -101,12 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, help="write contention.json and contention.md here")
     args = parser.parse_args(argv)
     results = run(args.rounds, args.loads)
-    text = report(results)
-    print(text)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "contention.json").write_text(json.dumps([asdict(p) for p in results], indent=1))
-        (args.out / "contention.md").write_text(f"# A 64-token answer beside CPU-bound neighbours\n\n{text}\n")
+    publish(args.out, "contention", "A 64-token answer beside CPU-bound neighbours", report(results), results)
 
 
 if __name__ == "__main__":

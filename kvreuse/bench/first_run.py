@@ -129,6 +129,15 @@ def report(results: list[Probe]) -> str:
     return "\n".join(lines)
 
 
+def publish(out: Path | None, name: str, title: str, text: str, results: list) -> None:
+    """Print `text`; with `out`, write it as NAME.md under `title`, and `results` (dataclasses) as NAME.json."""
+    print(text)
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{name}.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
+        (out / f"{name}.md").write_text(f"# {title}\n\n{text}\n")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--every-s", type=float, default=10.0)
@@ -137,12 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, help="write first-run.json and first-run.md here")
     args = parser.parse_args(argv)
     results = run(args.every_s, args.after, args.max_s)
-    text = report(results)
-    print(text)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "first-run.json").write_text(json.dumps([asdict(p) for p in results], indent=1))
-        (args.out / "first-run.md").write_text(f"# The first minutes of `make run`\n\n{text}\n")
+    publish(args.out, "first-run", "The first minutes of `make run`", report(results), results)
 
 
 if __name__ == "__main__":
