@@ -11,11 +11,13 @@ import torch
 
 from kvreuse.config import EngineConfig
 from kvreuse.engine.cpu_share import (
+    MIN_FREE_CPUS,
     CpuSample,
     FairShare,
     FixedThreads,
     can_sample_cpu,
     cpus_available,
+    sample_cpu,
     thread_policy,
 )
 
@@ -77,8 +79,11 @@ def test_threads_give_way_to_cpu_bound_neighbours_and_come_back():
     thread = threading.Thread(target=engine_thread)
     thread.start()
     try:
-        time.sleep(1.5)
-        assert seen and seen[-1] == cpus
+        deadline = time.monotonic() + 20
+        while not (seen and seen[-1] == cpus) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if seen[-1] < cpus:
+            pytest.skip(f"other programs keep this machine's CPUs busy: {seen[-1]} of {cpus} threads before the test")
         burners = [_burner() for _ in range(cpus)]
         try:
             deadline = time.monotonic() + 20
@@ -89,10 +94,26 @@ def test_threads_give_way_to_cpu_bound_neighbours_and_come_back():
             for burner in burners:
                 burner.kill()
                 burner.wait()
-        deadline = time.monotonic() + 20
+        before, deadline = sample_cpu(), time.monotonic() + 20
         while seen[-1] < cpus and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert seen[-1] == cpus, f"{seen[-1]} threads of {cpus} after the neighbours left"
+        after = sample_cpu()
+        free = (after.free_cpu_s - before.free_cpu_s) / (after.at_s - before.at_s)
+        if seen[-1] < cpus and free < MIN_FREE_CPUS:
+            pytest.skip(f"other programs kept this machine's CPUs busy after the neighbours left ({free:.2f} free)")
+        assert seen[-1] == cpus, f"{seen[-1]} threads of {cpus} after the neighbours left, {free:.2f} CPUs free"
     finally:
         phase["stop"] = True
         thread.join()
+
+
+def test_a_new_stepping_thread_starts_a_window_of_its_own():
+    """The server warms the engine up on a passing thread, then steps it on the engine thread: the first window on the
+    engine thread must not mix the two threads' CPU waits (which once read as neighbours and took a thread away)."""
+    samples = iter([CpuSample(0.0, 100.0, 0.0), CpuSample(1.0, 0.0, 0.0), CpuSample(2.0, 0.0, 0.0)])
+    share = FairShare(2, sample=lambda: next(samples))
+    share.adjust()                              # the warm-up's thread: 100 s waited so far
+    worker = threading.Thread(target=share.adjust)
+    worker.start()                              # the engine thread: its own counter starts at 0
+    worker.join()
+    assert share.threads == 2

@@ -118,16 +118,17 @@ class FairShare:
         self.max_threads = self.threads = max_threads
         self._sample = sample
         self._last: CpuSample | None = None
+        self._thread: int | None = None  # the stepping thread of the last sample (the server warms up on another)
 
     def adjust(self) -> int:
-        now = self._sample() if self._last is None or time.monotonic() - self._last.at_s >= WINDOW_S else None
-        if now is None:
-            return self.threads
-        if self._last is None:
+        if self._thread != threading.get_ident():  # a new stepping thread: its own count, and a window of its own
+            self._thread, self._last = threading.get_ident(), self._sample()
             torch.set_num_threads(self.threads)
-        elif now.at_s - self._last.at_s <= STALE_S:
-            self._set(self.decide(self._last, now))
-        self._last = now
+        elif time.monotonic() - self._last.at_s >= WINDOW_S:
+            now = self._sample()
+            if now.at_s - self._last.at_s <= STALE_S:
+                self._set(self.decide(self._last, now))
+            self._last = now
         return self.threads
 
     def decide(self, before: CpuSample, now: CpuSample) -> int:
