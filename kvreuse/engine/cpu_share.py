@@ -99,12 +99,12 @@ class FixedThreads:
 
     def __init__(self, threads: int):
         self.threads = threads
-        self._set = False
+        self._thread: int | None = None
 
     def adjust(self) -> int:
-        if not self._set:  # OpenMP's thread count is per thread: set it on the engine's
+        if self._thread != threading.get_ident():  # OpenMP's count is per thread: set on each stepping thread
+            self._thread = threading.get_ident()
             torch.set_num_threads(self.threads)
-            self._set = True
         return self.threads
 
 
