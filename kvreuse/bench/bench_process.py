@@ -15,8 +15,9 @@ from kvreuse.bench.llamacpp_peer import describe_exit
 
 TAIL_LINES = 40
 # Its own process group, so that a timeout kills its workers too; not its own session, which a machine that ends a
-# command's processes (the device tool's) would leave running after the caller was stopped.
-GROUP = {"process_group": 0} if sys.version_info >= (3, 11) else {"start_new_session": True}
+# command's processes (the device tool's) would leave running after the caller was stopped, and which Linux's
+# autogroup would give a CPU share of its own. Python 3.10's Popen has no process_group: setpgid before the exec.
+GROUP = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
 
 
 def _tail(path: Path) -> str:
