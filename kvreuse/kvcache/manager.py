@@ -22,7 +22,7 @@ from kvreuse.kvcache.request import CacheRequest, ReuseScope, new_cache_request
 from kvreuse.kvcache.segment import SegmentIndex, SegmentPlan
 from kvreuse.kvcache.tiers.store import LoadedBlock, StoredBlock, TieredStore
 from kvreuse.kvcache.tokens import common_prefix_length
-from kvreuse.kvcache.window_groups import WindowGroups, WindowRetention
+from kvreuse.kvcache.window_groups import WindowGroups
 
 
 class KVCacheManager:
@@ -40,7 +40,7 @@ also needs, in every window group, the blocks its window reads before position n
                  max_cached_blocks: int | None = None, policy: str | EvictionPolicy = "lru", min_match_blocks: int = 1,
                  fingerprint: str = "", hash_fn: BlockHashFn = sha256_block_key, enable_segments: bool = False,
                  tiers: TieredStore | None = None, layout: KVLayout | None = None,
-                 window_retention: WindowRetention = "policy", max_pinned_blocks: int = 0,
+                 max_pinned_blocks: int = 0,
                  max_retained_blocks: int = 0):
         self.block_size = block_size
         self.layout = layout or KVLayout.full(1)
@@ -53,7 +53,7 @@ also needs, in every window group, the blocks its window reads before position n
         self.hash_fn = hash_fn  # a test can swap in a constant to prove hits are confirmed, not trusted
         self.pool = BlockPool(num_blocks, max_cached_blocks if enable_caching else 0, policy,
                               max_retained_blocks if enable_caching else 0)
-        self.window_groups = (WindowGroups(self.pool, self.windows, block_size, self._key, window_retention)
+        self.window_groups = (WindowGroups(self.pool, self.windows, block_size, self._key)
                               if self.windows else None)
         self.segments = SegmentIndex(block_size)
         self.tiers = tiers if enable_caching else None  # disk / Redis under the pool

@@ -11,7 +11,6 @@ its position (its `parent_uid`), so it is only ever found through that block's i
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
 
 from kvreuse.kvcache.block import NULL_BLOCK
 from kvreuse.kvcache.block_pool import BlockPool
@@ -19,20 +18,12 @@ from kvreuse.kvcache.layout import first_window_block
 from kvreuse.kvcache.match import Match
 from kvreuse.kvcache.request import CacheRequest
 
-# What becomes of the window blocks a running sequence's window has passed, beyond the windows of hits at its last
-# block boundaries, which it keeps: "policy" cached like any block (the default: kvreuse bench windows measured it at
-# or above the others on every scenario); "cold" cached but evicted before anything else unless a hit has reused
-# them; "end" freed unless a hit has reused them.
-WindowRetention = Literal["policy", "cold", "end"]
-
 BlockKey = Callable[[CacheRequest, int], bytes]  # the chain key of a request's full block i (KVCacheManager._key)
 
 
 class WindowGroups:
-    def __init__(self, pool: BlockPool, windows: list[int], block_size: int, key: BlockKey,
-                 retention: WindowRetention = "policy"):
+    def __init__(self, pool: BlockPool, windows: list[int], block_size: int, key: BlockKey):
         self.pool, self.windows, self.block_size, self.key = pool, windows, block_size, key
-        self.retention = retention
 
     @property
     def num_groups(self) -> int:
@@ -113,7 +104,7 @@ class WindowGroups:
         """Let go of the window blocks that neither a later token of `req` nor a hit at its last two block boundaries
         reads (a prompt that diverges inside the last block of this one hits at the boundary before). Those a hit at
         the last two boundaries before the prompt's end reads are cached like any block (an edited last message, a
-        retry); the others as `retention` says."""
+        retry); the others go through `let_go_passed`."""
         bs = self.block_size
         kept_boundary = max(0, (num_computed_tokens // bs - 1) * bs)
         prompt_end = req.num_prompt_tokens // bs
@@ -123,13 +114,15 @@ class WindowGroups:
                 continue
             checkpoint = range(first_window_block(max(0, prompt_end - 1) * bs, window, bs), prompt_end)
             self.pool.free([table[i] for i in range(start, first) if i in checkpoint])
-            passed = [table[i] for i in range(start, first) if i not in checkpoint]
-            if self.retention == "end":
-                self.pool.discard(passed)
-            else:
-                self.pool.free(passed, cold=self.retention == "cold")
+            self.let_go_passed([table[i] for i in range(start, first) if i not in checkpoint])
             table[start:first] = [NULL_BLOCK] * (first - start)
             req.window_starts[g] = first
+
+    def let_go_passed(self, block_ids: list[int]) -> None:
+        """Let go of window blocks no later token of their request reads: cached like any block, under the pool's
+        eviction policy (`kvreuse bench windows` measured that at or above the alternatives it replaces this with, on
+        every scenario: bench/passed_windows.py)."""
+        self.pool.free(block_ids)
 
     def release_order(self, req: CacheRequest) -> list[int]:
         """Every block `req` holds, in the order to free them: position by position, each window group's block after
