@@ -10,8 +10,9 @@ Under all three a request keeps the windows of hits at its last two block bounda
 prompt's end (the window groups free those themselves), and window blocks go as soon as the full-attention block they
 are found through goes.
 
-`PassedWindows.install` wraps the pool's policy in a `ColdFirst` and takes the window groups' `let_go_passed`, the one
-place passed window blocks leave a request; the pool and the manager know nothing of either."""
+`PassedWindows.install` wraps the pool's policy in a `ColdFirst` and takes each sliding-window group's `let_go_passed`
+(kvcache/sliding_window_group.py), the one place passed window blocks leave a request; the pool and the manager know
+nothing of either."""
 
 from __future__ import annotations
 
@@ -83,8 +84,8 @@ class PassedWindows:
     def install(cls, manager: KVCacheManager, mode: WindowRetention = "policy") -> PassedWindows:
         """Take over what becomes of `manager`'s passed window blocks (a layout without window groups has none)."""
         passed = cls(manager, mode)
-        if manager.window_groups is not None:
-            manager.window_groups.let_go_passed = passed.let_go
+        for group in manager.coordinator.windows:
+            group.let_go_passed = passed.let_go
         return passed
 
     def let_go(self, block_ids: Sequence[int]) -> None:

@@ -11,6 +11,7 @@ from concurrent.futures import TimeoutError as FutureTimeout  # the builtin from
 from kvreuse.config import CacheConfig
 from kvreuse.kvcache.block import NULL_BLOCK
 from kvreuse.kvcache.block_pool import BlockPool
+from kvreuse.kvcache.coordinator import KVCacheCoordinator
 from kvreuse.kvcache.copy_jobs import CopyJobs
 from kvreuse.kvcache.eviction import EvictionPolicy, Release
 from kvreuse.kvcache.hashing import BlockHashFn, extend_chain, sha256_block_key
@@ -22,7 +23,6 @@ from kvreuse.kvcache.request import CacheRequest, ReuseScope, new_cache_request
 from kvreuse.kvcache.segment import SegmentIndex, SegmentPlan
 from kvreuse.kvcache.tiers.store import LoadedBlock, StoredBlock, TieredStore
 from kvreuse.kvcache.tokens import common_prefix_length
-from kvreuse.kvcache.window_groups import WindowGroups
 
 
 class KVCacheManager:
@@ -31,10 +31,11 @@ class KVCacheManager:
     computed in this request, an exact hit, or loaded from a lower tier) are ever registered under chain keys, and
 only registered blocks are written to the lower tiers.
 
-Under a grouped layout (kvcache/layout.py) `block_table` is the full-attention group's and each sliding-window group
-has a table beside it (`window_tables`, kept by window_groups.py): allocated with group 0's, published under the
-same chain keys tagged with the group, and released once the window has passed them. A prefix hit of n blocks then
-also needs, in every window group, the blocks its window reads before position n."""
+Each layer group of the layout (kvcache/layout.py) has its table: `block_table` is the full-attention group's, and
+each sliding-window group's (`window_tables`) is allocated with it, published under the same chain keys tagged with
+the group, and released once the window has passed its blocks. The coordinator (coordinator.py) holds one GroupCache
+per group: a prefix hit of n blocks also needs, in every window group, the blocks its window reads before position n.
+A layout of one group has no window group: the same path, with nothing to cut a hit."""
 
     def __init__(self, num_blocks: int, block_size: int, *, enable_caching: bool = True,
                  max_cached_blocks: int | None = None, policy: str | EvictionPolicy = "lru", min_match_blocks: int = 1,
@@ -53,8 +54,7 @@ also needs, in every window group, the blocks its window reads before position n
         self.hash_fn = hash_fn  # a test can swap in a constant to prove hits are confirmed, not trusted
         self.pool = BlockPool(num_blocks, max_cached_blocks if enable_caching else 0, policy,
                               max_retained_blocks if enable_caching else 0)
-        self.window_groups = (WindowGroups(self.pool, self.windows, block_size, self._key)
-                              if self.windows else None)
+        self.coordinator = KVCacheCoordinator(self.pool, self.layout, block_size, self._key)
         self.segments = SegmentIndex(block_size)
         self.tiers = tiers if enable_caching else None  # disk / Redis under the pool
         self.prompt_logprobs = PromptLogprobStore(self.pool, block_size)
@@ -108,41 +108,26 @@ also needs, in every window group, the blocks its window reads before position n
 
     def match(self, req: CacheRequest) -> Match:
         """What the cache holds of a waiting request's prompt, its last token excluded (its logits are needed): the
-        exact prefix from the pool, its continuation prefetched from the lower tiers, or for a block-aligned prompt
-        cached whole the pool's copy of its last block; then cached segments beyond that prefix."""
+        exact prefix from the pool with its continuation prefetched from the lower tiers (an entry holds every layer,
+        so the loaded part brings its own windows) where the pool holds the windows the loaded end reads before it;
+        else the pool's hits whose windows are cached, or for a block-aligned prompt cached whole the pool's copy of
+        its last block; then cached segments beyond that prefix."""
         if not self.caches(req):
             return NO_MATCH
         hits = self.match_prefix(req)
-        if self.window_groups is not None:
-            return self._match_windowed(req, hits)
-        if req.scope is ReuseScope.SCORED:
-            return Match(tuple(hits), num_cached_tokens=len(hits) * self.block_size)
-        last_blocks = self._match_last_block(req, hits)
-        if last_blocks:
-            return Match(tuple(hits), last_blocks=last_blocks, num_cached_tokens=req.num_tokens - 1)
-        loads = self._match_loads(req, hits)
-        num_cached_blocks = len(hits) + len(loads)
-        return Match(tuple(hits), tuple(loads), plan=self._match_segments(req, num_cached_blocks),
-                     num_cached_tokens=num_cached_blocks * self.block_size)
-
-    def _match_windowed(self, req: CacheRequest, hits: list[int]) -> Match:
-        """`match` on a grouped layout: the hits whose windows are cached, or their continuation loaded from the tiers
-        (an entry holds every layer, so the loaded part brings its own windows) where the pool holds the windows the
-        loaded end reads before it; or a fully cached aligned prompt's last block."""
-        need = max(1, self.min_match_blocks)
         loads = self._match_loads(req, hits)
         if loads:
             num_blocks = len(hits) + len(loads)
-            first = min(self.window_groups.first_block(num_blocks * self.block_size), len(hits))
-            found = [self.window_groups.blocks_at(req, i, self.pool.blocks[hits[i]].uid)
-                     for i in range(first, len(hits))]
-            if None not in found:
-                windows = tuple(tuple(blocks[g] for blocks in found) for g in range(self.window_groups.num_groups))
-                return Match(tuple(hits), tuple(loads), windows=windows, num_cached_tokens=num_blocks * self.block_size)
-        hits, windows = self.window_groups.run(req, hits, need)
+            windows = self.coordinator.windows_before(req, hits, num_blocks)
+            if windows is not None:
+                return Match(tuple(hits), tuple(loads), plan=self._match_segments(req, num_blocks), windows=windows,
+                             num_cached_tokens=num_blocks * self.block_size)
+        hits, windows = self.coordinator.find_hit(req, hits, max(1, self.min_match_blocks))
         last_blocks = self._match_last_block(req, hits) if req.scope is ReuseScope.ANY else ()
-        return Match(tuple(hits), last_blocks=last_blocks, windows=windows,
-                     num_cached_tokens=req.num_tokens - 1 if last_blocks else len(hits) * self.block_size)
+        if last_blocks:
+            return Match(tuple(hits), last_blocks=last_blocks, windows=windows, num_cached_tokens=req.num_tokens - 1)
+        plan = self._match_segments(req, len(hits)) if req.scope is ReuseScope.ANY else None
+        return Match(tuple(hits), plan=plan, windows=windows, num_cached_tokens=len(hits) * self.block_size)
 
     def match_prefix(self, req: CacheRequest) -> list[int]:
         """Block ids of the longest cached exact prefix of `req` (confirmed token by token), capped so the
@@ -168,9 +153,7 @@ also needs, in every window group, the blocks its window reads before position n
         block = self.pool.lookup(self._key(req, len(hits)), req.token_ids[-bs:], parent_uid)
         if block is None:
             return ()
-        if self.window_groups is None:
-            return (block.block_id,)
-        windows = self.window_groups.blocks_at(req, len(hits), block.uid)
+        windows = self.coordinator.blocks_at(req, len(hits), block.uid)
         return () if windows is None else (block.block_id, *windows)
 
     def _num_logprob_blocks(self, req: CacheRequest, num_blocks: int) -> int:
@@ -182,16 +165,7 @@ also needs, in every window group, the blocks its window reads before position n
 
     def _pool_run(self, req: CacheRequest) -> list[int]:
         """Block ids of the leading run of `req`'s full blocks (before its last token) that the pool holds."""
-        hits: list[int] = []
-        parent_uid = None
-        bs = self.block_size
-        for i in range(self._num_usable_blocks(req)):
-            block = self.pool.lookup(self._key(req, i), req.token_ids[i * bs:(i + 1) * bs], parent_uid)
-            if block is None:
-                break
-            hits.append(block.block_id)
-            parent_uid = block.uid
-        return hits
+        return self.coordinator.full.find_hit(req, self._num_usable_blocks(req))
 
     def _num_usable_blocks(self, req: CacheRequest) -> int:
         """Full blocks before the last token, which is always computed (its logits are needed)."""
@@ -336,8 +310,7 @@ also needs, in every window group, the blocks its window reads before position n
         if match.last_blocks:
             self.pool.hold(match.last_blocks)
             req.last_block_sources = list(match.last_blocks)
-        if self.window_groups is not None:
-            self.window_groups.admit(req, match)
+        self.coordinator.admit(req, match)
         self.allocate(req, match.num_cached_tokens + num_new_tokens)
         jobs = CopyJobs()
         jobs.copies += [(source, table[len(match.hits)])
@@ -383,10 +356,9 @@ also needs, in every window group, the blocks its window reads before position n
         jobs = CopyJobs()
         if self.caches(req):
             self._publish(req, num_computed_tokens, self.tiers.tier_names if self.tiers else [], jobs)
-        if self.window_groups is not None:
-            if self.caches(req):
-                self.window_groups.publish(req)
-            self.window_groups.release(req, num_computed_tokens)
+        if self.caches(req):
+            self.coordinator.publish_windows(req)
+        self.coordinator.release_passed(req, num_computed_tokens)
         if req.prompt_logprobs is not None:
             self.prompt_logprobs.add(req, *(prompt_logprobs or (0, ())), publishes=self.caches(req))
         return jobs
@@ -401,28 +373,16 @@ also needs, in every window group, the blocks its window reads before position n
 
     def _publish(self, req: CacheRequest, num_computed_tokens: int, tiers: Sequence[str], jobs: CopyJobs) -> None:
         """Register the exact full blocks not yet registered, and queue those that got a new identity (not a twin's)
-        for `tiers`."""
-        bs = self.block_size
+        for `tiers` (not those of a position a window has passed: an entry holds every group's block)."""
         stored: list[StoredBlock] = []
         stored_ids: list[tuple[int, ...]] = []
-        for i in range(len(req.block_uids), req.num_publishable_tokens(num_computed_tokens) // bs):
-            parent_uid = req.block_uids[i - 1] if i else None
-            if i and parent_uid is None:
-                req.block_uids.append(None)  # the chain is broken before this block: it stays private
-                continue
-            block_id, key, token_ids = req.block_table[i], self._key(req, i), req.token_ids[i * bs:(i + 1) * bs]
-            uid = self.pool.blocks[block_id].uid
-            if uid is None:
-                # Computed here while an identical block got cached (a concurrent twin): same contents,
-                # same identity, so the chain continues through it.
-                twin = self.pool.lookup(key, token_ids, parent_uid)
-                uid = twin.uid if twin else self.pool.register(block_id, key, token_ids, parent_uid, i * bs,
-                                                               req.extra_key)
-                position = self._position(req, i)
-                if twin is None and uid is not None and NULL_BLOCK not in position:
-                    stored.append(StoredBlock(key, req.block_keys[i - 1] if i else None, tuple(token_ids)))
-                    stored_ids.append(position)
-            req.block_uids.append(uid)
+        bs = self.block_size
+        for i in self.coordinator.full.publish(req, num_computed_tokens):
+            position = self._position(req, i)
+            if NULL_BLOCK not in position:
+                stored.append(StoredBlock(req.block_keys[i], req.block_keys[i - 1] if i else None,
+                                          tuple(req.token_ids[i * bs:(i + 1) * bs])))
+                stored_ids.append(position)
         jobs.store(stored, stored_ids, tiers)
 
     @staticmethod
@@ -434,10 +394,7 @@ also needs, in every window group, the blocks its window reads before position n
     def cached_chain(self, req: CacheRequest) -> tuple[list[int], int]:
         """The pool blocks a request with `req`'s prompt would hit now, every layer group's, and how many prompt
         tokens they cover."""
-        hits = self.match_prefix(req)
-        if self.window_groups is None:
-            return hits, len(hits) * self.block_size
-        hits, windows = self.window_groups.run(req, hits, max(1, self.min_match_blocks))
+        hits, windows = self.coordinator.find_hit(req, self.match_prefix(req), max(1, self.min_match_blocks))
         return hits + [b for window in windows for b in window], len(hits) * self.block_size
 
     def can_pin(self, req: CacheRequest) -> bool:
@@ -464,8 +421,7 @@ also needs, in every window group, the blocks its window reads before position n
         write (a job)."""
         assert not child.block_table and child.token_ids[:num_computed_tokens] == parent.token_ids[:num_computed_tokens]
         num_full = num_computed_tokens // self.block_size
-        if self.window_groups is not None:
-            self.window_groups.fork(parent, child, num_full)
+        self.coordinator.fork(parent, child, num_full)
         jobs = CopyJobs()
         starts = [0, *child.window_starts]  # each table's first block held; the null block before it
         for parent_table, child_table, start in zip(parent.block_tables, child.block_tables, starts, strict=True):
@@ -486,7 +442,7 @@ also needs, in every window group, the blocks its window reads before position n
         self._release_sources(req)
         req.tier_load = None
         release = self._release(req) if finished else None
-        block_ids = req.block_table if self.window_groups is None else self.window_groups.release_order(req)
+        block_ids = self.coordinator.release_order(req)
         if finished and self.pool.can_retain(req.session, block_ids):
             self.pool.retain(req.session, block_ids, release, self.clock())
         elif finished:
@@ -528,10 +484,7 @@ also needs, in every window group, the blocks its window reads before position n
         for req in holders:
             sources = req.segment_plan.source_block_ids if req.segment_plan else []
             sources = sources + req.last_block_sources
-            assert len(req.block_uids) <= len(req.block_table), "more published blocks than blocks"
-            windows = self.window_groups.check(req) if self.window_groups is not None else []
-            assert self.window_groups is not None or not req.window_tables, "window tables on a one-group layout"
-            for block_id in req.block_table + sources + windows:
+            for block_id in self.coordinator.held(req) + sources:
                 held[block_id] = held.get(block_id, 0) + 1
         for block_id, count in held.items():
             assert self.pool.blocks[block_id].ref_cnt == count, f"block {block_id} held {count}x, ref_cnt differs"
