@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from concurrent.futures import TimeoutError as FutureTimeout  # the builtin from 3.11, not on 3.10
 
 from kvreuse.config import CacheConfig
 from kvreuse.kvcache.block import NULL_BLOCK
@@ -15,14 +14,15 @@ from kvreuse.kvcache.coordinator import KVCacheCoordinator
 from kvreuse.kvcache.copy_jobs import CopyJobs
 from kvreuse.kvcache.eviction import EvictionPolicy, Release
 from kvreuse.kvcache.hashing import BlockHashFn, extend_chain, sha256_block_key
+from kvreuse.kvcache.in_batch import gains_by_waiting
 from kvreuse.kvcache.layout import KVLayout
 from kvreuse.kvcache.match import NO_MATCH, Match
 from kvreuse.kvcache.pins import Pins
 from kvreuse.kvcache.prompt_logprobs import PromptLogprobStore
 from kvreuse.kvcache.request import CacheRequest, ReuseScope, new_cache_request
 from kvreuse.kvcache.segment import SegmentIndex, SegmentPlan
+from kvreuse.kvcache.tier_loads import TierLoads
 from kvreuse.kvcache.tiers.store import LoadedBlock, StoredBlock, TieredStore
-from kvreuse.kvcache.tokens import common_prefix_length
 
 
 class KVCacheManager:
@@ -57,6 +57,7 @@ A layout of one group has no window group: the same path, with nothing to cut a 
         self.coordinator = KVCacheCoordinator(self.pool, self.layout, block_size, self._key)
         self.segments = SegmentIndex(block_size)
         self.tiers = tiers if enable_caching else None  # disk / Redis under the pool
+        self.tier_loads = TierLoads(self.tiers, block_size, min_match_blocks)
         self.prompt_logprobs = PromptLogprobStore(self.pool, block_size)
         self.pins = Pins(self.pool, max_pinned_blocks if enable_caching else 0)
         # Indexed whenever caching is on, so segment reuse can be switched on for a running engine (one group only).
@@ -115,7 +116,7 @@ A layout of one group has no window group: the same path, with nothing to cut a 
         if not self.caches(req):
             return NO_MATCH
         hits = self.match_prefix(req)
-        loads = self._match_loads(req, hits)
+        loads = self.tier_loads.match(req, hits)
         if loads:
             num_blocks = len(hits) + len(loads)
             windows = self.coordinator.windows_before(req, hits, num_blocks)
@@ -171,17 +172,6 @@ A layout of one group has no window group: the same path, with nothing to cut a 
         """Full blocks before the last token, which is always computed (its logits are needed)."""
         return (req.num_tokens - 1) // self.block_size
 
-    def _match_loads(self, req: CacheRequest, hits: Sequence[int]) -> list[LoadedBlock]:
-        """The prefetched blocks that continue `hits` (the pool's prefix hits at admission): empty if there are none,
-        if the pool lost blocks before them since the prefetch, or if all together are fewer than
-        `min_match_blocks`."""
-        if req.tier_load is None or not req.tier_load.done():
-            return []
-        load = req.tier_load.result()
-        offset = len(hits) - load.start
-        loads = load.blocks[offset:] if offset >= 0 else []
-        return loads if len(hits) + len(loads) >= max(1, self.min_match_blocks) else []
-
     def _match_segments(self, req: CacheRequest, num_prefix_blocks: int) -> SegmentPlan | None:
         """Cached runs inside the part of `req` that its exact prefix does not cover, leaving the last
         token to be computed; None if there are none or segment reuse is off. The plan's sources are held
@@ -201,80 +191,25 @@ A layout of one group has no window group: the same path, with nothing to cut a 
     def gains_by_waiting(self, req: CacheRequest, match: Match, publishing: Sequence[tuple[CacheRequest, int]]
                          ) -> bool:
         """Whether `req`, admitted one step later than with `match`, would reuse at least `min_match_blocks` more
-        blocks: blocks
-        that the requests in `publishing` (each with its computed tokens once this step has run) compute
-        exactly and publish in this step. (SGLang's in-batch prefix caching, extended to segments: of several
-        equal prompts arriving together only the first is computed, and the rest reuse it.)"""
-        if not self.caches(req) or not publishing:
-            return False
-        bs, need = self.block_size, max(1, self.min_match_blocks)
-        usable, num_cached_blocks, scored = self._num_usable_blocks(req), match.num_cached_blocks, self._scored(req)
-        published: set[tuple[int, ...]] = set()  # contents of the blocks this step publishes
-        gained = 0
-        for other, num_computed in publishing:
-            if not self.caches(other) or other.extra_key != req.extra_key:
-                continue
-            if scored and not (self._scored(other) and other.prompt_logprobs >= req.prompt_logprobs):
-                continue  # it publishes K/V without the prompt logprobs req needs
-            end = other.num_publishable_tokens(num_computed) // bs
-            if end <= len(other.block_uids):
-                continue  # publishes nothing new this step (a decode, mostly): nothing to wait for
-            published.update(tuple(other.token_ids[i * bs:(i + 1) * bs]) for i in range(len(other.block_uids), end))
-            # Exact prefix: the blocks req shares from the start with one that publishes them (scoring a prompt, the
-            # last of them would be computed again: see match_prefix).
-            common = common_prefix_length(other.token_ids[:min(end, usable) * bs], req.token_ids)
-            gained = max(gained, common // bs - int(scored) - num_cached_blocks)
-        if gained >= need or scored or not self.enable_segments or not published:
-            return gained >= need
-        return self._num_published_windows(req, num_cached_blocks, match.plan, published, need) >= need
-
-    @staticmethod
-    def _scored(req: CacheRequest) -> bool:
-        return req.scope is ReuseScope.SCORED
-
-    def _num_published_windows(self, req: CacheRequest, num_hits: int, plan: SegmentPlan | None,
-                               published: set[tuple[int, ...]], need: int) -> int:
-        """Non-overlapping windows of the part that neither hits nor `plan` cover, at any offset, whose contents
-        are those of a block published this step (counted up to `need`)."""
-        bs = self.block_size
-        covered = set(plan.positions()) if plan else set()
-        region = req.token_ids[num_hits * bs:req.num_tokens - 1]
-        t, num_windows = 0, 0
-        while t + bs <= len(region) and num_windows < need:
-            start = num_hits * bs + t
-            if tuple(region[t:t + bs]) in published and start not in covered and start + bs - 1 not in covered:
-                num_windows, t = num_windows + 1, t + bs
-            else:
-                t += 1
-        return num_windows
+        blocks: blocks that the requests in `publishing` (each with its computed tokens once this step has run)
+        compute exactly and publish in this step (in_batch.py)."""
+        return self.caches(req) and gains_by_waiting(req, match, publishing, self.block_size,
+                                                     max(1, self.min_match_blocks), self.enable_segments)
 
     # --- the lower tiers -----------------------------------------------------------------------------
     def prefetch(self, req: CacheRequest) -> None:
         """Start reading, in the background, the part of `req`'s prefix chain that the pool lacks from the lower
-        tiers; `match` hands it over at admission. Nothing to do without tiers."""
+        tiers (tier_loads.py); `match` hands it over at admission. Nothing to do without tiers."""
         if self.tiers is None or not self.caches(req) or req.scope is not ReuseScope.ANY:
             return  # (the tiers keep K/V only: a request scoring its prompt needs the logprobs too)
-        start = len(self._pool_run(req))
-        if start < max(1, self.min_match_blocks):
-            start = 0  # a pool run too short to be used at admission: the tiers' run must stand on its own
-        end = self._num_usable_blocks(req)
-        if start >= end:
-            return
-        bs = self.block_size
-        keys = extend_chain(req.block_keys, req.token_ids, bs, req.extra_key, end, self.hash_fn)[:end]
-        token_blocks = [req.token_ids[i * bs:(i + 1) * bs] for i in range(start, end)]
-        req.tier_load = self.tiers.prefetch(keys[start:], token_blocks, start, keys[start - 1] if start else None)
+        self.tier_loads.prefetch(req, len(self._pool_run(req)), self._num_usable_blocks(req), self.hash_fn)
 
     def is_loading(self, req: CacheRequest) -> bool:
         """Its prefetch is still reading: admitting it now would compute what is about to arrive."""
-        return req.tier_load is not None and not req.tier_load.done()
+        return self.tier_loads.is_loading(req)
 
     def wait_for_load(self, req: CacheRequest, timeout: float) -> None:
-        if self.is_loading(req):
-            try:
-                req.tier_load.result(timeout)
-            except FutureTimeout:  # still loading: the caller asks again
-                pass
+        self.tier_loads.wait_for_load(req, timeout)
 
     # --- admission and growth ------------------------------------------------------------------------
     def num_new_blocks(self, req: CacheRequest, num_tokens: int) -> int:
@@ -333,14 +268,9 @@ A layout of one group has no window group: the same path, with nothing to cut a 
     def _fill(self, req: CacheRequest, first: int, loads: Sequence[LoadedBlock], jobs: CopyJobs) -> None:
         """Put loaded K/V into the request's blocks `first`, ... (a job) and publish them. A block from a farther tier
         is also written to the nearer ones (a Redis hit lands on the local disk)."""
-        bs = self.block_size
-        jobs.writes += [(self._position(req, first + j), b.payload) for j, b in enumerate(loads)]
-        req.num_loaded_tokens = {}
-        for block in loads:
-            req.num_loaded_tokens[block.tier] = req.num_loaded_tokens.get(block.tier, 0) + bs
-        names = self.tiers.tier_names
-        self._publish(req, (first + len(loads)) * bs, names[:max(names.index(b.tier) for b in loads)], jobs)
-        req.load_seconds = req.tier_load.result().seconds
+        positions = [self._position(req, first + j) for j in range(len(loads))]
+        tiers = self.tier_loads.write(req, positions, loads, jobs)
+        self._publish(req, (first + len(loads)) * self.block_size, tiers, jobs)
 
     # --- after a forward ----------------------------------------------------------------------------
     def update(self, req: CacheRequest, num_computed_tokens: int, *, exact: bool = False,
