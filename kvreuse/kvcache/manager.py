@@ -40,8 +40,7 @@ A layout of one group has no window group: the same path, with nothing to cut a 
     def __init__(self, num_blocks: int, block_size: int, *, enable_caching: bool = True,
                  max_cached_blocks: int | None = None, policy: str | EvictionPolicy = "lru", min_match_blocks: int = 1,
                  fingerprint: str = "", hash_fn: BlockHashFn = sha256_block_key, enable_segments: bool = False,
-                 tiers: TieredStore | None = None, layout: KVLayout | None = None,
-                 max_pinned_blocks: int = 0,
+                 tiers: TieredStore | None = None, layout: KVLayout | None = None, max_pinned_blocks: int = 0,
                  max_retained_blocks: int = 0):
         self.block_size = block_size
         self.layout = layout or KVLayout.full(1)
