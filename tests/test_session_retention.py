@@ -282,7 +282,7 @@ def test_prompt_cache_key_retains_the_sessions_blocks_and_bad_hints_are_a_400_na
 def test_sessions_on_a_sliding_window_layout_keep_every_structure_consistent(ops):
     # Retained chains there hold window blocks (group > 0) that go with the full-attention block they hang on.
     layout = KVLayout.of(gemma_args(6, pattern=3, window=WINDOW))
-    kv = KVCacheManager(160, WINDOW_BLOCK, layout=layout, window_retention="policy", max_retained_blocks=80)
+    kv = KVCacheManager(160, WINDOW_BLOCK, layout=layout, max_retained_blocks=80)
     kv.clock = Clock()
     for tag, num_windows, tick in ops:
         prompt = window_tokens(num_windows * WINDOW // 2 + tag, tag % 3)

@@ -263,10 +263,14 @@ def test_the_simulator_predicts_the_engines_hits_under_groups(grouped_gemma_dir)
 
 
 def manager(retention: str = "cold", num_blocks: int = 400):
+    """A grouped manager whose passed window blocks become what `retention` says (bench/passed_windows.py)."""
+    from kvreuse.bench.passed_windows import PassedWindows
     from kvreuse.kvcache.manager import KVCacheManager
 
     layout = KVLayout.of(gemma_args(6, pattern=3, window=WINDOW))
-    return KVCacheManager(num_blocks, BLOCK, layout=layout, window_retention=retention)
+    mgr = KVCacheManager(num_blocks, BLOCK, layout=layout)
+    PassedWindows.install(mgr, retention)
+    return mgr
 
 
 def admit_and_finish(mgr, token_ids: list[int], num_computed: int | None = None) -> int:

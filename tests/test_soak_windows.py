@@ -9,10 +9,10 @@ shared prefixes of several lengths (ending mid-block or on a block boundary), pr
 of an earlier prompt, multi-turn continuations (an earlier request's prompt and completion, then new tokens), fillers,
 cache salts, `use_cache=false`, n > 1 (choices forked from their request's prompt); steps with chunked prefill that
 crosses window boundaries, preemption on a tiny pool, eviction under a small `cache.max_blocks`, every eviction policy
-and every window retention (what becomes of the window blocks a window has passed: `cold` puts them in `pool.cold`,
-evicted first); aborts at random points; faults injected into the forward and into block copies; a disk tier under
-the pool in about two programs of three, so that evicted prefixes (and all of them, when the pool's cache is reset) come
-back as tier loads, alone or continuing a pool hit.
+and every window retention (what becomes of the window blocks a window has passed, bench/passed_windows.py: `cold`
+puts them in the `ColdFirst` policy's `cold`, evicted first); aborts at random points; faults injected into the
+forward and into block copies; a disk tier under the pool in about two programs of three, so that evicted prefixes
+(and all of them, when the pool's cache is reset) come back as tier loads, alone or continuing a pool hit.
 Segment reuse is left out: a grouped layout refuses it (kvcache/layout.resolve_layout), as it needs every layer's K/V.
 
 A wrong window is silent in a real model (a few logits drift), so the stand-in makes it loud. It keeps, for every KV
@@ -31,7 +31,7 @@ was stuck in; at the end every choice of every request has exactly one terminal 
 error, each reported once: by `step()` or by the abort), everything drained within a bounded number of steps, no block
 is held, and the soak is asserted to have covered what it is for: hits that needed window blocks, hits of a whole
 block-aligned prompt (its last block copied in every group), chunks past the window, forks, preemptions, evictions,
-evictions from `pool.cold`, tier loads (alone, after a pool hit, and after one whose windows the load needed), aborts
+evictions from `cold`, tier loads (alone, after a pool hit, and after one whose windows the load needed), aborts
 and failed steps.
 """
 
@@ -49,6 +49,7 @@ import pytest
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
+from kvreuse.bench.passed_windows import PassedWindows, WindowRetention
 from kvreuse.engine.engine import LLMEngine
 from kvreuse.engine.model_runner import StepOutput
 from kvreuse.engine.sequence import Sequence
@@ -57,7 +58,6 @@ from kvreuse.kvcache.block_pool import BlockPool
 from kvreuse.kvcache.eviction import POLICIES
 from kvreuse.kvcache.layout import first_window_block
 from kvreuse.kvcache.tiers.entry import BlockSpec
-from kvreuse.kvcache.window_groups import WindowRetention
 from kvreuse.llm import LLM
 from kvreuse.model.tokenizer import Tokenizer
 from kvreuse.sampling_params import SamplingParams
@@ -245,13 +245,13 @@ class RecordingBlockIO:
                 slots[block_id * bs:(block_id + 1) * bs] = [None if h is None else tuple(h) for h in held]
 
 
-def watch_evictions(pool: BlockPool, coverage: Counter) -> None:
-    """Count the evictions of window blocks, and of those the ones taken from `pool.cold` (released by a window that
+def watch_evictions(pool: BlockPool, passed: PassedWindows, coverage: Counter) -> None:
+    """Count the evictions of window blocks, and of those the ones taken from `cold` (released by a window that
     passed them, never hit since)."""
     evict = pool._evict
 
     def counting_evict(count: bool = True):
-        coverage["cold evictions"] += bool(pool.cold)  # the pool evicts from `cold` first, whenever it has one
+        coverage["cold evictions"] += bool(passed.policy.cold)  # evicted first, whenever there is one
         return evict(count)
 
     pool._evict = counting_evict
@@ -303,7 +303,7 @@ def engine_settings(draw) -> dict:
             "disk": draw(st.sampled_from([True, True, False]))}
 
 
-def run_program(run: Run, program: list[tuple], coverage: Counter) -> None:
+def run_program(run: Run, passed: PassedWindows, program: list[tuple], coverage: Counter) -> None:
     engine = run.engine
     faults = Faults(engine)
     for op in program:
@@ -338,9 +338,9 @@ def run_program(run: Run, program: list[tuple], coverage: Counter) -> None:
         elif op[0] == "fault" and op[1] == FAULT:
             faults.armed = op[2]
         elif op[0] == "retention":
-            # Not a config key but the window groups', read at each release: what the blocks passed from now on
-            # become.
-            engine.kv_manager.window_groups.retention = op[1]
+            # Not a config key but the bench's (bench/passed_windows.py), read at each release: what the blocks passed
+            # from now on become.
+            passed.mode = op[1]
             coverage[f"window retention set to {op[1]}"] += 1
         if prompt is not None and len(prompt) <= MAX_PROMPT:
             coverage[op[0] if run.add(prompt, params, salt, use_cache) else "refused"] += 1
@@ -403,10 +403,11 @@ def test_soak_windows_3600_operations_seed_1414(engine_factory):
             coverage["programs with a disk tier"] += 1
             engine.tiers.io = RecordingBlockIO(engine.runner, engine.front_end.fingerprint)
             engine.tiers.spec = engine.tiers.io.spec
-        watch_evictions(engine.kv_manager.pool, coverage)
+        passed = PassedWindows.install(engine.kv_manager)
+        watch_evictions(engine.kv_manager.pool, passed, coverage)
         run = Run(engine)  # a step takes milliseconds here: one past Run.step_seconds is stuck
         try:
-            run_program(run, program, coverage)
+            run_program(run, passed, program, coverage)
         finally:
             if engine.tiers is not None:
                 engine.tiers.close()

@@ -1,6 +1,6 @@
 """`kvreuse bench windows`: which sliding-window blocks should the cache keep? The scenario workloads replayed through
 the cache manager over a sliding-window model's grouped pool (kvcache/layout.py), once per window retention
-(kvcache/window_groups.py) and pool size, beside the same memory under the full layout (`cache.sliding_kv = full`,
+(bench/passed_windows.py) and pool size, beside the same memory under the full layout (`cache.sliding_kv = full`,
 llama.cpp's `--swa-full`).
 
 The retentions decide what becomes of the window blocks a running sequence's window has passed:
@@ -35,14 +35,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kvreuse.bench import workloads
+from kvreuse.bench.passed_windows import RETENTIONS, PassedWindows, WindowRetention
 from kvreuse.config import CacheConfig
 from kvreuse.kvcache.accounting import ReuseRecord
 from kvreuse.kvcache.layout import KVLayout
 from kvreuse.kvcache.simulate import CacheSimulator
-from kvreuse.kvcache.window_groups import WindowRetention
 from kvreuse.model.args import ModelArgs
 
-RETENTIONS: tuple[WindowRetention, ...] = ("cold", "policy", "end")
 SWA_FULL = "swa-full"
 MODES = (*RETENTIONS, SWA_FULL)
 DEFAULT_MODEL = "gemma3-270m"
@@ -113,8 +112,7 @@ def replay(token_lists: Sequence[list[int]], cache: CacheConfig, fingerprint: st
     the pool) under `retention` (a layout without window groups has nothing to retain); the counts."""
     simulator = CacheSimulator(cache.with_changes(max_blocks=num_blocks), fingerprint, num_blocks,
                                enable_segments=False, layout=layout)
-    if simulator.manager.window_groups is not None:
-        simulator.manager.window_groups.retention = retention
+    PassedWindows.install(simulator.manager, retention)
     total = ReuseRecord()
     for token_ids in token_lists:
         total += simulator.run(token_ids)

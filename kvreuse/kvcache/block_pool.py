@@ -2,12 +2,11 @@
 
 Every block is in exactly one state:
 - in use:  ref_cnt > 0 (it may also hold a key: a cached block that requests share);
-- cached:  ref_cnt == 0 with a key, evictable, tracked by the eviction policy, in `cold`, or retained for a session
+- cached:  ref_cnt == 0 with a key, evictable, tracked by the eviction policy or retained for a session
   (retention.py);
 - free:    ref_cnt == 0 without a key, in `free_block_ids`.
-Requests always win over the cache: `allocate` takes free blocks first, then evicts cached ones: the `cold` ones
-first (released with `cold`, oldest first: sliding-window blocks no likely hit needs), then the policy's victim, then
-the blocks retained for sessions whose next request is yet to come.
+Requests always win over the cache: `allocate` takes free blocks first, then evicts cached ones: the policy's victim
+first, then the blocks retained for sessions whose next request is yet to come.
 `max_cached_blocks` bounds the cached (unreferenced) blocks retained; the pool size bounds the rest.
 
 Beside its `num_blocks` blocks (ids 1 to num_blocks) the pool has one more, the null block (block.NULL_BLOCK, id 0),
@@ -41,7 +40,6 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_physical_blocks(num_blocks))]  # the null block's too
         self.free_block_ids: deque[int] = deque(range(NULL_BLOCK + 1, num_physical_blocks(num_blocks)))
         self.evictable = make_policy(policy)  # by `cache.policy` name, or an instance (a replay's offline MIN)
-        self.cold: dict[int, KVCacheBlock] = {}  # cached blocks evicted before the policy's, by block id, oldest first
         self.retention = SessionRetention(max_retained_blocks)  # cached blocks evicted after the policy's
         self.key_to_block: dict[bytes, KVCacheBlock] = {}
         self.uid_to_block: dict[int, KVCacheBlock] = {}  # published blocks by identity: whose parent still exists
@@ -63,7 +61,7 @@ class BlockPool:
 
     @property
     def num_cached_blocks(self) -> int:
-        return len(self.evictable) + len(self.cold) + len(self.retention)
+        return len(self.evictable) + len(self.retention)
 
     @property
     def num_used_blocks(self) -> int:
@@ -96,10 +94,9 @@ class BlockPool:
             block.num_hits += 1
             block.last_access = tick
 
-    def free(self, block_ids: Sequence[int], cold: bool = False, release: Release | None = None) -> None:
-        """Release one reference to each block. `cold`: those that become unreferenced are evicted before any other
-        cached block, unless a hit has reused them already (they proved useful). `release`: the request whose end
-        this is, told to the policy with each block it leaves evictable."""
+    def free(self, block_ids: Sequence[int], release: Release | None = None) -> None:
+        """Release one reference to each block. `release`: the request whose end this is, told to the policy with
+        each block it leaves evictable."""
         # Released tail first, so under LRU a sequence's last blocks are evicted before its first ones
         # (a prefix is only usable up to its first missing block).
         for block_id in reversed(block_ids):
@@ -115,40 +112,19 @@ class BlockPool:
                 self.free_block_ids.append(self._drop(block).block_id)
             elif self.retention.retains(block):
                 self.retention.add(block)
-            elif cold and block.num_hits <= 1:
-                self.cold[block_id] = block
             else:
                 self.evictable.add(block, release)
         while self.num_cached_blocks > self.max_cached_blocks:
             self.free_block_ids.append(self._evict().block_id)
 
-    def discard(self, block_ids: Sequence[int]) -> None:
-        """Release one reference to each block; those left unreferenced that no hit has reused are unpublished and
-        freed, the others cached as `free` caches them."""
-        kept = []
-        for block_id in block_ids:
-            block = self.blocks[block_id]
-            if block.ref_cnt == 1 and block.num_hits <= 1:
-                block.ref_cnt = 0
-                if block.block_key is not None:
-                    self._drop(block, count=False)
-                self.free_block_ids.append(block_id)
-            else:
-                kept.append(block_id)
-        self.free(kept)
-
     def _uncache(self, block: KVCacheBlock) -> None:
-        """Take an unreferenced cached block out of `cold`, the retained blocks or the policy."""
-        if self.cold.pop(block.block_id, None) is not None:
-            return
+        """Take an unreferenced cached block out of the retained blocks or the policy."""
         if block in self.retention:
             self.retention.remove(block)
         else:
             self.evictable.remove(block)
 
     def _evict(self, count: bool = True) -> KVCacheBlock:
-        if self.cold:
-            return self._drop(self.cold.pop(next(iter(self.cold))), count)
         if len(self.evictable):
             return self._drop(self.evictable.pop(), count)
         return self._drop(self.retention.pop(), count)
@@ -256,11 +232,9 @@ class BlockPool:
         in_use = cached = 0
         for block in self.blocks[NULL_BLOCK + 1:]:
             assert block.ref_cnt >= 0, f"block {block.block_id} has ref_cnt {block.ref_cnt}"
-            is_free, is_cold, is_cached = block.block_id in free, block.block_id in self.cold, block in self.evictable
-            is_retained = block in self.retention
-            assert is_cold + is_cached + is_retained <= 1, f"block {block.block_id} is in two of cold, policy, retained"
-            assert not is_cold or self.cold[block.block_id] is block, f"cold block {block.block_id} is stale"
-            is_cached |= is_cold | is_retained
+            is_free, is_cached, is_retained = block.block_id in free, block in self.evictable, block in self.retention
+            assert not (is_cached and is_retained), f"block {block.block_id} is both in the policy and retained"
+            is_cached |= is_retained
             assert not (is_free and is_cached), f"block {block.block_id} is both free and cached"
             if block.ref_cnt > 0:
                 assert not is_free and not is_cached, f"block {block.block_id} is in use and evictable"
@@ -289,5 +263,5 @@ class BlockPool:
         assert NULL_BLOCK not in free, "the null block is in the free list"
         assert null.ref_cnt == 0 and null.num_hits == 0, f"the null block is held (ref_cnt {null.ref_cnt})"
         assert null.block_key is None and null.uid is None, "the null block is published"
-        assert null.block_id not in self.cold and null not in self.evictable and null not in self.retention, \
+        assert null not in self.evictable and null not in self.retention, \
             "the null block is cached"

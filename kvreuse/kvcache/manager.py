@@ -6,23 +6,23 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from concurrent.futures import TimeoutError as FutureTimeout  # the builtin from 3.11, not on 3.10
 
 from kvreuse.config import CacheConfig
 from kvreuse.kvcache.block import NULL_BLOCK
 from kvreuse.kvcache.block_pool import BlockPool
+from kvreuse.kvcache.coordinator import KVCacheCoordinator
 from kvreuse.kvcache.copy_jobs import CopyJobs
 from kvreuse.kvcache.eviction import EvictionPolicy, Release
 from kvreuse.kvcache.hashing import BlockHashFn, extend_chain, sha256_block_key
+from kvreuse.kvcache.in_batch import gains_by_waiting
 from kvreuse.kvcache.layout import KVLayout
 from kvreuse.kvcache.match import NO_MATCH, Match
 from kvreuse.kvcache.pins import Pins
 from kvreuse.kvcache.prompt_logprobs import PromptLogprobStore
 from kvreuse.kvcache.request import CacheRequest, ReuseScope, new_cache_request
 from kvreuse.kvcache.segment import SegmentIndex, SegmentPlan
+from kvreuse.kvcache.tier_loads import TierLoads
 from kvreuse.kvcache.tiers.store import LoadedBlock, StoredBlock, TieredStore
-from kvreuse.kvcache.tokens import common_prefix_length
-from kvreuse.kvcache.window_groups import WindowGroups, WindowRetention
 
 
 class KVCacheManager:
@@ -31,16 +31,16 @@ class KVCacheManager:
     computed in this request, an exact hit, or loaded from a lower tier) are ever registered under chain keys, and
 only registered blocks are written to the lower tiers.
 
-Under a grouped layout (kvcache/layout.py) `block_table` is the full-attention group's and each sliding-window group
-has a table beside it (`window_tables`, kept by window_groups.py): allocated with group 0's, published under the
-same chain keys tagged with the group, and released once the window has passed them. A prefix hit of n blocks then
-also needs, in every window group, the blocks its window reads before position n."""
+Each layer group of the layout (kvcache/layout.py) has its table: `block_table` is the full-attention group's, and
+each sliding-window group's (`window_tables`) is allocated with it, published under the same chain keys tagged with
+the group, and released once the window has passed its blocks. The coordinator (coordinator.py) holds one GroupCache
+per group: a prefix hit of n blocks also needs, in every window group, the blocks its window reads before position n.
+A layout of one group has no window group: the same path, with nothing to cut a hit."""
 
     def __init__(self, num_blocks: int, block_size: int, *, enable_caching: bool = True,
                  max_cached_blocks: int | None = None, policy: str | EvictionPolicy = "lru", min_match_blocks: int = 1,
                  fingerprint: str = "", hash_fn: BlockHashFn = sha256_block_key, enable_segments: bool = False,
-                 tiers: TieredStore | None = None, layout: KVLayout | None = None,
-                 window_retention: WindowRetention = "policy", max_pinned_blocks: int = 0,
+                 tiers: TieredStore | None = None, layout: KVLayout | None = None, max_pinned_blocks: int = 0,
                  max_retained_blocks: int = 0):
         self.block_size = block_size
         self.layout = layout or KVLayout.full(1)
@@ -53,10 +53,10 @@ also needs, in every window group, the blocks its window reads before position n
         self.hash_fn = hash_fn  # a test can swap in a constant to prove hits are confirmed, not trusted
         self.pool = BlockPool(num_blocks, max_cached_blocks if enable_caching else 0, policy,
                               max_retained_blocks if enable_caching else 0)
-        self.window_groups = (WindowGroups(self.pool, self.windows, block_size, self._key, window_retention)
-                              if self.windows else None)
+        self.coordinator = KVCacheCoordinator(self.pool, self.layout, block_size, self._key)
         self.segments = SegmentIndex(block_size)
         self.tiers = tiers if enable_caching else None  # disk / Redis under the pool
+        self.tier_loads = TierLoads(self.tiers, block_size, min_match_blocks)
         self.prompt_logprobs = PromptLogprobStore(self.pool, block_size)
         self.pins = Pins(self.pool, max_pinned_blocks if enable_caching else 0)
         # Indexed whenever caching is on, so segment reuse can be switched on for a running engine (one group only).
@@ -108,41 +108,26 @@ also needs, in every window group, the blocks its window reads before position n
 
     def match(self, req: CacheRequest) -> Match:
         """What the cache holds of a waiting request's prompt, its last token excluded (its logits are needed): the
-        exact prefix from the pool, its continuation prefetched from the lower tiers, or for a block-aligned prompt
-        cached whole the pool's copy of its last block; then cached segments beyond that prefix."""
+        exact prefix from the pool with its continuation prefetched from the lower tiers (an entry holds every layer,
+        so the loaded part brings its own windows) where the pool holds the windows the loaded end reads before it;
+        else the pool's hits whose windows are cached, or for a block-aligned prompt cached whole the pool's copy of
+        its last block; then cached segments beyond that prefix."""
         if not self.caches(req):
             return NO_MATCH
         hits = self.match_prefix(req)
-        if self.window_groups is not None:
-            return self._match_windowed(req, hits)
-        if req.scope is ReuseScope.SCORED:
-            return Match(tuple(hits), num_cached_tokens=len(hits) * self.block_size)
-        last_blocks = self._match_last_block(req, hits)
-        if last_blocks:
-            return Match(tuple(hits), last_blocks=last_blocks, num_cached_tokens=req.num_tokens - 1)
-        loads = self._match_loads(req, hits)
-        num_cached_blocks = len(hits) + len(loads)
-        return Match(tuple(hits), tuple(loads), plan=self._match_segments(req, num_cached_blocks),
-                     num_cached_tokens=num_cached_blocks * self.block_size)
-
-    def _match_windowed(self, req: CacheRequest, hits: list[int]) -> Match:
-        """`match` on a grouped layout: the hits whose windows are cached, or their continuation loaded from the tiers
-        (an entry holds every layer, so the loaded part brings its own windows) where the pool holds the windows the
-        loaded end reads before it; or a fully cached aligned prompt's last block."""
-        need = max(1, self.min_match_blocks)
-        loads = self._match_loads(req, hits)
+        loads = self.tier_loads.match(req, hits)
         if loads:
             num_blocks = len(hits) + len(loads)
-            first = min(self.window_groups.first_block(num_blocks * self.block_size), len(hits))
-            found = [self.window_groups.blocks_at(req, i, self.pool.blocks[hits[i]].uid)
-                     for i in range(first, len(hits))]
-            if None not in found:
-                windows = tuple(tuple(blocks[g] for blocks in found) for g in range(self.window_groups.num_groups))
-                return Match(tuple(hits), tuple(loads), windows=windows, num_cached_tokens=num_blocks * self.block_size)
-        hits, windows = self.window_groups.run(req, hits, need)
+            windows = self.coordinator.windows_before(req, hits, num_blocks)
+            if windows is not None:
+                return Match(tuple(hits), tuple(loads), plan=self._match_segments(req, num_blocks), windows=windows,
+                             num_cached_tokens=num_blocks * self.block_size)
+        hits, windows = self.coordinator.find_hit(req, hits, max(1, self.min_match_blocks))
         last_blocks = self._match_last_block(req, hits) if req.scope is ReuseScope.ANY else ()
-        return Match(tuple(hits), last_blocks=last_blocks, windows=windows,
-                     num_cached_tokens=req.num_tokens - 1 if last_blocks else len(hits) * self.block_size)
+        if last_blocks:
+            return Match(tuple(hits), last_blocks=last_blocks, windows=windows, num_cached_tokens=req.num_tokens - 1)
+        plan = self._match_segments(req, len(hits)) if req.scope is ReuseScope.ANY else None
+        return Match(tuple(hits), plan=plan, windows=windows, num_cached_tokens=len(hits) * self.block_size)
 
     def match_prefix(self, req: CacheRequest) -> list[int]:
         """Block ids of the longest cached exact prefix of `req` (confirmed token by token), capped so the
@@ -168,9 +153,7 @@ also needs, in every window group, the blocks its window reads before position n
         block = self.pool.lookup(self._key(req, len(hits)), req.token_ids[-bs:], parent_uid)
         if block is None:
             return ()
-        if self.window_groups is None:
-            return (block.block_id,)
-        windows = self.window_groups.blocks_at(req, len(hits), block.uid)
+        windows = self.coordinator.blocks_at(req, len(hits), block.uid)
         return () if windows is None else (block.block_id, *windows)
 
     def _num_logprob_blocks(self, req: CacheRequest, num_blocks: int) -> int:
@@ -182,31 +165,11 @@ also needs, in every window group, the blocks its window reads before position n
 
     def _pool_run(self, req: CacheRequest) -> list[int]:
         """Block ids of the leading run of `req`'s full blocks (before its last token) that the pool holds."""
-        hits: list[int] = []
-        parent_uid = None
-        bs = self.block_size
-        for i in range(self._num_usable_blocks(req)):
-            block = self.pool.lookup(self._key(req, i), req.token_ids[i * bs:(i + 1) * bs], parent_uid)
-            if block is None:
-                break
-            hits.append(block.block_id)
-            parent_uid = block.uid
-        return hits
+        return self.coordinator.full.find_hit(req, self._num_usable_blocks(req))
 
     def _num_usable_blocks(self, req: CacheRequest) -> int:
         """Full blocks before the last token, which is always computed (its logits are needed)."""
         return (req.num_tokens - 1) // self.block_size
-
-    def _match_loads(self, req: CacheRequest, hits: Sequence[int]) -> list[LoadedBlock]:
-        """The prefetched blocks that continue `hits` (the pool's prefix hits at admission): empty if there are none,
-        if the pool lost blocks before them since the prefetch, or if all together are fewer than
-        `min_match_blocks`."""
-        if req.tier_load is None or not req.tier_load.done():
-            return []
-        load = req.tier_load.result()
-        offset = len(hits) - load.start
-        loads = load.blocks[offset:] if offset >= 0 else []
-        return loads if len(hits) + len(loads) >= max(1, self.min_match_blocks) else []
 
     def _match_segments(self, req: CacheRequest, num_prefix_blocks: int) -> SegmentPlan | None:
         """Cached runs inside the part of `req` that its exact prefix does not cover, leaving the last
@@ -227,80 +190,25 @@ also needs, in every window group, the blocks its window reads before position n
     def gains_by_waiting(self, req: CacheRequest, match: Match, publishing: Sequence[tuple[CacheRequest, int]]
                          ) -> bool:
         """Whether `req`, admitted one step later than with `match`, would reuse at least `min_match_blocks` more
-        blocks: blocks
-        that the requests in `publishing` (each with its computed tokens once this step has run) compute
-        exactly and publish in this step. (SGLang's in-batch prefix caching, extended to segments: of several
-        equal prompts arriving together only the first is computed, and the rest reuse it.)"""
-        if not self.caches(req) or not publishing:
-            return False
-        bs, need = self.block_size, max(1, self.min_match_blocks)
-        usable, num_cached_blocks, scored = self._num_usable_blocks(req), match.num_cached_blocks, self._scored(req)
-        published: set[tuple[int, ...]] = set()  # contents of the blocks this step publishes
-        gained = 0
-        for other, num_computed in publishing:
-            if not self.caches(other) or other.extra_key != req.extra_key:
-                continue
-            if scored and not (self._scored(other) and other.prompt_logprobs >= req.prompt_logprobs):
-                continue  # it publishes K/V without the prompt logprobs req needs
-            end = other.num_publishable_tokens(num_computed) // bs
-            if end <= len(other.block_uids):
-                continue  # publishes nothing new this step (a decode, mostly): nothing to wait for
-            published.update(tuple(other.token_ids[i * bs:(i + 1) * bs]) for i in range(len(other.block_uids), end))
-            # Exact prefix: the blocks req shares from the start with one that publishes them (scoring a prompt, the
-            # last of them would be computed again: see match_prefix).
-            common = common_prefix_length(other.token_ids[:min(end, usable) * bs], req.token_ids)
-            gained = max(gained, common // bs - int(scored) - num_cached_blocks)
-        if gained >= need or scored or not self.enable_segments or not published:
-            return gained >= need
-        return self._num_published_windows(req, num_cached_blocks, match.plan, published, need) >= need
-
-    @staticmethod
-    def _scored(req: CacheRequest) -> bool:
-        return req.scope is ReuseScope.SCORED
-
-    def _num_published_windows(self, req: CacheRequest, num_hits: int, plan: SegmentPlan | None,
-                               published: set[tuple[int, ...]], need: int) -> int:
-        """Non-overlapping windows of the part that neither hits nor `plan` cover, at any offset, whose contents
-        are those of a block published this step (counted up to `need`)."""
-        bs = self.block_size
-        covered = set(plan.positions()) if plan else set()
-        region = req.token_ids[num_hits * bs:req.num_tokens - 1]
-        t, num_windows = 0, 0
-        while t + bs <= len(region) and num_windows < need:
-            start = num_hits * bs + t
-            if tuple(region[t:t + bs]) in published and start not in covered and start + bs - 1 not in covered:
-                num_windows, t = num_windows + 1, t + bs
-            else:
-                t += 1
-        return num_windows
+        blocks: blocks that the requests in `publishing` (each with its computed tokens once this step has run)
+        compute exactly and publish in this step (in_batch.py)."""
+        return self.caches(req) and gains_by_waiting(req, match, publishing, self.block_size,
+                                                     max(1, self.min_match_blocks), self.enable_segments)
 
     # --- the lower tiers -----------------------------------------------------------------------------
     def prefetch(self, req: CacheRequest) -> None:
         """Start reading, in the background, the part of `req`'s prefix chain that the pool lacks from the lower
-        tiers; `match` hands it over at admission. Nothing to do without tiers."""
+        tiers (tier_loads.py); `match` hands it over at admission. Nothing to do without tiers."""
         if self.tiers is None or not self.caches(req) or req.scope is not ReuseScope.ANY:
             return  # (the tiers keep K/V only: a request scoring its prompt needs the logprobs too)
-        start = len(self._pool_run(req))
-        if start < max(1, self.min_match_blocks):
-            start = 0  # a pool run too short to be used at admission: the tiers' run must stand on its own
-        end = self._num_usable_blocks(req)
-        if start >= end:
-            return
-        bs = self.block_size
-        keys = extend_chain(req.block_keys, req.token_ids, bs, req.extra_key, end, self.hash_fn)[:end]
-        token_blocks = [req.token_ids[i * bs:(i + 1) * bs] for i in range(start, end)]
-        req.tier_load = self.tiers.prefetch(keys[start:], token_blocks, start, keys[start - 1] if start else None)
+        self.tier_loads.prefetch(req, len(self._pool_run(req)), self._num_usable_blocks(req), self.hash_fn)
 
     def is_loading(self, req: CacheRequest) -> bool:
         """Its prefetch is still reading: admitting it now would compute what is about to arrive."""
-        return req.tier_load is not None and not req.tier_load.done()
+        return self.tier_loads.is_loading(req)
 
     def wait_for_load(self, req: CacheRequest, timeout: float) -> None:
-        if self.is_loading(req):
-            try:
-                req.tier_load.result(timeout)
-            except FutureTimeout:  # still loading: the caller asks again
-                pass
+        self.tier_loads.wait_for_load(req, timeout)
 
     # --- admission and growth ------------------------------------------------------------------------
     def num_new_blocks(self, req: CacheRequest, num_tokens: int) -> int:
@@ -336,8 +244,7 @@ also needs, in every window group, the blocks its window reads before position n
         if match.last_blocks:
             self.pool.hold(match.last_blocks)
             req.last_block_sources = list(match.last_blocks)
-        if self.window_groups is not None:
-            self.window_groups.admit(req, match)
+        self.coordinator.admit(req, match)
         self.allocate(req, match.num_cached_tokens + num_new_tokens)
         jobs = CopyJobs()
         jobs.copies += [(source, table[len(match.hits)])
@@ -360,14 +267,9 @@ also needs, in every window group, the blocks its window reads before position n
     def _fill(self, req: CacheRequest, first: int, loads: Sequence[LoadedBlock], jobs: CopyJobs) -> None:
         """Put loaded K/V into the request's blocks `first`, ... (a job) and publish them. A block from a farther tier
         is also written to the nearer ones (a Redis hit lands on the local disk)."""
-        bs = self.block_size
-        jobs.writes += [(self._position(req, first + j), b.payload) for j, b in enumerate(loads)]
-        req.num_loaded_tokens = {}
-        for block in loads:
-            req.num_loaded_tokens[block.tier] = req.num_loaded_tokens.get(block.tier, 0) + bs
-        names = self.tiers.tier_names
-        self._publish(req, (first + len(loads)) * bs, names[:max(names.index(b.tier) for b in loads)], jobs)
-        req.load_seconds = req.tier_load.result().seconds
+        positions = [self._position(req, first + j) for j in range(len(loads))]
+        tiers = self.tier_loads.write(req, positions, loads, jobs)
+        self._publish(req, (first + len(loads)) * self.block_size, tiers, jobs)
 
     # --- after a forward ----------------------------------------------------------------------------
     def update(self, req: CacheRequest, num_computed_tokens: int, *, exact: bool = False,
@@ -383,10 +285,9 @@ also needs, in every window group, the blocks its window reads before position n
         jobs = CopyJobs()
         if self.caches(req):
             self._publish(req, num_computed_tokens, self.tiers.tier_names if self.tiers else [], jobs)
-        if self.window_groups is not None:
-            if self.caches(req):
-                self.window_groups.publish(req)
-            self.window_groups.release(req, num_computed_tokens)
+        if self.caches(req):
+            self.coordinator.publish_windows(req)
+        self.coordinator.release_passed(req, num_computed_tokens)
         if req.prompt_logprobs is not None:
             self.prompt_logprobs.add(req, *(prompt_logprobs or (0, ())), publishes=self.caches(req))
         return jobs
@@ -401,28 +302,16 @@ also needs, in every window group, the blocks its window reads before position n
 
     def _publish(self, req: CacheRequest, num_computed_tokens: int, tiers: Sequence[str], jobs: CopyJobs) -> None:
         """Register the exact full blocks not yet registered, and queue those that got a new identity (not a twin's)
-        for `tiers`."""
-        bs = self.block_size
+        for `tiers` (not those of a position a window has passed: an entry holds every group's block)."""
         stored: list[StoredBlock] = []
         stored_ids: list[tuple[int, ...]] = []
-        for i in range(len(req.block_uids), req.num_publishable_tokens(num_computed_tokens) // bs):
-            parent_uid = req.block_uids[i - 1] if i else None
-            if i and parent_uid is None:
-                req.block_uids.append(None)  # the chain is broken before this block: it stays private
-                continue
-            block_id, key, token_ids = req.block_table[i], self._key(req, i), req.token_ids[i * bs:(i + 1) * bs]
-            uid = self.pool.blocks[block_id].uid
-            if uid is None:
-                # Computed here while an identical block got cached (a concurrent twin): same contents,
-                # same identity, so the chain continues through it.
-                twin = self.pool.lookup(key, token_ids, parent_uid)
-                uid = twin.uid if twin else self.pool.register(block_id, key, token_ids, parent_uid, i * bs,
-                                                               req.extra_key)
-                position = self._position(req, i)
-                if twin is None and uid is not None and NULL_BLOCK not in position:
-                    stored.append(StoredBlock(key, req.block_keys[i - 1] if i else None, tuple(token_ids)))
-                    stored_ids.append(position)
-            req.block_uids.append(uid)
+        bs = self.block_size
+        for i in self.coordinator.full.publish(req, num_computed_tokens):
+            position = self._position(req, i)
+            if NULL_BLOCK not in position:
+                stored.append(StoredBlock(req.block_keys[i], req.block_keys[i - 1] if i else None,
+                                          tuple(req.token_ids[i * bs:(i + 1) * bs])))
+                stored_ids.append(position)
         jobs.store(stored, stored_ids, tiers)
 
     @staticmethod
@@ -434,10 +323,7 @@ also needs, in every window group, the blocks its window reads before position n
     def cached_chain(self, req: CacheRequest) -> tuple[list[int], int]:
         """The pool blocks a request with `req`'s prompt would hit now, every layer group's, and how many prompt
         tokens they cover."""
-        hits = self.match_prefix(req)
-        if self.window_groups is None:
-            return hits, len(hits) * self.block_size
-        hits, windows = self.window_groups.run(req, hits, max(1, self.min_match_blocks))
+        hits, windows = self.coordinator.find_hit(req, self.match_prefix(req), max(1, self.min_match_blocks))
         return hits + [b for window in windows for b in window], len(hits) * self.block_size
 
     def can_pin(self, req: CacheRequest) -> bool:
@@ -464,8 +350,7 @@ also needs, in every window group, the blocks its window reads before position n
         write (a job)."""
         assert not child.block_table and child.token_ids[:num_computed_tokens] == parent.token_ids[:num_computed_tokens]
         num_full = num_computed_tokens // self.block_size
-        if self.window_groups is not None:
-            self.window_groups.fork(parent, child, num_full)
+        self.coordinator.fork(parent, child, num_full)
         jobs = CopyJobs()
         starts = [0, *child.window_starts]  # each table's first block held; the null block before it
         for parent_table, child_table, start in zip(parent.block_tables, child.block_tables, starts, strict=True):
@@ -486,7 +371,7 @@ also needs, in every window group, the blocks its window reads before position n
         self._release_sources(req)
         req.tier_load = None
         release = self._release(req) if finished else None
-        block_ids = req.block_table if self.window_groups is None else self.window_groups.release_order(req)
+        block_ids = self.coordinator.release_order(req)
         if finished and self.pool.can_retain(req.session, block_ids):
             self.pool.retain(req.session, block_ids, release, self.clock())
         elif finished:
@@ -528,10 +413,7 @@ also needs, in every window group, the blocks its window reads before position n
         for req in holders:
             sources = req.segment_plan.source_block_ids if req.segment_plan else []
             sources = sources + req.last_block_sources
-            assert len(req.block_uids) <= len(req.block_table), "more published blocks than blocks"
-            windows = self.window_groups.check(req) if self.window_groups is not None else []
-            assert self.window_groups is not None or not req.window_tables, "window tables on a one-group layout"
-            for block_id in req.block_table + sources + windows:
+            for block_id in self.coordinator.held(req) + sources:
                 held[block_id] = held.get(block_id, 0) + 1
         for block_id, count in held.items():
             assert self.pool.blocks[block_id].ref_cnt == count, f"block {block_id} held {count}x, ref_cnt differs"
