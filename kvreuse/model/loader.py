@@ -323,17 +323,26 @@ def _hf_config(path: Path):
 
     file = path / "config.json"
     try:
-        model_type = json.loads(file.read_text()).get("model_type")
+        raw = json.loads(file.read_text())
+        model_type = raw.get("model_type")
     except (OSError, ValueError, AttributeError, RecursionError) as exc:
         raise ModelLoadError(f"{file}: expected a JSON object ({type(exc).__name__}: {exc})") from None
     arch = by_hf_model_type(model_type)
     if arch is None:
         hint = " (multimodal: only the text model, gemma3_text, is supported)" if model_type == "gemma3" else ""
         raise ModelLoadError(f"{path}: model_type {model_type!r} is not supported{hint} (supported: {SUPPORTED})")
+    # The shape's numbers as written, before transformers derives anything from them (a head dim from 0 heads).
+    for name, key in HF_KEYS.items():
+        if raw.get(key) is not None:
+            validate.integer(file, key, raw[key], name)
+    for key in ("rms_norm_eps", "rope_theta"):
+        if raw.get(key) is not None:
+            validate.positive(file, key, raw[key])
     try:
         return arch, AutoConfig.from_pretrained(str(path))
-    except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
-        raise ModelLoadError(f"{file}: transformers cannot read it ({type(exc).__name__}: {exc})") from None
+    except Exception as exc:  # noqa: BLE001 (any refusal of a hostile config, transformers' strict fields among them)
+        reason = " ".join(f"{type(exc).__name__}: {exc}".split())
+        raise ModelLoadError(f"{file}: transformers cannot read it ({reason})") from None
 
 
 def _safetensors_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
