@@ -216,3 +216,34 @@ def test_serve_refuses_a_hostile_model_in_one_line(hf_dir):
     set_config(hf_dir, num_key_value_heads=3)
     result = run_kvreuse("serve", "--host", "127.0.0.1", "--port", "0", "--model", str(hf_dir))
     assert_one_line_refusal(result, hf_dir, "num_key_value_heads")
+
+
+# --- RoPE tables sized by the context served ----------------------------------------------------------------------
+
+
+def test_rope_tables_are_as_long_as_the_context_served_with_the_same_numbers(tiny_model_dir):
+    """A model's RoPE tables hold the positions served (min(server.max_tokens, its context length)), not its file's
+    context length, and their rows are those of the full table."""
+    import torch
+
+    from kvreuse.model.architectures import ARCHITECTURES
+
+    weights = load_weights(tiny_model_dir)
+    model_class = ARCHITECTURES[weights.args.architecture].model_class
+    full = model_class.from_weights(weights, torch.float32, torch.device("cpu"))
+    served = model_class.from_weights(weights, torch.float32, torch.device("cpu"), max_positions=100)
+    assert full.rotaries["full"].cos_table.shape[0] == weights.args.max_position_embeddings
+    assert served.rotaries["full"].cos_table.shape[0] == 100
+    for table in ("cos_table", "sin_table"):
+        torch.testing.assert_close(getattr(served.rotaries["full"], table),
+                                   getattr(full.rotaries["full"], table)[:100], atol=0, rtol=0)
+    beyond = model_class.from_weights(weights, torch.float32, torch.device("cpu"), max_positions=10**9)
+    assert beyond.rotaries["full"].cos_table.shape[0] == weights.args.max_position_embeddings
+
+
+def test_an_engine_sizes_its_rope_tables_by_server_max_tokens(tiny_model_dir):
+    from kvreuse.config import load_config
+    from kvreuse.engine.resolved_model import resolve_model
+
+    config = load_config(None, [f"model.path={tiny_model_dir}", "model.dtype=fp32", "server.max_tokens=256"])
+    assert resolve_model(config).max_model_len == 256
