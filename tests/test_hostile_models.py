@@ -242,8 +242,12 @@ def test_rope_tables_are_as_long_as_the_context_served_with_the_same_numbers(tin
 
 
 def test_an_engine_sizes_its_rope_tables_by_server_max_tokens(tiny_model_dir):
-    from kvreuse.config import load_config
-    from kvreuse.engine.resolved_model import resolve_model
+    from .helpers import greedy, tiny_llm
 
-    config = load_config(None, [f"model.path={tiny_model_dir}", "model.dtype=fp32", "server.max_tokens=256"])
-    assert resolve_model(config).max_model_len == 256
+    llm = tiny_llm(tiny_model_dir, server__max_tokens=256)
+    try:
+        assert llm.engine.front_end.max_model_len == 256
+        assert llm.engine.runner.model.rotaries["full"].cos_table.shape[0] == 256
+        assert len(llm.generate(["hello"], greedy(3))[0].token_ids) == 3
+    finally:
+        llm.close()
