@@ -31,7 +31,8 @@ def build_model(resolved: ResolvedModel) -> BuiltModel:
     weights = load_weights(resolved.path, keep_blocks=mode == "gguf" and kernels.load().isa > 0)
     if (weights.args, weights.fingerprint) != (resolved.args, resolved.info.fingerprint):
         raise ModelLoadError(f"{resolved.path} changed while it was loaded: its weights are not the model resolved")
-    model = ARCHITECTURES[weights.args.architecture].model_class.from_weights(weights, resolved.dtype, resolved.device)
+    model = ARCHITECTURES[weights.args.architecture].model_class.from_weights(weights, resolved.dtype, resolved.device,
+                                                                              resolved.max_model_len)
     quantize_model(model, config.quantization)  # weight-only; "none" leaves it as loaded
     description = use_gguf_blocks(model, weights) if mode == "gguf" else "dense"
     logger.info("model.weights = %s: %s", config.weights, description)

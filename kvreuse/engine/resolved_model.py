@@ -69,6 +69,8 @@ class ResolvedModel:
     # (quantization, the GGUF kernel); tier entries and block keys carry it.
     fingerprint: str
     kv_layout: KVLayout       # the pool layout `cache.sliding_kv` asks for on this model
+    # The longest context served: server.max_tokens within the model's context length (the RoPE tables' length).
+    max_model_len: int | None = None
 
     @property
     def path(self) -> Path:
@@ -111,4 +113,5 @@ def resolve_model(config: Config) -> ResolvedModel:
     # Cache keys must change whenever the numbers in the KV would: weights, dtype and quantization.
     tags = [quantization_tag(model.quantization), weights_tag(weights)]
     fingerprint = ":".join([info.fingerprint, str(dtype).removeprefix("torch."), *filter(None, tags)])
-    return ResolvedModel(model, info, device, dtype, why, weights, fingerprint, resolve_layout(info.args, config.cache))
+    return ResolvedModel(model, info, device, dtype, why, weights, fingerprint, resolve_layout(info.args, config.cache),
+                         min(config.server.max_tokens, info.args.max_position_embeddings))

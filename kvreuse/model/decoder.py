@@ -117,7 +117,8 @@ class CausalLM(nn.Module):
 
     layer_class: ClassVar[type[DecoderLayer]] = DecoderLayer
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, max_positions: int | None = None):
+        """`max_positions`: the longest context served (the RoPE tables' length); None: the model's own."""
         super().__init__()
         self.args = args
         # Not initialized: the weights come from a checkpoint (from_weights), and normal_ on the meta device
@@ -129,18 +130,21 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.rotaries = self._rotaries()
+        self.rotaries = self._rotaries(min(args.max_position_embeddings, max_positions or args.max_position_embeddings))
 
-    def _rotaries(self) -> nn.ModuleDict:
+    def _rotaries(self, positions: int) -> nn.ModuleDict:
+        """One table per rotary, `positions` long: sized by the context served, not the file's context length (a
+        table of 2^24 positions is gigabytes)."""
         args, kinds = self.args, sorted({layer.kind for layer in self.layers})
-        return nn.ModuleDict({kind: RotaryEmbedding(args.head_dim, args.max_position_embeddings, args.rope_of(kind))
-                              for kind in kinds})
+        return nn.ModuleDict({kind: RotaryEmbedding(args.head_dim, positions, args.rope_of(kind)) for kind in kinds})
 
     @classmethod
-    def from_weights(cls, weights, dtype: torch.dtype, device: torch.device) -> CausalLM:
-        """The model of `weights` (loader.LoadedWeights: tensors under our names) in `dtype` on `device`."""
+    def from_weights(cls, weights, dtype: torch.dtype, device: torch.device,
+                     max_positions: int | None = None) -> CausalLM:
+        """The model of `weights` (loader.LoadedWeights: tensors under our names) in `dtype` on `device`, serving
+        contexts of up to `max_positions` tokens (None: the model's context length)."""
         with torch.device("meta"):
-            model = cls(weights.args)
+            model = cls(weights.args, max_positions)
         state = model.state_from(weights.tensors)
         fp32 = {name for name, module in model.named_modules() if getattr(module, "keeps_fp32", False)}
         state = {k: v.float() if k.rpartition(".")[0] in fp32 else v.to(dtype) for k, v in state.items()}
