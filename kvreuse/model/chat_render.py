@@ -79,6 +79,7 @@ class WorkerRenderer:
         self._tokenizer = pickle.dumps(hf_tokenizer)
         self._lock = threading.Lock()
         self._process: subprocess.Popen | None = None
+        self._closed = False
         self._starting = threading.Thread(target=self._start_quietly, name="kvreuse-template-worker", daemon=True)
         self._starting.start()
 
@@ -99,6 +100,7 @@ class WorkerRenderer:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True  # a start still waiting for the lock starts nothing
             self._kill()
 
     def _call(self, request) -> tuple[str, object]:
@@ -119,6 +121,8 @@ class WorkerRenderer:
 
     def _start_quietly(self) -> None:
         with self._lock:
+            if self._closed:
+                return
             try:
                 self._start()
             except Exception:  # the first render starts it again and raises
