@@ -70,6 +70,7 @@ ALL_CHANGED = Config(
         max_blocks=0,
         policy="lfu",
         sliding_kv="full",
+        kv_dtype="int8",
         suffix=SegmentConfig(
             enabled=True, mode="shift", recompute_ratio=0.1, head_tokens=0, guard_margin=1.0
         ),
@@ -193,7 +194,7 @@ def test_config_to_ini_writes_every_key():
     parser.read_string(config_to_ini(Config()))
     assert parser.sections() == ["server", "cache", "model", "engine", "events", "cluster", "structured"]
     assert set(parser["cache"]) == {
-        "enabled", "block_size", "max_blocks", "policy", "sliding_kv", "normalize_input", "min_match_blocks",
+        "enabled", "block_size", "max_blocks", "policy", "sliding_kv", "kv_dtype", "normalize_input", "min_match_blocks",
         "pin_max_share", "pin_ttl_s", "session_retention_s", "session_max_share", "preset",
         "suffix.enabled", "suffix.mode", "suffix.recompute_ratio", "suffix.head_tokens",
         "suffix.guard_margin", "disk.path", "disk.max_gb", "redis.url", "redis.ttl_s", "redis.timeout_ms",

@@ -29,6 +29,7 @@ SHORTHANDS = {
     "weights": "model.weights",
     "served_model_name": "model.served_name",
     "block_size": "cache.block_size",
+    "kv_cache_dtype": "cache.kv_dtype",
     "max_model_len": "server.max_tokens",
     "enable_prefix_caching": "cache.enabled",
     "preset": "cache.preset",
@@ -91,6 +92,8 @@ def common_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weights", choices=choices_of(ModelConfig, "weights"),
                         help=f"decode from the GGUF's own blocks or dense weights ({shorthand('weights')})")
     parser.add_argument("--block-size", type=int, help=shorthand("block_size"))
+    parser.add_argument("--kv-cache-dtype", choices=choices_of(CacheConfig, "kv_dtype"),
+                        help=f"how the KV pool holds K/V; int8 and fp8 are approximate ({shorthand('kv_cache_dtype')})")
     parser.add_argument("--preset", choices=choices_of(CacheConfig, "preset"),
                         help=f"scenario preset ({shorthand('preset')}); explicit keys override it")
     parser.add_argument("--max-model-len", type=int, help=f"{shorthand('max_model_len')} (context limit)")

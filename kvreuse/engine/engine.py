@@ -64,7 +64,7 @@ class LLMEngine:
         decode_graph = (DecodeGraph(model, min(COMPILED_ROWS, config.engine.max_num_batched_tokens),
                                     precompile_command(resolved.model_config))
                         if config.engine.compile == "decode" else None)
-        self.runner = ModelRunner(model, num_blocks, front.block_size, resolved.dtype, self.device,
+        self.runner = ModelRunner(model, num_blocks, front.block_size, resolved.kv_format, self.device,
                                   front.tokenizer.eos_token_ids, decode_graph, front.kv_layout)
         self.tiers = TieredStore.from_config(config.cache, PoolBlockIO(self.runner.kv_cache, front.fingerprint,
                                                                          front.kv_layout))

@@ -89,7 +89,8 @@ class FrontEnd:
     def describe_kv(self) -> str:
         """The pool's shape, for the ready line: blocks and, with groups, what they hold."""
         grouped = f"; {self.kv_layout.describe()}" if self.kv_layout.is_grouped else ""
-        return f"{self.kv_capacity_tokens} tokens ({self.num_kv_blocks} blocks x {self.block_size}{grouped})"
+        return (f"{self.kv_capacity_tokens} tokens ({self.num_kv_blocks} blocks x {self.block_size}, "
+                f"{self.resolved.kv_format.name}{grouped})")
 
     def normalize(self, text: str) -> str:
         return normalize_text(text) if self.config.cache.normalize_input else text

@@ -18,6 +18,7 @@ from kvreuse.kvcache.block_pool import num_physical_blocks
 from kvreuse.kvcache.layout import KVLayout
 from kvreuse.kvcache.pool_memory import zeroed
 from kvreuse.layers.attention import AttentionMetadata
+from kvreuse.layers.kv_format import KVFormat
 from kvreuse.layers.logits_processors import SamplingRow
 from kvreuse.layers.sampler import TokenLogprob, sample_rows
 from kvreuse.model.decode_graph import DecodeGraph
@@ -40,7 +41,7 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, kv_format: KVFormat, device: torch.device,
                  eos_token_ids: frozenset[int] = frozenset(), decode_graph: DecodeGraph | None = None,
                  layout: KVLayout | None = None):
         args = model.args
@@ -48,9 +49,10 @@ class ModelRunner:
         self.layout = layout or KVLayout.full(args.num_layers)
         self.decode_graph = decode_graph  # the compiled decode step, used once it is ready
         self.eos_token_ids = eos_token_ids  # masked, with stop_token_ids, until min_tokens
-        # [layers_per_block, K/V, num_blocks + 1 (the null block), block_size, num_kv_heads, head_dim]
+        # [layers_per_block, K/V, num_blocks + 1 (the null block), block_size, num_kv_heads, W]: rows of W storage
+        # elements in `kv_format` (W = head_dim, or head_dim + its scale's bytes in 8 bits)
         self.kv_cache = zeroed((self.layout.layers_per_block, 2, num_physical_blocks(num_blocks), block_size,
-                                args.num_kv_heads, args.head_dim), dtype, device)
+                                args.num_kv_heads, kv_format.row_width(args.head_dim)), kv_format.storage, device)
         slots = layer_caches(self.kv_cache)
         self.layer_caches = [slots[j] for j in self.layout.slot_of]  # each model layer's (k_cache, v_cache) views
 

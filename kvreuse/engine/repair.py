@@ -29,7 +29,8 @@ from kvreuse.engine.sequence import Sequence
 from kvreuse.kvcache.accounting import ReuseRecord
 from kvreuse.kvcache.request import CacheRequest
 from kvreuse.kvcache.segment import SegmentPlan
-from kvreuse.layers.attention import AttentionMetadata
+from kvreuse.layers.attention import AttentionMetadata, read_kv
+from kvreuse.layers.kv_format import format_of
 from kvreuse.model.decoder import CausalLM, ForwardKV
 
 SELECT_LAYER = 1  # rows are ranked by their deviation here: the first layer whose K/V depend on context
@@ -116,7 +117,9 @@ def copy_segments(model: CausalLM, kv_cache: torch.Tensor, kv: CacheRequest) -> 
     src = torch.tensor(src_slots, device=device)
     dst = torch.tensor([kv.block_table[p // bs] * bs + p % bs for p in dst_pos], device=device)
     deltas = torch.tensor(dst_pos, device=device) - torch.tensor(src_pos, device=device)
-    slots[:, 0, dst] = model.rotate_by(slots[:, 0, src], deltas)
+    kv_format = format_of(kv_cache)  # an 8-bit K is decoded, moved and encoded again (its V moves as it is)
+    keys = kv_format.decode(slots[:, 0, src], kv_format.value_dtype)                 # [L, T, Hkv, D]
+    slots[:, 0, dst] = kv_format.encode(model.rotate_by(keys, deltas))
     slots[:, 1, dst] = slots[:, 1, src]
 
 
@@ -155,8 +158,9 @@ class BatchRepair:
     def select(self, fresh_k: torch.Tensor, fresh_v: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
         """Blend's rows to keep, given the fresh K/V [T, Hkv, D] of layer SELECT_LAYER (before they overwrite
         the reused ones at `slot_mapping` [T])."""
-        reused_k, reused_v = self.kv_cache[SELECT_LAYER].view(2, -1, *self.kv_cache.shape[-2:])  # [slots, Hkv, D]
-        deviation = kv_deviation(fresh_k, reused_k[slot_mapping], fresh_v, reused_v[slot_mapping]).cpu()  # [T]
+        reused_k, reused_v = self.kv_cache[SELECT_LAYER].unbind(0)
+        deviation = kv_deviation(fresh_k, read_kv(reused_k, slot_mapping, fresh_k.dtype), fresh_v,
+                                 read_kv(reused_v, slot_mapping, fresh_v.dtype)).cpu()  # [T]
         ratio = self.settings.recompute_ratio
         self.kept = torch.cat([a + select_rows(self.reused[a:b], self.heads[a:b], deviation[a:b], ratio)
                                for _, a, b in self.spans()])

@@ -17,6 +17,7 @@ import torch
 
 from kvreuse.config import Config, ModelConfig
 from kvreuse.kvcache.layout import KVLayout, resolve_layout
+from kvreuse.layers.kv_format import KVFormat, resolve_kv_format
 from kvreuse.model import dtype_probe
 from kvreuse.model.gguf_weights import resolve_weights, weights_tag
 from kvreuse.model.loader import ModelArgs, ModelInfo, load_model_info
@@ -51,9 +52,9 @@ def dtype_name(dtype: torch.dtype) -> str:
     return next(name for name, d in DTYPES.items() if d == dtype)
 
 
-def kv_bytes_per_block(args: ModelArgs, layout: KVLayout, block_size: int, dtype: torch.dtype) -> int:
-    """K and V of the layers one block holds (every layer, unless the layout groups them)."""
-    return layout.layers_per_block * 2 * block_size * args.num_kv_heads * args.head_dim * dtype.itemsize
+def kv_bytes_per_block(args: ModelArgs, layout: KVLayout, block_size: int, kv_format: KVFormat) -> int:
+    """K and V of the layers one block holds (every layer, unless the layout groups them), scales included."""
+    return layout.layers_per_block * 2 * block_size * args.num_kv_heads * kv_format.bytes_per_row(args.head_dim)
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ class ResolvedModel:
     # (quantization, the GGUF kernel); tier entries and block keys carry it.
     fingerprint: str
     kv_layout: KVLayout       # the pool layout `cache.sliding_kv` asks for on this model
+    kv_format: KVFormat       # how the pool holds K/V (`cache.kv_dtype`)
     # The longest context served: server.max_tokens within the model's context length (the RoPE tables' length).
     max_model_len: int | None = None
 
@@ -98,7 +100,7 @@ class ResolvedModel:
         return config.model_copy(update={"model": self.model_config})
 
     def kv_bytes_per_block(self, block_size: int) -> int:
-        return kv_bytes_per_block(self.args, self.kv_layout, block_size, self.dtype)
+        return kv_bytes_per_block(self.args, self.kv_layout, block_size, self.kv_format)
 
 
 def resolve_model(config: Config) -> ResolvedModel:
@@ -110,8 +112,11 @@ def resolve_model(config: Config) -> ResolvedModel:
     info = load_model_info(model.path or None)
     dtype, why = resolve_dtype(model.dtype, device, info.args)
     weights = resolve_weights(model.weights, model.quantization, info.path, device)
-    # Cache keys must change whenever the numbers in the KV would: weights, dtype and quantization.
-    tags = [quantization_tag(model.quantization), weights_tag(weights)]
+    kv_format = resolve_kv_format(config.cache.kv_dtype, dtype)
+    # Cache keys must change whenever the numbers in the KV would: weights, dtype, quantization and a KV format other
+    # than the model's dtype.
+    tags = [quantization_tag(model.quantization), weights_tag(weights),
+            f"kv-{kv_format.name}" if kv_format.storage != dtype else ""]
     fingerprint = ":".join([info.fingerprint, str(dtype).removeprefix("torch."), *filter(None, tags)])
     return ResolvedModel(model, info, device, dtype, why, weights, fingerprint, resolve_layout(info.args, config.cache),
-                         min(config.server.max_tokens, info.args.max_position_embeddings))
+                         kv_format, min(config.server.max_tokens, info.args.max_position_embeddings))

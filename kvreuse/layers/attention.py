@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from kvreuse.kernels import build as kernels
+from kvreuse.layers.kv_format import format_of
 
 # The KV pool's null block (kvreuse/kvcache/block.py's NULL_BLOCK; tests/test_attention.py keeps them equal): no
 # request holds it, so it pads ragged block tables and stands where a sliding window has passed a block. Whatever it
@@ -183,10 +184,17 @@ FUSED_DTYPES = (torch.float32, torch.bfloat16)  # what the fused decode kernel t
 
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """k_cache/v_cache: [num_blocks, block_size, num_kv_heads, head_dim]; k/v: [T, num_kv_heads, head_dim]."""
-    num_kv_heads, head_dim = k.shape[1:]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    """k_cache/v_cache: [num_blocks, block_size, num_kv_heads, W] in their format (kv_format.py; W = head_dim in a
+    plain one); k/v: [T, num_kv_heads, head_dim]."""
+    kv_format = format_of(k_cache)
+    rows = k_cache.shape[-2:]                                                          # [Hkv, W]
+    k_cache.view(-1, *rows).index_copy_(0, slot_mapping, kv_format.encode(k))
+    v_cache.view(-1, *rows).index_copy_(0, slot_mapping, kv_format.encode(v))
+
+
+def read_kv(cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The values at pool `slots` [N] of one layer's k_cache or v_cache, as [N, Hkv, head_dim] in `dtype`."""
+    return format_of(cache).decode(cache.view(-1, *cache.shape[-2:]).index_select(0, slots), dtype)
 
 
 def store_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -196,8 +204,8 @@ def store_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
     each query, for a sliding-window layer). Returns [T, H * D]. A decode step in fp32 or bf16 on a CPU runs as one
     fused call where kvreuse's kernels are loaded (the same numbers up to summation order; tests/test_attention.py)."""
     meta = meta.windowed(window)
-    if meta.decode and meta.context_lens is not None and q.dtype in FUSED_DTYPES and q.device.type == "cpu" \
-            and kernels.load().loaded:
+    if meta.decode and meta.context_lens is not None and q.dtype in FUSED_DTYPES and k_cache.dtype == q.dtype \
+            and q.device.type == "cpu" and kernels.load().loaded:
         return torch.ops.kvreuse_cpu.decode_attention(q.contiguous(), k.contiguous(), v.contiguous(), k_cache,
                                                       v_cache, meta.slot_mapping, meta.context_slots,
                                                       meta.context_lens, scale)
@@ -218,8 +226,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     # Decode rows are already one query per sequence, in batch order: no gather, no padding to drop.
     q_pad = q.unsqueeze(2) if meta.decode else q[meta.query_index].transpose(1, 2)     # [B, H, Q, D]
     slots = meta.context_slots.flatten()                                               # [B * K]
-    k = k_cache.view(-1, num_kv_heads, head_dim).index_select(0, slots)                # [B * K, Hkv, D]
-    v = v_cache.view(-1, num_kv_heads, head_dim).index_select(0, slots)                # [B * K, Hkv, D]
+    k = read_kv(k_cache, slots, q.dtype)                                               # [B * K, Hkv, D]
+    v = read_kv(v_cache, slots, q.dtype)                                               # [B * K, Hkv, D]
     k = k.view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)                   # [B, Hkv, K, D]
     v = v.view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)                   # [B, Hkv, K, D]
     mask = None if meta.causal else meta.attn_mask

@@ -86,6 +86,10 @@ def settings_line(config: Config, compile_state: str) -> str:
         on.append("input normalized, changes what the model reads (cache.normalize_input)")
     if config.model.quantization != "none":
         on.append(f"weights quantized to {config.model.quantization}, approximate (model.quantization)")
+    if cache.kv_dtype in ("int8", "fp8"):
+        on.append(f"KV in {cache.kv_dtype}, approximate (cache.kv_dtype)")
+    elif cache.kv_dtype != "auto":
+        on.append(f"KV in {cache.kv_dtype} (cache.kv_dtype)")
     if cache.policy != "lru":
         on.append(f"eviction {cache.policy} (cache.policy)")
     if cache.disk.path:
