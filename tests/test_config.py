@@ -194,8 +194,8 @@ def test_config_to_ini_writes_every_key():
     parser.read_string(config_to_ini(Config()))
     assert parser.sections() == ["server", "cache", "model", "engine", "events", "cluster", "structured"]
     assert set(parser["cache"]) == {
-        "enabled", "block_size", "max_blocks", "policy", "sliding_kv", "kv_dtype", "normalize_input", "min_match_blocks",
-        "pin_max_share", "pin_ttl_s", "session_retention_s", "session_max_share", "preset",
+        "enabled", "block_size", "max_blocks", "policy", "sliding_kv", "kv_dtype", "normalize_input",
+        "min_match_blocks", "pin_max_share", "pin_ttl_s", "session_retention_s", "session_max_share", "preset",
         "suffix.enabled", "suffix.mode", "suffix.recompute_ratio", "suffix.head_tokens",
         "suffix.guard_margin", "disk.path", "disk.max_gb", "redis.url", "redis.ttl_s", "redis.timeout_ms",
         "tier_queue_mb", "tier_secret_file", "tier_store_tokens",

@@ -8,7 +8,7 @@ import torch
 
 from kvreuse.engine.resolved_model import resolve_model
 from kvreuse.layers.attention import AttentionMetadata, paged_attention, store_kv
-from kvreuse.layers.kv_format import FORMATS, KVFormat, format_of
+from kvreuse.layers.kv_format import FORMATS, format_of
 from kvreuse.llm import LLM
 from kvreuse.sampling_params import SamplingParams
 
