@@ -211,9 +211,9 @@ class CacheConfig(_Section):
         "`window` unless segment reuse is on, which needs `full` (docs/features/sliding-window.md)."))
     kv_dtype: Literal["auto", "fp32", "bf16", "int8", "fp8"] = Field("auto", description=(
         "How the KV pool, and so the tiers, hold K/V (`--kv-cache-dtype`): `auto` as the model computes them "
-        "(`model.dtype`); `int8` and `fp8` (e4m3) in 8 bits with an fp32 scale per token and head, about a quarter "
-        "of fp32's bytes, approximate (`kvreuse fidelity --kv-dtype` measures it). Prefix reuse is exact within each "
-        "(docs/features/kv-dtype.md)."))
+        "(`model.dtype`); `int8` and `fp8` (e4m3) in 8 bits with an fp16 scale per 32 values, 0.27x fp32's bytes, "
+        "approximate (`kvreuse fidelity --kv-dtype` measures it). `fp32` and `bf16` store that dtype whatever the "
+        "model computes in ([features/kv-dtype.md](features/kv-dtype.md))."))
     suffix: SegmentConfig = Field(default_factory=SegmentConfig, description="Segment reuse (the `suffix.*` keys).")
     normalize_input: bool = Field(False, description=(
         "Canonicalise each message's text before tokenizing (NFKC, line endings, runs of spaces), so prompts that "

@@ -119,7 +119,7 @@ def median_or_none(values: list[float]) -> float | None:
 
 def run(repeats: int = 3, redis_url: str | None = None, dtype: str = "auto", prompt_tokens: int = 2048,
         progress: Callable[[str], None] = print, model_path: str | None = None, kv_cache_memory_mb: int = 1024,
-        disk_dir: str | None = None, drop_disk_page_cache: bool = True) -> dict:
+        disk_dir: str | None = None, drop_disk_page_cache: bool = True, kv_dtype: str = "auto") -> dict:
     """Run the suite; `model_path` (`model.path`, default the embedded model), `kv_cache_memory_mb` and `disk_dir`
     (the parent of the disk tier's temporary directory, default the system's temp dir) are for tests and for
     measuring a particular device. Without `redis_url`, a redis-server is started for the run, and without one on
@@ -140,7 +140,8 @@ def run(repeats: int = 3, redis_url: str | None = None, dtype: str = "auto", pro
             redis_note = f"given: {redact_url(url)}"
         disk = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvreuse-tiers-bench-", dir=disk_dir)))
         overrides = [f"model.dtype={dtype}", "server.max_tokens=4096", "engine.max_num_batched_tokens=2048",
-                     f"engine.kv_cache_memory_mb={kv_cache_memory_mb}", f"cache.disk.path={disk}"]
+                     f"engine.kv_cache_memory_mb={kv_cache_memory_mb}", f"cache.disk.path={disk}",
+                     f"cache.kv_dtype={kv_dtype}"]
         if url:
             overrides.append(f"cache.redis.url={url}")
         if model_path:
@@ -205,8 +206,8 @@ def _measure(llm: LLM, repeats: int, prompt_tokens: int, with_redis: bool, page_
     rows = _rows(samples)
     return {"suite": "tiers", "repeats": repeats, "prompt_tokens": prompt_tokens, "block_size": bs,
             "full_block_tokens": full_blocks, "bytes_per_block": engine.bytes_per_block,
-            "dtype": engine.dtype_description, "cpu": cpu_identity(), "machine": machine(),
-            "ways": rows, "targets": _targets(rows),
+            "dtype": engine.dtype_description, "kv_dtype": engine.resolved.kv_format.name, "cpu": cpu_identity(),
+            "machine": machine(), "ways": rows, "targets": _targets(rows),
             "first_tokens": samples.first_tokens,
             "first_tokens_match": True,  # checked every round (BenchError otherwise)
             "disk": {"page_cache": ("dropped before each disk read (posix_fadvise DONTNEED, advisory)"
@@ -330,7 +331,7 @@ def markdown(report: dict) -> str:
     lines += ["",
               f"{report['prompt_tokens']}-token prompt, {report['full_block_tokens']} tokens cached, median of "
               f"{rounds}. CPU: {cpu['cpu']} ({cpu['machine']}; flags: {', '.join(cpu['flags']) or 'none'}); "
-              f"dtype: {report['dtype']}. Targets: {targets}.",
+              f"dtype: {report['dtype']}, KV {report.get('kv_dtype', report['dtype'])}. Targets: {targets}.",
               f"Disk: {report['disk'].get('filesystem', 'unknown')}, page cache {report['disk']['page_cache']}. "
               f"Redis: {report['redis']}."]
     return "\n".join(lines)

@@ -117,6 +117,21 @@ def run(requests: Sequence[TraceRequest], scale: Scale, capacities: Sequence[int
             "policies": list(policies), "results": results}
 
 
+def pool_capacities(pool_mb: float, kv_dtypes: Sequence[str], tokens_per_hash: int, block_size: int,
+                    model: str = "") -> dict[str, int]:
+    """The capacity in hash blocks that a pool of `pool_mb` MB holds in each `cache.kv_dtype`, at `model`'s K/V bytes
+    per token (the embedded model's by default; fp32 weights, so `auto` is fp32)."""
+    from kvreuse.config import load_config
+    from kvreuse.engine.resolved_model import resolve_model
+
+    capacities = {}
+    for kv_dtype in kv_dtypes:
+        config = load_config(None, ["model.dtype=fp32", f"cache.kv_dtype={kv_dtype}", f"model.path={model}"])
+        bytes_per_token = resolve_model(config).kv_bytes_per_block(block_size) / block_size
+        capacities[kv_dtype] = int(pool_mb * 2**20 / bytes_per_token) // tokens_per_hash
+    return capacities
+
+
 def _tokens(n: float) -> str:
     return f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n / 1e3:.0f}k" if n >= 1e3 else f"{n:.0f}"
 
@@ -134,6 +149,9 @@ def markdown(report: dict) -> str:
     for capacity in report["capacities"]:
         rates = " | ".join(f"{by[capacity, p]['hit_rate']:.3f}" for p in policies)
         lines.append(f"| {capacity:,} | {_tokens(capacity * hash_tokens)} | {rates} |")
+    if "pool_mb" in report:
+        held = ", ".join(f"{kv_dtype} {capacity:,}" for kv_dtype, capacity in report["kv_dtype_capacities"].items())
+        lines += ["", f"A pool of {report['pool_mb']:g} MB of {report['model']}'s K/V holds, in hash blocks: {held}."]
     skipped = sorted({r["capacity"] for r in report["results"] if r["skipped_requests"]})
     if skipped:
         lines += ["", f"At capacity {', '.join(map(str, skipped))} some requests were larger than the whole pool and "

@@ -21,7 +21,7 @@ from kvreuse.cli.common import (
     publish,
     repeats_flag,
 )
-from kvreuse.config import ModelConfig
+from kvreuse.config import CacheConfig, ModelConfig
 
 
 def add_bench(sub) -> None:
@@ -111,6 +111,8 @@ def _add_tiers(suites) -> None:
     repeats_flag(tiers)
     tiers.add_argument("--prompt-tokens", type=positive_int, default=2048, help="prompt length (default 2048)")
     _dtype_flag(tiers, "auto", "model.dtype (default auto: the machine's faster dtype)")
+    tiers.add_argument("--kv-cache-dtype", choices=choices_of(CacheConfig, "kv_dtype"), default="auto",
+                       help="cache.kv_dtype: how the pool and the tiers hold K/V (default auto: the model dtype)")
     tiers.add_argument("--redis-url", help="a Redis to measure (default: a redis-server started for the run)")
     tiers.add_argument("--disk-dir", help="where the disk tier's directory goes (default: the system's temp dir)")
     out_flag(tiers, "tiers")
@@ -123,7 +125,8 @@ def cmd_bench_tiers(args: argparse.Namespace) -> int:
     from kvreuse.bench import tiers_bench
 
     report = tiers_bench.run(repeats=args.repeats, redis_url=args.redis_url, dtype=args.dtype,
-                             prompt_tokens=args.prompt_tokens, progress=progress, disk_dir=args.disk_dir)
+                             prompt_tokens=args.prompt_tokens, progress=progress, disk_dir=args.disk_dir,
+                             kv_dtype=args.kv_cache_dtype)
     return publish("tiers", report, tiers_bench.markdown(report), args.out)
 
 

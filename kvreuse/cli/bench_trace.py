@@ -35,6 +35,13 @@ def add_trace(suites) -> None:
     trace.add_argument("--capacity", type=positive_int, nargs="+", metavar="C", default=list(DEFAULT_CAPACITIES),
                        help="cache capacities in hash blocks, requests in flight included (default "
                             f"{' '.join(map(str, DEFAULT_CAPACITIES))})")
+    trace.add_argument("--pool-mb", type=float, metavar="MB",
+                       help="instead of --capacity: a pool of MB megabytes of the model's K/V, held in each of "
+                            "--kv-dtypes (the capacity each holds is what the run compares)")
+    trace.add_argument("--kv-dtypes", nargs="+", choices=["fp32", "bf16", "int8", "fp8"], default=["bf16", "int8"],
+                       metavar="DTYPE", help="cache.kv_dtype values compared with --pool-mb (default bf16 int8)")
+    trace.add_argument("--model", default="", help="the model whose K/V bytes per token size --pool-mb (default: "
+                                                    "the embedded model)")
     trace.add_argument("--policies", nargs="+", choices=POLICY_NAMES, default=list(POLICY_NAMES), metavar="POLICY",
                        help=f"{', '.join(POLICY_NAMES)} (default: all; belady is the offline optimum)")
     trace.add_argument("--out", metavar="DIR", help=f"directory for trace.json, trace.md and {TRACE_PNG}")
@@ -60,8 +67,13 @@ def cmd_bench_trace(args: argparse.Namespace) -> int:
     if not requests:
         raise InputError(f"{args.trace_file}: no requests")
     scale = trace_bench.Scale(args.tokens_per_hash, args.hash_block_tokens, block_size)
-    report = trace_bench.run(requests, scale, sorted(set(args.capacity)), list(dict.fromkeys(args.policies)),
+    held = (trace_bench.pool_capacities(args.pool_mb, args.kv_dtypes, args.tokens_per_hash, block_size, args.model)
+            if args.pool_mb else {})
+    capacities = sorted(set(held.values()) if held else set(args.capacity))
+    report = trace_bench.run(requests, scale, capacities, list(dict.fromkeys(args.policies)),
                              progress=progress, name=Path(args.trace_file).name)
+    if held:
+        report.update(pool_mb=args.pool_mb, model=args.model or "the embedded model", kv_dtype_capacities=held)
     table = trace_bench.markdown(report)
     print(table)
     if args.out:

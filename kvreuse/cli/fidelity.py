@@ -6,7 +6,8 @@ import argparse
 import json
 
 from kvreuse.bench.workloads import WORKLOADS
-from kvreuse.cli.common import common_flags, config_overrides, progress
+from kvreuse.cli.common import choices_of, common_flags, config_overrides, progress
+from kvreuse.config import CacheConfig
 
 
 def add_fidelity(sub) -> None:
@@ -24,12 +25,21 @@ def add_fidelity(sub) -> None:
     fid.add_argument("--modes", nargs="+", choices=["prefix-only", "shift-noguard", "shift", "blend-noguard",
                                                     "blend", "blend-1.0"], help="default: all")
     fid.add_argument("--continuation", type=int, default=32, help="greedy tokens compared per request")
+    fid.add_argument("--kv-dtype", choices=[c for c in choices_of(CacheConfig, "kv_dtype") if c != "auto"],
+                     help="instead of segment reuse: holding K/V in this dtype against fp32 K/V, over 2k-token "
+                          "contexts and six parity prompts")
     fid.add_argument("--json", action="store_true", help="the whole report as JSON")
     fid.set_defaults(func=cmd_fidelity)
 
 
 def cmd_fidelity(args: argparse.Namespace) -> int:
     """Print the fidelity report, as Markdown or JSON."""
+    if args.kv_dtype:
+        from kvreuse.bench import kv_fidelity
+
+        report = kv_fidelity.kv_fidelity_report(args.kv_dtype, config_overrides(args), args.config, progress)
+        print(json.dumps(report, indent=2) if args.json else kv_fidelity.markdown(report))
+        return 0
     from kvreuse.bench import fidelity
 
     report = fidelity.fidelity_report(num_requests=args.requests, seed=args.seed, modes=args.modes,

@@ -1,22 +1,27 @@
-"""How K/V values sit in the pool (`cache.kv_dtype`): as the model computes them, or in 8 bits with a scale per row.
+"""How K/V values sit in the pool (`cache.kv_dtype`): as the model computes them, or in 8 bits with a scale per group.
 
-A row is one token's K or V of one KV head: head_dim values. An 8-bit row holds head_dim codes and then its fp32
-scale, in the row's last 4 bytes (the same storage dtype, viewed as fp32). A block's bytes therefore carry their own
-scales, so the tiers and the copy jobs move blocks as bytes whatever the format. The scale is the row's largest
-magnitude over the code's largest (symmetric, absmax): one scale per token and head, which follows each token's size
-as it is written and never needs a block to be complete (a scale per channel of K would; docs/features/kv-dtype.md
-measures both).
+A row is one token's K or V of one KV head: head_dim values. An 8-bit row holds head_dim codes and then one fp16
+scale per group of GROUP values (llama.cpp's q8_0 groups), in the row's last bytes (the same storage dtype, viewed
+as fp16). A block's bytes therefore carry their own scales, so the tiers and the copy jobs move blocks as bytes
+whatever the format. A scale is its group's largest magnitude over the code's largest (symmetric, absmax), fixed when
+the token is written: a token's codes never depend on which tokens were written with it, which keeps prefix reuse
+exact within a mode. Groups, not one scale per row: Gemma 3's keys spread 6x between channels, and one scale per row
+lost 5 of its 6 greedy continuations (docs/features/kv-dtype.md). A scale per channel of K (KIVI's) would need a
+block's tokens before any could be encoded, so a block written in one prefill and one written token by token would
+differ.
 
 The pool's storage dtype names its format (`format_of`): the attention kernels read it from the cache tensor.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
-SCALE_BYTES = 4  # an fp32 scale at the end of each 8-bit row
+GROUP = 32                   # values that share a scale (fewer where head_dim is not a multiple of it)
+SCALE_DTYPE = torch.float16  # 2 bytes a scale: 2 + 32 bytes per 32 values, 0.266x fp32
 
 
 @dataclass(frozen=True)
@@ -39,7 +44,9 @@ class KVFormat:
 
     def row_width(self, head_dim: int) -> int:
         """Storage elements (bytes, for an 8-bit format) of one row of `head_dim` values."""
-        return head_dim + SCALE_BYTES if self.quantized else head_dim
+        if not self.quantized:
+            return head_dim
+        return head_dim + head_dim // group_size(head_dim) * SCALE_DTYPE.itemsize
 
     def bytes_per_row(self, head_dim: int) -> int:
         return self.row_width(head_dim) * self.storage.itemsize
@@ -48,19 +55,48 @@ class KVFormat:
         """x: [..., D] values -> [..., row_width(D)] storage rows."""
         if not self.quantized:
             return x.to(self.storage)
-        x = x.float()
-        scale = (x.abs().amax(dim=-1, keepdim=True) / self.max_code).clamp_min(torch.finfo(torch.float32).tiny)
-        scaled = (x / scale).clamp_(-self.max_code, self.max_code)                     # [..., D]
+        head_dim = x.shape[-1]
+        groups = x.float().unflatten(-1, (-1, group_size(head_dim)))                   # [..., D / g, g]
+        scale = (groups.abs().amax(dim=-1, keepdim=True) / self.max_code).clamp_(SMALLEST_SCALE, LARGEST_SCALE)
+        scale = scale.to(SCALE_DTYPE)                                                  # [..., D / g, 1]
+        scaled = (groups / scale.float()).clamp_(-self.max_code, self.max_code).flatten(-2)  # [..., D]
         codes = scaled.round_() if self.code == torch.int8 else scaled  # fp8 rounds in its cast
-        return torch.cat([codes.to(self.code).view(self.storage), scale.view(self.storage)], dim=-1)  # [..., D + 4]
+        return torch.cat([codes.to(self.code).view(self.storage), scale.flatten(-2).view(self.storage)], dim=-1)
 
     def decode(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """rows: [..., row_width(D)] storage -> [..., D] values in `dtype`."""
         if not self.quantized:
             return rows.to(dtype)
-        head_dim = rows.shape[-1] - SCALE_BYTES
-        scale = rows[..., head_dim:].view(torch.float32)                               # [..., 1]
-        return (rows[..., :head_dim].view(self.code).float() * scale).to(dtype)       # [..., D]
+        head_dim = self.head_dim_of(rows.shape[-1])
+        scale = rows[..., head_dim:].view(SCALE_DTYPE).float()                         # [..., D / g]
+        codes = rows[..., :head_dim].view(self.code).float().unflatten(-1, (scale.shape[-1], -1))  # [..., D / g, g]
+        return (codes * scale[..., None]).flatten(-2).to(dtype)                        # [..., D]
+
+    def head_dim_of(self, row_width: int) -> int:
+        """The head_dim whose rows are `row_width` wide."""
+        return _head_dim_of(row_width) if self.quantized else row_width
+
+
+SMALLEST_SCALE = torch.finfo(SCALE_DTYPE).tiny  # an all-zero group keeps codes 0, never 0 / 0
+LARGEST_SCALE = torch.finfo(SCALE_DTYPE).max
+
+
+def group_size(head_dim: int) -> int:
+    """Values per scale: GROUP, or the largest power of two below it that divides head_dim."""
+    size = GROUP
+    while head_dim % size:
+        size //= 2
+    return size
+
+
+@functools.cache
+def _head_dim_of(row_width: int) -> int:
+    """The head_dim of an 8-bit row `row_width` bytes wide: D codes and D / g scales of 2 bytes."""
+    for size in (GROUP >> i for i in range(GROUP.bit_length())):
+        head_dim, rest = divmod(row_width * size, size + SCALE_DTYPE.itemsize)
+        if not rest and group_size(head_dim) == size:
+            return head_dim
+    raise ValueError(f"no head_dim has 8-bit rows of {row_width} bytes")
 
 
 FORMATS = {
