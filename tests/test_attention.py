@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from kvreuse.kernels import build as kernels
 from kvreuse.kvcache.block import NULL_BLOCK as POOL_NULL_BLOCK
 from kvreuse.layers.attention import NULL_BLOCK, NULL_SLOT, AttentionMetadata, paged_attention, store_kv
+from kvreuse.layers.kv_format import FORMATS, MODEL_DTYPE_FORMAT, KVFormat, group_size
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 6, 2, 8
 SCALE = 0.37  # deliberately not 1/sqrt(HEAD_DIM), so an ignored scale shows up
@@ -322,19 +323,33 @@ def test_ragged_tables_and_passed_window_blocks_read_the_null_block_only_masked(
 needs_kernels = pytest.mark.skipif(not kernels.load().loaded, reason=f"kernels not loaded: {kernels.load().reason}")
 
 
+KV_FORMATS = ("plain", "int8", "fp8")  # plain: a pool of q's own dtype (fp32 or bf16)
+
+
+def kv_format_for(name: str, dtype: torch.dtype) -> KVFormat:
+    return FORMATS[MODEL_DTYPE_FORMAT[dtype] if name == "plain" else name]
+
+
 @needs_kernels
+@pytest.mark.parametrize("kv", KV_FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("context_lens", [[1], [5], [37, 100, 3], [17] * 8, [300, 1]])
-@pytest.mark.parametrize("heads", [(6, 2, 8), (9, 3, 64), (4, 4, 16)], ids=["gqa3", "smollm2", "mha"])
-def test_fused_decode_attention_equals_the_torch_ops(context_lens, heads, dtype):
+@pytest.mark.parametrize("heads", [(6, 2, 8), (9, 3, 64), (4, 4, 16), (8, 1, 256)],
+                         ids=["gqa3", "smollm2", "mha", "d256"])
+def test_fused_decode_attention_equals_the_torch_ops(context_lens, heads, dtype, kv):
     num_heads, num_kv_heads, head_dim = heads
+    if head_dim > 64 and dtype == torch.bfloat16:
+        pytest.skip("bf16 SDPA's own roundings of 256-term scores exceed a bf16 step: fp32 checks head_dim 256")
+    kv_format = kv_format_for(kv, dtype)
     gen = torch.Generator().manual_seed(sum(context_lens))
     num_blocks, block_size = 64, 16
     tables = [torch.randperm(num_blocks, generator=gen)[: -(-n // block_size)].tolist() for n in context_lens]
     meta = AttentionMetadata.for_decode(context_lens, tables, block_size, CPU)
-    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
-    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
-    q = torch.randn(len(context_lens), num_heads, head_dim, generator=gen).to(dtype)
+    k_cache = kv_format.encode(torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype))
+    v_cache = kv_format.encode(torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype))
+    # scores of the spread smollm2's head_dim 64 gives (SCALE * 8 standard deviations) at head_dim 256 too
+    q = (torch.randn(len(context_lens), num_heads, head_dim, generator=gen) * min(1.0, (64 / head_dim) ** 0.5))
+    q = q.to(dtype)
     k, v = (torch.randn(len(context_lens), num_kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2))
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
 
@@ -344,8 +359,101 @@ def test_fused_decode_attention_equals_the_torch_ops(context_lens, heads, dtype)
     expected = paged_attention(q, k_ref, v_ref, meta, SCALE)
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref), "the new K/V were not stored as store_kv does"
     assert out.dtype == dtype
-    # fp32: summation order only. bf16: both compute in fp32 and round the output once, so within one bf16 step.
-    torch.testing.assert_close(out.float(), expected.float(), rtol=0, atol=2e-6 if dtype == torch.float32 else 2e-2)
+    # fp32: summation order only (an 8-bit pool's values are code * scale in fp32 on both paths; the kernel sums a
+    # row's groups apart, and head_dim 256 sums 4x the terms: twice the plain bound each). bf16: both compute in fp32
+    # and round the output once, so within one bf16 step; the torch path also rounds 8-bit values to bf16 first.
+    if dtype == torch.float32:
+        atol, rtol = 2e-6 * (1 if kv == "plain" else 2) * (1 if head_dim <= 64 else 2), 0.0
+    else:
+        atol, rtol = 2e-2, 0.0 if kv == "plain" else 2**-8
+    torch.testing.assert_close(out.float(), expected.float(), rtol=rtol, atol=atol)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 256, 8])
+@pytest.mark.parametrize("name", ["int8", "fp8"])
+def test_fused_decode_attention_encodes_8_bit_rows_as_store_kv_does(name, head_dim, dtype):
+    """The kernel's encoder against KVFormat.encode, byte for byte: random rows at scales from 1e-30 to 1e30 (fp16's
+    scale range clamps both ends), all-zero groups, single huge values, infinities."""
+    kv_format, num_kv_heads, group = FORMATS[name], 2, group_size(head_dim)
+    gen = torch.Generator().manual_seed(head_dim)
+    magnitudes = torch.tensor([0.0, 1e-30, 1e-8, 1e-5, 1e-3, 1.0, 7.0, 300.0, 6e4, 1e6, 1e30])
+    num_seqs = 4 * len(magnitudes)
+    x = torch.randn(2, num_seqs, num_kv_heads, head_dim, generator=gen)
+    x *= magnitudes.repeat(4)[None, :, None, None]
+    x[:, 0::3, 0, :group] = 0                                                      # an all-zero group
+    x[:, 1::5, 1, group // 2] = 3e38                                               # one huge value in a group
+    x[:, 2::7, 0, -1] = -float("inf") if dtype == torch.float32 else -3e38
+    x = x.to(dtype)
+    k, v = x[0].contiguous(), x[1].contiguous()
+    num_blocks, block_size = num_seqs + 1, 1
+    meta = AttentionMetadata.for_decode([1] * num_seqs, [[b + 1] for b in range(num_seqs)], block_size, CPU)
+    k_cache = torch.zeros(num_blocks, block_size, num_kv_heads, kv_format.row_width(head_dim),
+                          dtype=kv_format.storage)
+    v_cache, k_ref, v_ref = k_cache.clone(), k_cache.clone(), k_cache.clone()
+    q = torch.randn(num_seqs, 2 * num_kv_heads, head_dim, generator=gen).to(dtype)
+    torch.ops.kvreuse_cpu.decode_attention(q, k, v, k_cache, v_cache, meta.slot_mapping, meta.context_slots,
+                                           meta.context_lens, SCALE)
+    store_kv(k_ref, v_ref, k, v, meta.slot_mapping)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+def fp8_cast_probes() -> torch.Tensor:
+    """Values whose float8_e4m3fn cast is easy to get wrong: every code's value, the midpoints between neighbours
+    (ties, which round to the even code), a hair either side of them, subnormals and their ties, and random values,
+    all within +-448 (an encoder clamps to it first)."""
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    values = codes[codes.isfinite() & (codes >= 0)].sort().values                  # 0 .. 448, 127 of them
+    mids = (values[1:] + values[:-1]) / 2
+    probes = torch.cat([values, mids, mids.nextafter(torch.tensor(0.0)), mids.nextafter(torch.tensor(1e9)),
+                        torch.linspace(0, 2**-6, 257), torch.rand(4000, generator=torch.Generator().manual_seed(0))
+                        * 448, torch.tensor([1e-45, 2**-10, 3 * 2**-11, 2**-9 * 0.75, 447.99])])
+    return torch.cat([probes, -probes])
+
+
+def rows_of_scale_one(probes: torch.Tensor, largest: float) -> torch.Tensor:
+    """`probes` in rows [N, 1, 64] whose groups of 32 each end in `largest` (the largest code: scale 1 exactly), so
+    that an encoder's codes are its cast of the probes themselves; zeros pad the last row."""
+    num_groups = -(-len(probes) // 31)
+    num_groups += num_groups % 2
+    values = torch.zeros(num_groups * 31)
+    values[: len(probes)] = probes
+    return torch.cat([values.view(num_groups, 31), torch.full((num_groups, 1), largest)], dim=1).view(-1, 1, 64)
+
+
+def encode_with_the_kernel(rows: torch.Tensor, kv_format: KVFormat) -> torch.Tensor:
+    """rows [N, 1, D] fp32 -> the [N, 1, W] rows the fused kernel stores for them (as new K and V, one per sequence)."""
+    num_seqs, _, head_dim = rows.shape
+    meta = AttentionMetadata.for_decode([1] * num_seqs, [[b + 1] for b in range(num_seqs)], 1, CPU)
+    k_cache = torch.zeros(num_seqs + 1, 1, 1, kv_format.row_width(head_dim), dtype=kv_format.storage)
+    v_cache = k_cache.clone()
+    torch.ops.kvreuse_cpu.decode_attention(rows, rows, rows, k_cache, v_cache, meta.slot_mapping,
+                                           meta.context_slots, meta.context_lens, SCALE)
+    assert torch.equal(k_cache, v_cache)
+    return k_cache[1:, 0]
+
+
+@needs_kernels
+def test_the_fused_fp8_encoder_casts_as_torch_does():
+    """The stored codes must be torch's float -> float8_e4m3fn cast (round to nearest, ties to even) of each value."""
+    fp8 = FORMATS["fp8"]
+    rows = rows_of_scale_one(fp8_cast_probes(), 448.0)
+    stored = encode_with_the_kernel(rows, fp8)                                     # [N, 1, 68]
+    assert torch.equal(stored[..., 64:].view(torch.float16), torch.ones(len(rows), 1, 2, dtype=torch.float16))
+    assert torch.equal(stored[..., :64], rows.to(torch.float8_e4m3fn).view(torch.uint8))
+    assert torch.equal(stored, fp8.encode(rows))
+
+
+@needs_kernels
+def test_the_fused_int8_encoder_rounds_half_to_even():
+    """The codes are the values rounded, ties to the even code, as torch.round."""
+    halves = torch.arange(-127, 127) + 0.5                                          # 254 ties
+    probes = torch.cat([halves, halves.nextafter(torch.tensor(0.0)), halves.nextafter(torch.tensor(1e9))])
+    rows = rows_of_scale_one(probes, 127.0)
+    stored = encode_with_the_kernel(rows, FORMATS["int8"])
+    assert torch.equal(stored[..., :64], rows.round().to(torch.int8))
+    assert torch.equal(stored, FORMATS["int8"].encode(rows))
 
 
 @needs_kernels

@@ -3,10 +3,18 @@ moved as bytes by the tiers, sized in the pool, keyed apart, and exact within th
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
+from torch.profiler import ProfilerActivity, profile
 
+from kvreuse.config import load_config
 from kvreuse.engine.resolved_model import resolve_model
+from kvreuse.kernels import build as kernels
 from kvreuse.layers.attention import AttentionMetadata, paged_attention, store_kv
 from kvreuse.layers.kv_format import FORMATS, format_of
 from kvreuse.llm import LLM
@@ -171,3 +179,41 @@ def test_segment_reuse_moves_8_bit_keys_and_full_recompute_stays_exact(tiny_mode
     assert all(o.usage.reused_tokens > 0 for o in reused[1:])
     assert [o.token_ids for o in reused] == [o.token_ids for o in exact]
     llm.engine.check_integrity()
+
+
+FUSED_WORKER = r"""
+import json, sys
+from kvreuse.config import load_config
+from kvreuse.kernels import build as kernels
+from kvreuse.llm import LLM
+from kvreuse.sampling_params import SamplingParams
+
+sets, prompts = json.loads(sys.argv[1])
+with LLM(load_config(None, sets)) as llm:
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    batch = [o.token_ids for o in llm.generate(prompts, params, use_cache=False)]
+    alone = [llm.generate(p, params, use_cache=False)[0].token_ids for p in prompts[:2]]
+print("REPORT " + json.dumps({"loaded": kernels.load().loaded, "batch": batch, "alone": alone}))
+"""
+
+
+@pytest.mark.skipif(not kernels.load().loaded, reason=f"kernels not loaded: {kernels.load().reason}")
+@pytest.mark.parametrize("name", EIGHT_BIT)
+def test_the_fused_decode_kernel_gives_the_torch_paths_greedy_tokens_over_an_8_bit_pool(tiny_model_dir, name):
+    """Greedy generation over an 8-bit pool, at batch 8 and alone: the fused kernel (profiled, so that a fallback
+    shows) against the pure torch ops (`KVREUSE_CPU_KERNELS=0`, a process of its own: the switch is read at load)."""
+    sets = [f"model.path={tiny_model_dir}", "model.dtype=fp32", "engine.num_kv_blocks=256", "engine.compile=off",
+            f"cache.kv_dtype={name}"]
+    prompts = [[5 + i] * (3 + 29 * i) + [100 + j for j in range(7)] for i in range(8)]  # 10 to 220 tokens
+    proc = subprocess.run([sys.executable, "-c", FUSED_WORKER, json.dumps([sets, prompts])], capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "KVREUSE_CPU_KERNELS": "0"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reference = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("REPORT ")).removeprefix("REPORT "))
+    assert not reference["loaded"]
+    with LLM(load_config(None, sets)) as llm, profile(activities=[ProfilerActivity.CPU]) as prof:
+        params = greedy(16)
+        batch = [o.token_ids for o in llm.generate(prompts, params, use_cache=False)]
+        alone = [llm.generate(p, params, use_cache=False)[0].token_ids for p in prompts[:2]]
+    calls = sum(e.count for e in prof.key_averages() if e.key == "kvreuse_cpu::decode_attention")
+    assert calls >= 2 * 15 * 3, "the decode steps did not run the fused kernel"  # 2 layers, 15 steps, 3 generations
+    assert batch == reference["batch"] and alone == reference["alone"]

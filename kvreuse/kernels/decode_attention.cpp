@@ -3,6 +3,15 @@
 // h / (H / Hkv)). fp32, softmax in fp32 with the maximum subtracted, as SDPA computes it; the same numbers up to
 // summation order. It replaces ~10 torch ops per layer (index_copy, index_select, views, SDPA) whose dispatch,
 // not arithmetic, was the decode step's cost at short contexts.
+//
+// The pool formats it reads and writes (kvreuse/layers/kv_format.py defines them; q, k, v are fp32 or bf16):
+//   plain: a row is head_dim values in q's dtype (fp32 or bf16 pools).
+//   int8 / fp8: a row is head_dim codes (int8, or float8_e4m3fn bits in uint8), then one fp16 scale per group of
+//     g = group_size(head_dim) values (32 for head_dim 64), in the row's last 2 * head_dim / g bytes; a value is
+//     code * scale. The new token's K/V are encoded as KVFormat.encode does, bit for bit; the context is
+//     dequantized in registers (code * scale, in fp32: the very values `KVFormat.decode` gives in fp32).
+// One attention loop serves every format: it reads rows through a row type (PlainRows, Int8Rows, Fp8Rows) that
+// says what a code is worth and what its group's scale is.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -10,8 +19,11 @@
 #include <torch/library.h>
 
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Half.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -45,25 +57,132 @@ inline float exp_nonpositive(float x) {
 // evicted: 30 layers in 31.1 ms instead of 34.6; no change at 160 keys).
 constexpr int64_t kAhead = 8;
 
-template <typename T>
-__attribute__((always_inline)) inline void prefetch_row(const T* p, int64_t D) {
-  for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(T)); b += 64)
+// A row's bytes (`width` codes of one byte or more), a few cache lines.
+template <typename C>
+__attribute__((always_inline)) inline void prefetch_row(const C* p, int64_t width) {
+  for (int64_t b = 0; b < width * static_cast<int64_t>(sizeof(C)); b += 64)
     __builtin_prefetch(reinterpret_cast<const char*>(p) + b, 0, 3);
 }
 
-// One query head against its context: out[D] = softmax(scale * q . K) V, in fp32 whatever the pool's dtype T.
+// ---- The row types: what a stored code is worth, and its group's scale ----
+// A row type R has Code (the pool's element), kMaxCode (0: values stored as they are), value(code) and
+// scale(row, D, group_index). A value is value(code) * scale (an exact * 1 in a plain row, one group of D).
+
 template <typename T>
-__attribute__((always_inline)) inline void attend_one(const float* q, const T* kc, const T* vc, const int64_t* ctx,
-                                                      int64_t len, int64_t row, int64_t offset, int64_t D,
-                                                      float scale, float* scores, float* out) {
+struct PlainRows {  // fp32 or bf16 values, as the model computed them
+  using Code = T;
+  static constexpr float kMaxCode = 0.f;
+  static float value(Code c) { return static_cast<float>(c); }
+  static float scale(const Code*, int64_t, int64_t) { return 1.f; }
+  static Code encode(float x) { return static_cast<Code>(x); }
+};
+
+template <typename C>
+__attribute__((always_inline)) inline float group_scale(const C* row, int64_t D, int64_t group_index) {
+  return static_cast<float>(reinterpret_cast<const c10::Half*>(row + D)[group_index]);  // fp16 after D codes
+}
+
+struct Int8Rows {
+  using Code = int8_t;
+  static constexpr float kMaxCode = 127.f;
+  static float value(Code c) { return static_cast<float>(c); }
+  static float scale(const Code* row, int64_t D, int64_t g) { return group_scale(row, D, g); }
+  // x already scaled and clamped to +-127: round half to even, as torch.round
+  static Code encode(float x) { return static_cast<Code>(std::nearbyint(x)); }
+};
+
+// float8_e4m3fn's 256 codes as floats (0x7f and 0xff are NaN; encode never writes them)
+const std::array<float, 256> kFp8Values = [] {
+  std::array<float, 256> values{};
+  for (int c = 0; c < 256; ++c) values[c] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(c),
+                                                                                   c10::Float8_e4m3fn::from_bits()));
+  return values;
+}();
+
+struct Fp8Rows {
+  using Code = uint8_t;  // float8_e4m3fn bits
+  static constexpr float kMaxCode = 448.f;
+  static float value(Code c) { return kFp8Values[c]; }
+  static float scale(const Code* row, int64_t D, int64_t g) { return group_scale(row, D, g); }
+  // x already clamped to +-448: torch's own float -> float8_e4m3fn conversion (round to nearest even)
+  static Code encode(float x) { return c10::Float8_e4m3fn(x).x; }
+};
+
+// Values per scale: kv_format.group_size (GROUP = 32, halved until it divides D).
+inline int64_t group_size(int64_t D) {
+  int64_t g = 32;
+  while (D % g) g /= 2;
+  return g;
+}
+
+// x [D] -> one row of R, as KVFormat.encode computes it: per group of g, scale = fp16(clamp(absmax / max_code,
+// fp16's smallest normal, fp16's largest)), code = encode(clamp(x / scale, -max_code, max_code)).
+template <typename R, typename T>
+void encode_row(const T* x, typename R::Code* row, int64_t D, int64_t g) {
+  if constexpr (R::kMaxCode == 0.f) {
+    for (int64_t d = 0; d < D; ++d) row[d] = R::encode(static_cast<float>(x[d]));
+  } else {
+    auto* scales = reinterpret_cast<c10::Half*>(row + D);
+    for (int64_t start = 0; start < D; start += g) {
+      float amax = 0.f;
+      for (int64_t d = start; d < start + g; ++d) amax = std::max(amax, std::fabs(static_cast<float>(x[d])));
+      const float raw = std::min(std::max(amax / R::kMaxCode, 6.103515625e-05f), 65504.f);
+      const c10::Half scale(raw);
+      const float s = static_cast<float>(scale);
+      for (int64_t d = start; d < start + g; ++d)
+        row[d] = R::encode(std::min(std::max(static_cast<float>(x[d]) / s, -R::kMaxCode), R::kMaxCode));
+      std::memcpy(scales + start / g, &scale, sizeof(scale));  // the row's bytes may sit at any 2-byte boundary
+    }
+  }
+}
+
+// q [D] . the row's values [D], in fp32: each group's codes dequantized in registers (value * scale), the group's
+// products summed into one total.
+template <typename R>
+__attribute__((always_inline)) inline float dot_row(const float* q, const typename R::Code* row, int64_t D,
+                                                    int64_t g) {
+  float s = 0.f;
+  for (int64_t start = 0, i = 0; start < D; start += g, ++i) {
+    const float scale = R::scale(row, D, i);
+#pragma omp simd reduction(+ : s)
+    for (int64_t d = start; d < start + g; ++d) s += q[d] * (R::value(row[d]) * scale);
+  }
+  return s;
+}
+
+// out [D] += w * the row's values [D]
+template <typename R>
+__attribute__((always_inline)) inline void add_row(float w, const typename R::Code* row, int64_t D, int64_t g,
+                                                   float* out) {
+  for (int64_t start = 0, i = 0; start < D; start += g, ++i) {
+    const float scale = R::scale(row, D, i);
+#pragma omp simd
+    for (int64_t d = start; d < start + g; ++d) out[d] += w * (R::value(row[d]) * scale);
+  }
+}
+
+// The pool as attend_one reads it: slot s's row of KV head h starts at codes + s * stride + h * width.
+template <typename R>
+struct Pool {
+  const typename R::Code* k;
+  const typename R::Code* v;
+  int64_t stride;  // codes per slot: Hkv * width
+  int64_t width;   // codes per row: D, or D + 2 * D / g for 8 bits
+  int64_t g;       // values per scale (D in a plain pool)
+};
+
+// One query head against its context: out[D] = softmax(scale * q . K) V, in fp32 whatever the pool's format.
+// offset: the head's KV row within a slot (h * width).
+template <typename R>
+__attribute__((always_inline)) inline void attend_one(const float* q, const Pool<R>& pool, const int64_t* ctx,
+                                                      int64_t len, int64_t offset, int64_t D, float scale,
+                                                      float* scores, float* out) {
+  const typename R::Code* kc = pool.k + offset;
+  const typename R::Code* vc = pool.v + offset;
   float top = -INFINITY;
   for (int64_t j = 0; j < len; ++j) {
-    if (j + kAhead < len) prefetch_row(kc + ctx[j + kAhead] * row + offset, D);
-    const T* kj = kc + ctx[j] * row + offset;
-    float s = 0.f;
-#pragma omp simd reduction(+ : s)
-    for (int64_t d = 0; d < D; ++d) s += q[d] * static_cast<float>(kj[d]);
-    scores[j] = s * scale;
+    if (j + kAhead < len) prefetch_row(kc + ctx[j + kAhead] * pool.stride, pool.width);
+    scores[j] = dot_row<R>(q, kc + ctx[j] * pool.stride, D, pool.g) * scale;
     top = std::max(top, scores[j]);
   }
   float total = 0.f;
@@ -74,82 +193,102 @@ __attribute__((always_inline)) inline void attend_one(const float* q, const T* k
   }
   for (int64_t d = 0; d < D; ++d) out[d] = 0.f;
   for (int64_t j = 0; j < len; ++j) {
-    if (j + kAhead < len) prefetch_row(vc + ctx[j + kAhead] * row + offset, D);
-    const T* vj = vc + ctx[j] * row + offset;
-    const float w = scores[j] / total;
-#pragma omp simd
-    for (int64_t d = 0; d < D; ++d) out[d] += w * static_cast<float>(vj[d]);
+    if (j + kAhead < len) prefetch_row(vc + ctx[j + kAhead] * pool.stride, pool.width);
+    add_row<R>(scores[j] / total, vc + ctx[j] * pool.stride, D, pool.g, out);
   }
 }
 
 // The (sequence, head) pairs [begin, end), each cloned per instruction set so that the loops above are vectorized
-// for the CPU that runs them. q_row and out_row: D floats of scratch.
-template <typename T>
-__attribute__((always_inline)) inline void attend_range(const T* q, const T* kc, const T* vc, const int64_t* context,
+// for the CPU that runs them. q [B, H, D] and out [B, H, D] in T; q_row and out_row: D floats of scratch.
+template <typename T, typename R>
+__attribute__((always_inline)) inline void attend_range(const T* q, const Pool<R>& pool, const int64_t* context,
                                                         const int64_t* lens, int64_t max_len, int64_t H, int64_t group,
-                                                        int64_t row, int64_t D, float scale, T* out, int64_t begin,
-                                                        int64_t end, float* scores, float* q_row, float* out_row) {
+                                                        int64_t D, float scale, T* out, int64_t begin, int64_t end,
+                                                        float* scores, float* q_row, float* out_row) {
   for (int64_t i = begin; i < end; ++i) {
     const int64_t b = i / H, h = i % H;
     for (int64_t d = 0; d < D; ++d) q_row[d] = static_cast<float>(q[(b * H + h) * D + d]);
-    attend_one<T>(q_row, kc, vc, context + b * max_len, lens[b], row, (h / group) * D, D, scale, scores, out_row);
+    attend_one<R>(q_row, pool, context + b * max_len, lens[b], (h / group) * pool.width, D, scale, scores, out_row);
     for (int64_t d = 0; d < D; ++d) out[(b * H + h) * D + d] = static_cast<T>(out_row[d]);
   }
 }
 
-#define KVREUSE_ATTEND_RANGE(NAME, T)                                                                               \
+#define KVREUSE_ATTEND_RANGE(NAME, T, R)                                                                             \
   __attribute__((target_clones("avx512f", "avx2", "default"))) void NAME(                                          \
-      const T* q, const T* kc, const T* vc, const int64_t* context, const int64_t* lens, int64_t max_len, int64_t H, \
-      int64_t group, int64_t row, int64_t D, float scale, T* out, int64_t begin, int64_t end, float* scores,         \
-      float* q_row, float* out_row) {                                                                               \
-    attend_range<T>(q, kc, vc, context, lens, max_len, H, group, row, D, scale, out, begin, end, scores, q_row,     \
-                    out_row);                                                                                       \
+      const T* q, const Pool<R>& pool, const int64_t* context, const int64_t* lens, int64_t max_len, int64_t H,     \
+      int64_t group, int64_t D, float scale, T* out, int64_t begin, int64_t end, float* scores, float* q_row,       \
+      float* out_row) {                                                                                             \
+    attend_range<T, R>(q, pool, context, lens, max_len, H, group, D, scale, out, begin, end, scores, q_row,         \
+                       out_row);                                                                                    \
   }
-KVREUSE_ATTEND_RANGE(attend_fp32, float)
-KVREUSE_ATTEND_RANGE(attend_bf16, c10::BFloat16)
+KVREUSE_ATTEND_RANGE(attend_fp32, float, PlainRows<float>)
+KVREUSE_ATTEND_RANGE(attend_bf16, c10::BFloat16, PlainRows<c10::BFloat16>)
+KVREUSE_ATTEND_RANGE(attend_fp32_int8, float, Int8Rows)
+KVREUSE_ATTEND_RANGE(attend_bf16_int8, c10::BFloat16, Int8Rows)
+KVREUSE_ATTEND_RANGE(attend_fp32_fp8, float, Fp8Rows)
+KVREUSE_ATTEND_RANGE(attend_bf16_fp8, c10::BFloat16, Fp8Rows)
 #undef KVREUSE_ATTEND_RANGE
 
-template <typename T>
-void attend_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const int64_t* context,
-                const int64_t* lens, int64_t max_len, int64_t group, int64_t row, float scale, at::Tensor& out,
-                int64_t grain) {
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+template <typename T, typename R>
+using AttendFn = void (*)(const T*, const Pool<R>&, const int64_t*, const int64_t*, int64_t, int64_t, int64_t,
+                          int64_t, float, T*, int64_t, int64_t, float*, float*, float*);
+
+// Writes each sequence's new K/V (k, v [B, Hkv, D]) at its slot, then attends: the work of one pool format R.
+template <typename T, typename R>
+void store_and_attend(AttendFn<T, R> attend, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                      at::Tensor& k_cache, at::Tensor& v_cache, const int64_t* slots, const int64_t* context,
+                      const int64_t* lens, int64_t max_len, float scale, at::Tensor& out, int64_t grain) {
+  using Code = typename R::Code;
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), Hkv = k.size(1);
+  const int64_t width = k_cache.size(3);
+  const Pool<R> pool{static_cast<const Code*>(k_cache.data_ptr()), static_cast<const Code*>(v_cache.data_ptr()),
+                     Hkv * width, width, R::kMaxCode == 0.f ? D : group_size(D)};
+  auto* kc = static_cast<Code*>(k_cache.data_ptr());
+  auto* vc = static_cast<Code*>(v_cache.data_ptr());
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < Hkv; ++h) {
+      encode_row<R>(kp + (b * Hkv + h) * D, kc + slots[b] * pool.stride + h * width, D, pool.g);
+      encode_row<R>(vp + (b * Hkv + h) * D, vc + slots[b] * pool.stride + h * width, D, pool.g);
+    }
   const T* qp = q.data_ptr<T>();
-  const T* kc = k_cache.data_ptr<T>();
-  const T* vc = v_cache.data_ptr<T>();
   T* op = out.data_ptr<T>();
   at::parallel_for(0, B * H, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(max_len), q_row(D), out_row(D);
-    if constexpr (std::is_same_v<T, float>)
-      attend_fp32(qp, kc, vc, context, lens, max_len, H, group, row, D, scale, op, begin, end, scores.data(),
-                  q_row.data(), out_row.data());
-    else
-      attend_bf16(qp, kc, vc, context, lens, max_len, H, group, row, D, scale, op, begin, end, scores.data(),
-                  q_row.data(), out_row.data());
+    attend(qp, pool, context, lens, max_len, H, H / Hkv, D, scale, op, begin, end, scores.data(), q_row.data(),
+           out_row.data());
   });
 }
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache,
                             at::Tensor v_cache, const at::Tensor& slot_mapping, const at::Tensor& context_slots,
                             const at::Tensor& context_lens, double scale) {
-  // q [B, H, D], k/v [B, Hkv, D]; caches [num_blocks, block_size, Hkv, D]; slot_mapping [B];
-  // context_slots [B, max_context_len]; context_lens [B] (each >= 1, the new token included).
+  // q [B, H, D], k/v [B, Hkv, D] (fp32 or bf16); caches [num_blocks, block_size, Hkv, W]: q's dtype with W = D, or
+  // int8 / uint8 (fp8) with W = D + 2 * D / g; slot_mapping [B]; context_slots [B, max_context_len];
+  // context_lens [B] (each >= 1, the new token included).
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes(), "q must be [B, H, D], k and v [B, Hkv, D]");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), Hkv = k.size(1);
   TORCH_CHECK(k.size(0) == B && k.size(2) == D && H % Hkv == 0, "q, k, v disagree on B, D or the head groups");
   const auto dtype = q.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "q must be fp32 or bf16");
-  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&q, &k, &v, &k_cache, &v_cache})
-    TORCH_CHECK(t->scalar_type() == dtype && t->is_contiguous(), "q, k, v and the caches must share q's dtype, contiguous");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(2) == Hkv && k_cache.size(3) == D && v_cache.sizes() == k_cache.sizes(),
-              "the caches must be [num_blocks, block_size, Hkv, D]");
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&q, &k, &v})
+    TORCH_CHECK(t->scalar_type() == dtype && t->is_contiguous(), "q, k and v must share q's dtype, contiguous");
+  const auto pool_dtype = k_cache.scalar_type();
+  const bool quantized = pool_dtype == at::kChar || pool_dtype == at::kByte;
+  TORCH_CHECK(pool_dtype == dtype || quantized, "the caches must hold q's dtype, int8 or fp8 (uint8) rows");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && v_cache.scalar_type() == pool_dtype,
+              "the caches must share one dtype, contiguous");
+  const int64_t width = quantized ? D + 2 * (D / group_size(D)) : D;
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(2) == Hkv && k_cache.size(3) == width &&
+                  v_cache.sizes() == k_cache.sizes(),
+              "the caches must be [num_blocks, block_size, Hkv, ", width, "]");
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&slot_mapping, &context_slots, &context_lens})
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "slots and lengths must be int64, contiguous");
   TORCH_CHECK(slot_mapping.numel() == B && context_lens.numel() == B && context_slots.dim() == 2 &&
                   context_slots.size(0) == B,
               "slot_mapping, context_lens [B] and context_slots [B, max_context_len]");
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1), max_len = context_slots.size(1);
-  const int64_t row = Hkv * D;  // floats per slot
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   const int64_t* context = context_slots.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
@@ -159,22 +298,28 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
     for (int64_t j = 0; j < lens[b]; ++j)
       TORCH_CHECK(context[b * max_len + j] >= 0 && context[b * max_len + j] < num_slots, "a context slot is outside the pool");
   }
-  const int64_t item = k.element_size();
-  auto* kc = static_cast<char*>(k_cache.data_ptr());
-  auto* vc = static_cast<char*>(v_cache.data_ptr());
-  for (int64_t b = 0; b < B; ++b) {
-    std::memcpy(kc + slots[b] * row * item, static_cast<const char*>(k.data_ptr()) + b * row * item, row * item);
-    std::memcpy(vc + slots[b] * row * item, static_cast<const char*>(v.data_ptr()) + b * row * item, row * item);
-  }
   at::Tensor out = at::empty({B, H, D}, q.options());
-  const int64_t group = H / Hkv;
   const float s = static_cast<float>(scale);
   // One (sequence, head) per task: enough work to split once contexts are long, one thread when they are short.
   int64_t total_keys = 0;
   for (int64_t b = 0; b < B; ++b) total_keys += lens[b];
   const int64_t grain = std::max<int64_t>(1, (B * H) * 1024 / std::max<int64_t>(1, total_keys * H));
-  if (dtype == at::kFloat) attend_all<float>(q, k_cache, v_cache, context, lens, max_len, group, row, s, out, grain);
-  else attend_all<c10::BFloat16>(q, k_cache, v_cache, context, lens, max_len, group, row, s, out, grain);
+  using BF16 = c10::BFloat16;
+  const bool fp32 = dtype == at::kFloat;
+#define KVREUSE_RUN(FN, T, R) \
+  store_and_attend<T, R>(FN, q, k, v, k_cache, v_cache, slots, context, lens, max_len, s, out, grain)
+  if (pool_dtype == at::kChar) {
+    if (fp32) KVREUSE_RUN(attend_fp32_int8, float, Int8Rows);
+    else KVREUSE_RUN(attend_bf16_int8, BF16, Int8Rows);
+  } else if (pool_dtype == at::kByte) {
+    if (fp32) KVREUSE_RUN(attend_fp32_fp8, float, Fp8Rows);
+    else KVREUSE_RUN(attend_bf16_fp8, BF16, Fp8Rows);
+  } else if (fp32) {
+    KVREUSE_RUN(attend_fp32, float, PlainRows<float>);
+  } else {
+    KVREUSE_RUN(attend_bf16, BF16, PlainRows<BF16>);
+  }
+#undef KVREUSE_RUN
   return out.view({B, H * D});
 }
 

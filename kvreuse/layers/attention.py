@@ -179,7 +179,8 @@ class AttentionMetadata:
         return chunk._query_window(window, first_key)
 
 
-FUSED_DTYPES = (torch.float32, torch.bfloat16)  # what the fused decode kernel takes
+FUSED_DTYPES = (torch.float32, torch.bfloat16)  # the q/k/v dtypes the fused decode kernel takes
+FUSED_8_BIT = (torch.int8, torch.uint8)  # the 8-bit pools (int8, fp8) it reads, beside pools of q's dtype
 
 
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -201,11 +202,14 @@ def store_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
                      v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                      window: int | None = None) -> torch.Tensor:
     """One layer's attention for a forward: store its new K/V, then attend over the pool (the last `window` keys of
-    each query, for a sliding-window layer). Returns [T, H * D]. A decode step in fp32 or bf16 on a CPU runs as one
-    fused call where kvreuse's kernels are loaded (the same numbers up to summation order; tests/test_attention.py)."""
+    each query, for a sliding-window layer). Returns [T, H * D]. A decode step in fp32 or bf16 on a CPU, over a pool
+    of its dtype or of 8-bit rows, runs as one fused call where kvreuse's kernels are loaded: it encodes the new rows
+    as `store_kv` does, bit for bit, and attends over the values `read_kv` gives in fp32 (the same numbers up to
+    summation order, and the torch path's rounding of 8-bit values to bf16; tests/test_attention.py)."""
     meta = meta.windowed(window)
-    if meta.decode and meta.context_lens is not None and q.dtype in FUSED_DTYPES and k_cache.dtype == q.dtype \
-            and q.device.type == "cpu" and kernels.load().loaded:
+    if meta.decode and meta.context_lens is not None and q.dtype in FUSED_DTYPES \
+            and (k_cache.dtype == q.dtype or k_cache.dtype in FUSED_8_BIT) and q.device.type == "cpu" \
+            and kernels.load().loaded:
         return torch.ops.kvreuse_cpu.decode_attention(q.contiguous(), k.contiguous(), v.contiguous(), k_cache,
                                                       v_cache, meta.slot_mapping, meta.context_slots,
                                                       meta.context_lens, scale)
