@@ -136,32 +136,25 @@ void encode_row(const T* x, typename R::Code* row, int64_t D, int64_t g) {
   }
 }
 
-// q [D] . the row's values [D], in fp32: each group's codes dequantized in registers (value * scale), the group's
-// products summed into one total.
+// A row's D values in fp32: an fp32 row as it is, any other converted into `buffer` (D floats; in L1), each 8-bit
+// group's codes dequantized in registers (value * scale: the values KVFormat.decode gives in fp32). A row is
+// converted once for all the query heads that read it.
 template <typename R>
-__attribute__((always_inline)) inline float dot_row(const float* q, const typename R::Code* row, int64_t D,
-                                                    int64_t g) {
-  float s = 0.f;
-  for (int64_t start = 0, i = 0; start < D; start += g, ++i) {
-    const float scale = R::scale(row, D, i);
-#pragma omp simd reduction(+ : s)
-    for (int64_t d = start; d < start + g; ++d) s += q[d] * (R::value(row[d]) * scale);
-  }
-  return s;
-}
-
-// out [D] += w * the row's values [D]
-template <typename R>
-__attribute__((always_inline)) inline void add_row(float w, const typename R::Code* row, int64_t D, int64_t g,
-                                                   float* out) {
-  for (int64_t start = 0, i = 0; start < D; start += g, ++i) {
-    const float scale = R::scale(row, D, i);
+__attribute__((always_inline)) inline const float* row_values(const typename R::Code* row, int64_t D, int64_t g,
+                                                              float* buffer) {
+  if constexpr (std::is_same_v<typename R::Code, float>) {
+    return row;
+  } else {
+    for (int64_t start = 0, i = 0; start < D; start += g, ++i) {
+      const float scale = R::scale(row, D, i);
 #pragma omp simd
-    for (int64_t d = start; d < start + g; ++d) out[d] += w * (R::value(row[d]) * scale);
+      for (int64_t d = start; d < start + g; ++d) buffer[d] = R::value(row[d]) * scale;
+    }
+    return buffer;
   }
 }
 
-// The pool as attend_one reads it: slot s's row of KV head h starts at codes + s * stride + h * width.
+// The pool as attend_group reads it: slot s's row of KV head h starts at codes + s * stride + h * width.
 template <typename R>
 struct Pool {
   const typename R::Code* k;
@@ -171,55 +164,83 @@ struct Pool {
   int64_t g;       // values per scale (D in a plain pool)
 };
 
-// One query head against its context: out[D] = softmax(scale * q . K) V, in fp32 whatever the pool's format.
-// offset: the head's KV row within a slot (h * width).
+// Per-thread scratch of attend_group: G query heads over up to max_len keys.
+struct Scratch {
+  std::vector<float> scores;  // [G, max_len]
+  std::vector<float> q;       // [G, D]
+  std::vector<float> out;     // [G, D]
+  std::vector<float> totals;  // [G]
+  std::vector<float> values;  // [D] one row's values
+  Scratch(int64_t G, int64_t max_len, int64_t D) : scores(G * max_len), q(G * D), out(G * D), totals(G), values(D) {}
+};
+
+// The G query heads q [G, D] that share one KV head (GQA) against its context: out[G, D] = softmax(scale * q . K) V,
+// in fp32 whatever the pool's format; each K and V row is read and converted once for the G heads.
+// offset: the KV head's row within a slot (h * width).
 template <typename R>
-__attribute__((always_inline)) inline void attend_one(const float* q, const Pool<R>& pool, const int64_t* ctx,
-                                                      int64_t len, int64_t offset, int64_t D, float scale,
-                                                      float* scores, float* out) {
+__attribute__((always_inline)) inline void attend_group(const Pool<R>& pool, const int64_t* ctx, int64_t len,
+                                                        int64_t offset, int64_t G, int64_t D, float scale,
+                                                        Scratch& s) {
   const typename R::Code* kc = pool.k + offset;
   const typename R::Code* vc = pool.v + offset;
-  float top = -INFINITY;
+  const float* q = s.q.data();
+  float* scores = s.scores.data();  // [G, len]
   for (int64_t j = 0; j < len; ++j) {
     if (j + kAhead < len) prefetch_row(kc + ctx[j + kAhead] * pool.stride, pool.width);
-    scores[j] = dot_row<R>(q, kc + ctx[j] * pool.stride, D, pool.g) * scale;
-    top = std::max(top, scores[j]);
+    const float* k = row_values<R>(kc + ctx[j] * pool.stride, D, pool.g, s.values.data());
+    for (int64_t h = 0; h < G; ++h) {
+      float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t d = 0; d < D; ++d) dot += q[h * D + d] * k[d];
+      scores[h * len + j] = dot * scale;
+    }
   }
-  float total = 0.f;
+  for (int64_t h = 0; h < G; ++h) {
+    float* row = scores + h * len;
+    float top = -INFINITY;
+    for (int64_t j = 0; j < len; ++j) top = std::max(top, row[j]);
+    float total = 0.f;
 #pragma omp simd reduction(+ : total)
-  for (int64_t j = 0; j < len; ++j) {
-    scores[j] = exp_nonpositive(scores[j] - top);
-    total += scores[j];
+    for (int64_t j = 0; j < len; ++j) {
+      row[j] = exp_nonpositive(row[j] - top);
+      total += row[j];
+    }
+    s.totals[h] = total;
   }
-  for (int64_t d = 0; d < D; ++d) out[d] = 0.f;
+  float* out = s.out.data();
+  for (int64_t i = 0; i < G * D; ++i) out[i] = 0.f;
   for (int64_t j = 0; j < len; ++j) {
     if (j + kAhead < len) prefetch_row(vc + ctx[j + kAhead] * pool.stride, pool.width);
-    add_row<R>(scores[j] / total, vc + ctx[j] * pool.stride, D, pool.g, out);
+    const float* v = row_values<R>(vc + ctx[j] * pool.stride, D, pool.g, s.values.data());
+    for (int64_t h = 0; h < G; ++h) {
+      const float w = scores[h * len + j] / s.totals[h];
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) out[h * D + d] += w * v[d];
+    }
   }
 }
 
-// The (sequence, head) pairs [begin, end), each cloned per instruction set so that the loops above are vectorized
-// for the CPU that runs them. q [B, H, D] and out [B, H, D] in T; q_row and out_row: D floats of scratch.
+// The (sequence, KV head) pairs [begin, end), each cloned per instruction set so that the loops above are vectorized
+// for the CPU that runs them. q [B, H, D] and out [B, H, D] in T; query heads h * G .. h * G + G - 1 read KV head h.
 template <typename T, typename R>
 __attribute__((always_inline)) inline void attend_range(const T* q, const Pool<R>& pool, const int64_t* context,
-                                                        const int64_t* lens, int64_t max_len, int64_t H, int64_t group,
+                                                        const int64_t* lens, int64_t max_len, int64_t Hkv, int64_t G,
                                                         int64_t D, float scale, T* out, int64_t begin, int64_t end,
-                                                        float* scores, float* q_row, float* out_row) {
+                                                        Scratch& s) {
   for (int64_t i = begin; i < end; ++i) {
-    const int64_t b = i / H, h = i % H;
-    for (int64_t d = 0; d < D; ++d) q_row[d] = static_cast<float>(q[(b * H + h) * D + d]);
-    attend_one<R>(q_row, pool, context + b * max_len, lens[b], (h / group) * pool.width, D, scale, scores, out_row);
-    for (int64_t d = 0; d < D; ++d) out[(b * H + h) * D + d] = static_cast<T>(out_row[d]);
+    const int64_t b = i / Hkv, h = i % Hkv;
+    const int64_t first = (b * Hkv + h) * G * D;  // the group's G query rows, one after another in q and out
+    for (int64_t e = 0; e < G * D; ++e) s.q[e] = static_cast<float>(q[first + e]);
+    attend_group<R>(pool, context + b * max_len, lens[b], h * pool.width, G, D, scale, s);
+    for (int64_t e = 0; e < G * D; ++e) out[first + e] = static_cast<T>(s.out[e]);
   }
 }
 
 #define KVREUSE_ATTEND_RANGE(NAME, T, R)                                                                             \
   __attribute__((target_clones("avx512f", "avx2", "default"))) void NAME(                                          \
-      const T* q, const Pool<R>& pool, const int64_t* context, const int64_t* lens, int64_t max_len, int64_t H,     \
-      int64_t group, int64_t D, float scale, T* out, int64_t begin, int64_t end, float* scores, float* q_row,       \
-      float* out_row) {                                                                                             \
-    attend_range<T, R>(q, pool, context, lens, max_len, H, group, D, scale, out, begin, end, scores, q_row,         \
-                       out_row);                                                                                    \
+      const T* q, const Pool<R>& pool, const int64_t* context, const int64_t* lens, int64_t max_len, int64_t Hkv,   \
+      int64_t G, int64_t D, float scale, T* out, int64_t begin, int64_t end, Scratch& s) {                          \
+    attend_range<T, R>(q, pool, context, lens, max_len, Hkv, G, D, scale, out, begin, end, s);                      \
   }
 KVREUSE_ATTEND_RANGE(attend_fp32, float, PlainRows<float>)
 KVREUSE_ATTEND_RANGE(attend_bf16, c10::BFloat16, PlainRows<c10::BFloat16>)
@@ -231,7 +252,7 @@ KVREUSE_ATTEND_RANGE(attend_bf16_fp8, c10::BFloat16, Fp8Rows)
 
 template <typename T, typename R>
 using AttendFn = void (*)(const T*, const Pool<R>&, const int64_t*, const int64_t*, int64_t, int64_t, int64_t,
-                          int64_t, float, T*, int64_t, int64_t, float*, float*, float*);
+                          int64_t, float, T*, int64_t, int64_t, Scratch&);
 
 // Writes each sequence's new K/V (k, v [B, Hkv, D]) at its slot, then attends: the work of one pool format R.
 template <typename T, typename R>
@@ -254,10 +275,9 @@ void store_and_attend(AttendFn<T, R> attend, const at::Tensor& q, const at::Tens
     }
   const T* qp = q.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  at::parallel_for(0, B * H, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(max_len), q_row(D), out_row(D);
-    attend(qp, pool, context, lens, max_len, H, H / Hkv, D, scale, op, begin, end, scores.data(), q_row.data(),
-           out_row.data());
+  at::parallel_for(0, B * Hkv, grain, [&](int64_t begin, int64_t end) {
+    Scratch scratch(H / Hkv, max_len, D);
+    attend(qp, pool, context, lens, max_len, Hkv, H / Hkv, D, scale, op, begin, end, scratch);
   });
 }
 
@@ -300,10 +320,10 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   }
   at::Tensor out = at::empty({B, H, D}, q.options());
   const float s = static_cast<float>(scale);
-  // One (sequence, head) per task: enough work to split once contexts are long, one thread when they are short.
+  // One (sequence, KV head) per task: enough work to split once contexts are long, one thread when they are short.
   int64_t total_keys = 0;
   for (int64_t b = 0; b < B; ++b) total_keys += lens[b];
-  const int64_t grain = std::max<int64_t>(1, (B * H) * 1024 / std::max<int64_t>(1, total_keys * H));
+  const int64_t grain = std::max<int64_t>(1, (B * Hkv) * 1024 / std::max<int64_t>(1, total_keys * Hkv));
   using BF16 = c10::BFloat16;
   const bool fp32 = dtype == at::kFloat;
 #define KVREUSE_RUN(FN, T, R) \
