@@ -7,6 +7,7 @@ import argparse
 
 from kvreuse.bench.engine_sizes import Sizes
 from kvreuse.cli.bench_agent import add_agent
+from kvreuse.cli.bench_kv_dtype import add_kv_dtype
 from kvreuse.cli.bench_trace import add_scenario_trace, add_trace
 from kvreuse.cli.bench_windows import add_windows
 from kvreuse.cli.bench_workloads import add_cluster, add_replay, add_scenario
@@ -31,7 +32,7 @@ def add_bench(sub) -> None:
                                          "Markdown table; --out DIR also writes it and the JSON report.")
     suites = bench.add_subparsers(dest="suite", required=True, metavar="SUITE")
     for add in (add_scenario, _add_engine, _add_prefix, _add_tiers, _add_eval, _add_quant, add_cluster, add_replay,
-                add_trace, add_scenario_trace, add_windows, add_agent):
+                add_trace, add_scenario_trace, add_windows, add_agent, add_kv_dtype):
         add(suites)
 
 
