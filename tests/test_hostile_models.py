@@ -88,6 +88,25 @@ def test_a_hostile_hf_config_is_one_error_naming_the_key(hf_dir, name):
     refused(hf_dir, match)
 
 
+def test_an_hf_tokenizer_larger_than_vocab_size_is_refused_before_serving(hf_dir):
+    """The tensors and config.json agree, but the tokenizer names more tokens than the embedding has rows: ids it
+    encodes would index past the embedding."""
+    from transformers import AutoTokenizer
+
+    from kvreuse.llm import LLM
+
+    from .helpers import make_config
+
+    tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
+    tokenizer.add_tokens([f"<extra_{i}>" for i in range(5)])
+    tokenizer.save_pretrained(str(hf_dir))
+    vocab_size = json.loads((hf_dir / "config.json").read_text())["vocab_size"]
+    with pytest.raises(ModelLoadError, match=rf"the tokenizer has {vocab_size + 5} tokens, more than the model's "
+                                             rf"vocab_size = {vocab_size} embedding rows") as info:
+        LLM(make_config(model__path=str(hf_dir)))
+    assert "\n" not in str(info.value) and str(hf_dir) in str(info.value)
+
+
 def test_a_missing_hf_tensor_is_named(hf_dir):
     change_tensors(hf_dir, lambda t: t.pop("model.layers.1.mlp.down_proj.weight"))
     refused(hf_dir, r"has no tensor model.layers.1.mlp.down_proj.weight")

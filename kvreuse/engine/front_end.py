@@ -23,6 +23,7 @@ from kvreuse.engine.resolved_model import ResolvedModel, resolve_model
 from kvreuse.engine.sequence import Sequence
 from kvreuse.kvcache.normalize import normalize_text
 from kvreuse.kvcache.request import new_cache_request
+from kvreuse.model import validate
 from kvreuse.model.chat_render import ChatTemplateFailed, ChatTemplateLimit
 from kvreuse.model.chat_template import NoChatTemplate, UnsupportedChatTemplate
 from kvreuse.model.tokenizer import ChatText, Tokenizer, check_unicode
@@ -53,6 +54,7 @@ class FrontEnd:
         self.dtype, self.dtype_description = resolved.dtype, resolved.dtype_description
         self.weights, self.fingerprint, self.kv_layout = resolved.weights, resolved.fingerprint, resolved.kv_layout
         self.tokenizer = Tokenizer.load(resolved.path, resolved.info.fingerprint, config.model.chat_template or None)
+        validate.check_tokenizer(resolved.path, len(self.tokenizer.hf), resolved.args.vocab_size)
         self.block_size = config.cache.block_size
         self.bytes_per_block = resolved.kv_bytes_per_block(self.block_size)
         # Usable blocks; a budget in memory also covers the pool's null block (block_pool.py).

@@ -59,6 +59,14 @@ def head_dim_of(where, heads_key: str, hidden_size: int, num_heads: int) -> int:
     return hidden_size // num_heads
 
 
+def check_tokenizer(where, num_tokens: int, vocab_size: int) -> None:
+    """A tokenizer of `num_tokens` tokens (added ones included) must fit the embedding's `vocab_size` rows: a larger
+    one encodes ids the model has no row for."""
+    if num_tokens > vocab_size:
+        raise error(f"{where}: the tokenizer has {num_tokens} tokens, more than the model's vocab_size = {vocab_size} "
+                    f"embedding rows (allowed: at most {vocab_size})")
+
+
 def check_args(args: ModelArgs, where, keys: dict[str, str]) -> None:
     """What no single value says: KV heads dividing the query heads, a head dimension RoPE can rotate, and the
     rope scalings' numbers; `keys` names each field's key in the file."""
