@@ -41,11 +41,13 @@ class RotaryEmbedding(torch.nn.Module):
         # Angles in float64 so that rotating by p then by q - p matches rotating by q at large positions. Computed
         # on the CPU even inside a meta-device context (a model's skeleton): the table is not a checkpoint's, and
         # arange on meta imports dynamo (~1 s of a server's start).
+        # The float64 angles are one [P, D/2] table; each half is rounded to fp32 before it is doubled, so no
+        # float64 [P, D] copy is ever made.
         positions = torch.arange(max_position, dtype=torch.float64, device="cpu")
-        angles = torch.outer(positions, inv_frequencies(head_dim, rope))
-        angles = torch.cat([angles, angles], dim=-1)  # [P, D]
-        self.register_buffer("cos_table", angles.cos().float(), persistent=False)
-        self.register_buffer("sin_table", angles.sin().float(), persistent=False)
+        angles = torch.outer(positions, inv_frequencies(head_dim, rope))  # [P, D/2]
+        cos, sin = angles.cos().float(), angles.sin().float()               # [P, D/2]
+        self.register_buffer("cos_table", torch.cat([cos, cos], dim=-1), persistent=False)  # [P, D]
+        self.register_buffer("sin_table", torch.cat([sin, sin], dim=-1), persistent=False)  # [P, D]
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape [T, 1, D] for integer positions [T]; computed once per forward, used by every layer."""
