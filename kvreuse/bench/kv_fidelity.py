@@ -22,7 +22,7 @@ from kvreuse.llm import LLM
 from kvreuse.sampling_params import SamplingParams
 
 CONTEXT_TOKENS = 2048
-CUTS_PER_TEXT = 16
+CUTS_PER_TEXT = 32
 CONTINUATION = 64
 REFERENCE = "fp32"
 
