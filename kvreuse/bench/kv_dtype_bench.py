@@ -24,7 +24,7 @@ from kvreuse.bench.engine_sizes import BLOCK_SIZE
 from kvreuse.bench.timing import Interleaved
 from kvreuse.config import load_config
 from kvreuse.kernels import build as kernels
-from kvreuse.layers.attention import FUSED_8_BIT
+from kvreuse.layers.attention import fused_decode_takes
 from kvreuse.llm import LLM
 
 KV_DTYPES = ("fp32", "bf16", "int8", "fp8")
@@ -70,8 +70,7 @@ def engine_settings(cases: tuple[Case, ...], kv_dtype: str, compile: str) -> lis
 
 def fused(llm: LLM) -> bool:
     """Whether this engine's decode attention runs the fused kernel (attention.store_and_attend's condition)."""
-    pool = llm.engine.runner.kv_cache
-    return kernels.load().loaded and (pool.dtype in FUSED_8_BIT or pool.dtype == torch.float32)  # the fp32 model
+    return kernels.load().loaded and fused_decode_takes(torch.float32, llm.engine.runner.kv_cache)  # the fp32 model
 
 
 def bytes_per_token(llm: LLM) -> int:

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from kvreuse.cli.common import InputError, check_plots, log_level_flag, positive_int, progress
+from kvreuse.layers.kv_format import FORMATS
 
 TRACE_PNG = "trace_hit_rate_vs_capacity.png"
 
@@ -38,7 +39,7 @@ def add_trace(suites) -> None:
     trace.add_argument("--pool-mb", type=float, metavar="MB",
                        help="instead of --capacity: a pool of MB megabytes of the model's K/V, held in each of "
                             "--kv-dtypes (the capacity each holds is what the run compares)")
-    trace.add_argument("--kv-dtypes", nargs="+", choices=["fp32", "bf16", "int8", "fp8"], default=["bf16", "int8"],
+    trace.add_argument("--kv-dtypes", nargs="+", choices=list(FORMATS), default=["bf16", "int8"],
                        metavar="DTYPE", help="cache.kv_dtype values compared with --pool-mb (default bf16 int8)")
     trace.add_argument("--model", default="", help="the model whose K/V bytes per token size --pool-mb (default: "
                                                     "the embedded model)")

@@ -180,7 +180,11 @@ class AttentionMetadata:
 
 
 FUSED_DTYPES = (torch.float32, torch.bfloat16)  # the q/k/v dtypes the fused decode kernel takes
-FUSED_8_BIT = (torch.int8, torch.uint8)  # the 8-bit pools (int8, fp8) it reads, beside pools of q's dtype
+
+
+def fused_decode_takes(q_dtype: torch.dtype, k_cache: torch.Tensor) -> bool:
+    """Whether the fused decode kernel takes queries of `q_dtype` over this pool: one of q's dtype, or 8-bit rows."""
+    return q_dtype in FUSED_DTYPES and (k_cache.dtype == q_dtype or format_of(k_cache).quantized)
 
 
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -207,9 +211,8 @@ def store_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
     as `store_kv` does, bit for bit, and attends over the values `read_kv` gives in fp32 (the same numbers up to
     summation order, and the torch path's rounding of 8-bit values to bf16; tests/test_attention.py)."""
     meta = meta.windowed(window)
-    if meta.decode and meta.context_lens is not None and q.dtype in FUSED_DTYPES \
-            and (k_cache.dtype == q.dtype or k_cache.dtype in FUSED_8_BIT) and q.device.type == "cpu" \
-            and kernels.load().loaded:
+    if meta.decode and meta.context_lens is not None and fused_decode_takes(q.dtype, k_cache) \
+            and q.device.type == "cpu" and kernels.load().loaded:
         return torch.ops.kvreuse_cpu.decode_attention(q.contiguous(), k.contiguous(), v.contiguous(), k_cache,
                                                       v_cache, meta.slot_mapping, meta.context_slots,
                                                       meta.context_lens, scale)
