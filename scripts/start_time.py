@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvreuse.model.cache_dir import cache_root
+from kvreuse.cache_dir import cache_root
 from kvreuse.model.dtype_probe import cpu_identity
 
 READY = "kvreuse ready:"

@@ -27,7 +27,7 @@ import httpx
 
 from kvreuse.bench.agent_report import machine
 from kvreuse.bench.agent_systems import free_port
-from kvreuse.model.cache_dir import cache_root
+from kvreuse.cache_dir import cache_root
 
 PROBE = {"prompt": "Write a short story about a lighthouse keeper and a storm.", "max_tokens": 64,
          "temperature": 0, "ignore_eos": True}

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from kvreuse.model.cache_dir import cache_root
+from kvreuse.cache_dir import cache_root
 
 logger = logging.getLogger(__name__)
 

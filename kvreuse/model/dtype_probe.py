@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kvreuse.model.cache_dir import keyed_path, read_keyed, write_json_atomically
+from kvreuse.cache_dir import keyed_path, read_keyed, write_json_atomically
 from kvreuse.model.loader import ModelArgs
 
 logger = logging.getLogger(__name__)

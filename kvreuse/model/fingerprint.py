@@ -8,7 +8,7 @@ import json
 import logging
 from pathlib import Path
 
-from kvreuse.model.cache_dir import cache_root, write_json_atomically
+from kvreuse.cache_dir import cache_root, write_json_atomically
 
 logger = logging.getLogger(__name__)
 

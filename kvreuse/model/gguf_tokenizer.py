@@ -15,7 +15,7 @@ import shutil
 from importlib.metadata import version
 from pathlib import Path
 
-from kvreuse.model.cache_dir import cache_root
+from kvreuse.cache_dir import cache_root
 from kvreuse.model.gguf_metadata import GGUFFields, read_gguf
 
 logger = logging.getLogger(__name__)

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
+from kvreuse.cache_dir import cache_root, write_json_atomically
 from kvreuse.kernels import build as kernels
-from kvreuse.model.cache_dir import cache_root, write_json_atomically
 from kvreuse.model.dtype_probe import cpu_identity
 
 GRAPH_VERSION = 1

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvreuse.cache_dir import keyed_path, read_keyed, write_json_atomically
 from kvreuse.kernels import build as kernels
-from kvreuse.model.cache_dir import keyed_path, read_keyed, write_json_atomically
 from kvreuse.model.dtype_probe import cpu_identity
 
 if TYPE_CHECKING:

@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvreuse.model.cache_dir import cache_root
+from kvreuse.cache_dir import cache_root
 
 
 @dataclass(frozen=True)

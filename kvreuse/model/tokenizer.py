@@ -18,7 +18,7 @@ from pathlib import Path
 from tokenizers import Encoding
 from tokenizers import Tokenizer as RustTokenizer
 
-from kvreuse.model.cache_dir import write_json_atomically
+from kvreuse.cache_dir import write_json_atomically
 from kvreuse.model.chat_render import ChatRenderer, InProcessRenderer, RenderLimits, WorkerRenderer
 from kvreuse.model.chat_template import NoChatTemplate, check_self_contained, load_chat_template
 from kvreuse.model.gguf_tokenizer import cache_dir, load_gguf_tokenizer

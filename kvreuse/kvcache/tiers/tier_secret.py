@@ -14,8 +14,8 @@ import os
 import secrets
 from pathlib import Path
 
+from kvreuse.cache_dir import cache_root
 from kvreuse.config import ConfigError
-from kvreuse.model.cache_dir import cache_root
 
 logger = logging.getLogger(__name__)
 
