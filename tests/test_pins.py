@@ -56,6 +56,39 @@ def test_a_pin_holds_its_blocks_and_a_replaced_pin_does_not_pile_up_references()
     pins.check_integrity()
 
 
+def test_each_tenant_pins_within_its_own_share_and_a_full_one_shuts_nobody_out():
+    """Issue 49.5: the share was global and first-come, so one tenant's permanent pins shut every other tenant out.
+    Split among 2 tenants, 5 blocks are 2 each: a tenant at its cap is refused (naming it), the other still pins."""
+    pool = cached_pool()
+    pins = Pins(pool, max_blocks=5)
+    assert pins.tenant_max_blocks(2) == 2 and pins.tenant_max_blocks(1) == 5
+    pins.pin(b"a", [1, 2], 8, expires_at=None, tenant="alpha", num_tenants=2)
+    assert not pins.can_pin(b"b", [3], "alpha", 2)  # alpha's share is full, the pool's share is not
+    why = pins.refusal("alpha", 2, "cache.pin_max_share = 0.25")
+    assert "tenant 'alpha'" in why and "cache.pin_max_share = 0.25 split among 2 tenants, 2 blocks each" in why
+    assert pins.can_pin(b"a", [1, 3], "alpha", 2)  # replacing its own pin frees its place
+    assert pins.can_pin(b"b", [1, 2], "beta", 2)  # the same blocks count against beta's share too
+    pins.pin(b"b", [3, 4], 8, expires_at=3.0, tenant="beta", num_tenants=2)
+    pins.check_integrity()
+    assert pins.tenant_blocks("alpha") == pins.tenant_blocks("beta") == 2 and pins.num_blocks == 4
+    assert pins.snapshot(0.0)["tenants"] == {"alpha": {"blocks": 2, "max_blocks": 2},
+                                             "beta": {"blocks": 2, "max_blocks": 2}}
+    assert pins.expire(now=3.0) == 1 and set(pins.tenant_caps) == {"alpha"}
+    pins.check_integrity()
+    assert pins.unpin_all() == 2 and pool.num_used_blocks == 0 and not pins.tenant_caps
+    pins.check_integrity()
+
+
+def test_without_keys_one_tenant_has_the_whole_share():
+    pool = cached_pool()
+    pins = Pins(pool, max_blocks=3)
+    pins.pin(b"a", [1, 2, 3], 12, expires_at=None)
+    assert not pins.can_pin(b"b", [4])
+    assert pins.refusal(None, 1, "cache.pin_max_share = 0.4") == \
+        "the pins would hold more than cache.pin_max_share = 0.4 of the pool (3 blocks; 3 pinned)"
+    pins.check_integrity()
+
+
 # --- the engine ------------------------------------------------------------------------------------------------
 def flood(llm, prompts: list[str]) -> None:
     for prompt in prompts:
@@ -204,3 +237,42 @@ def test_cache_warm_refuses_a_pin_ttl_over_30_days_before_sending(tmp_path, caps
     argv = ["cache", "warm", str(prompts), "--url", "http://127.0.0.1:9", "--pin", "--pin-ttl-s"]  # port 9: nobody
     assert main([*argv, str(MAX_PIN_TTL_S + 1)]) == 2
     assert "--pin-ttl-s needs --pin and a value from 0 to 2592000 (30 days)" in capsys.readouterr().err
+
+
+def test_a_tenants_permanent_pins_do_not_shut_another_tenant_out(tiny_model_dir, tmp_path):
+    """Issue 49.5 over HTTP with API keys: 3 tenants (alpha, beta, the admin's own) split the 24 pinnable blocks, 8
+    each. alpha pins until refused, with pins that last until unpinned; the refusal names its share; beta still pins;
+    a tenant's key may not unpin, the admin's ends every tenant's pins."""
+    from .helpers import app_server, tiny_engine
+
+    admin = tmp_path / "admin_keys"
+    admin.write_text("key-root-789 root\n", encoding="utf-8")
+    eng = tiny_engine(tiny_model_dir, engine__num_kv_blocks=96, cache__pin_max_share="0.25",
+                      server__admin_api_keys_file=str(admin))
+    keys = {"key-alpha-123": "alpha", "key-beta-456": "beta"}
+
+    def warm(client, root, key, prompt):
+        answer = client.post(f"{root}/cache/warm", headers={"Authorization": f"Bearer {key}"},
+                             json={"items": [{"prompt": prompt}], "pin": True, "pin_ttl_s": 0})
+        assert answer.status_code == 200, answer.text
+        return answer.json()["pins"][0]
+
+    with app_server(eng, keys) as (_, root), http_client() as client:
+        results = [warm(client, root, "key-alpha-123", prompt) for prompt in OTHERS[:6]]  # ~2 blocks each
+        refused = [r["refused"] for r in results if r["refused"]]
+        assert results[0]["pinned_tokens"] > 0 and refused, results
+        assert "tenant 'alpha'" in refused[0] and "cache.pin_max_share = 0.25 split among 3 tenants, 8 blocks each" \
+            in refused[0], refused[0]
+        assert eng.kv_manager.pins.tenant_blocks("alpha") <= 8
+        beta = warm(client, root, "key-beta-456", OTHERS[7])
+        assert beta["pinned_tokens"] > 0 and beta["refused"] is None, beta
+        eng.check_integrity()
+        stats = client.get(f"{root}/cache/stats", headers={"Authorization": "Bearer key-root-789"}).json()["pins"]
+        assert set(stats["tenants"]) == {"alpha", "beta"} and stats["tenants"]["alpha"]["max_blocks"] == 8
+        denied = client.post(f"{root}/cache/unpin", headers={"Authorization": "Bearer key-alpha-123"})
+        assert denied.status_code == 403, denied.text
+        unpinned = client.post(f"{root}/cache/unpin", headers={"Authorization": "Bearer key-root-789"})
+        assert unpinned.json()["unpinned_blocks"] == stats["blocks"] > 0
+        assert warm(client, root, "key-beta-456", OTHERS[8])["refused"] is None
+    assert eng.kv_manager.pins.tenant_caps == {"beta": 8}
+    eng.check_integrity()

@@ -138,7 +138,8 @@ class RemoteEngine:
 
     can_pin = False
 
-    async def pin(self, token_ids: list[int], cache_salt: str | None, ttl_s: int | None) -> PinResult:
+    async def pin(self, token_ids: list[int], cache_salt: str | None, ttl_s: int | None, tenant: str | None = None,
+                  num_tenants: int = 1) -> PinResult:
         raise PinsUnsupported(PINS_UNSUPPORTED)
 
     async def unpin(self) -> int:

@@ -293,18 +293,19 @@ class LLMEngine:
             dropped.update(self.tiers.clear())
         return dropped
 
-    def pin_prompt(self, token_ids: list[int], cache_salt: str | None = None, ttl_s: int | None = None) -> PinResult:
-        """Pin the pool's cached chain of this prompt (as a request with `cache_salt` would hit it) for `ttl_s`
-        seconds (None: `cache.pin_ttl_s`; 0: until unpinned), within `cache.pin_max_share` of the pool. Engine thread
+    def pin_prompt(self, token_ids: list[int], cache_salt: str | None = None, ttl_s: int | None = None,
+                   tenant: str | None = None, num_tenants: int = 1) -> PinResult:
+        """Pin the pool's cached chain of this prompt (as a request with `cache_salt` would hit it) for `tenant`, for
+        `ttl_s` seconds (None: `cache.pin_ttl_s`; 0: until unpinned), within `cache.pin_max_share` of the pool and
+        within the tenant's share of that, split among `num_tenants` (the server's API key tenants). Engine thread
         only."""
         req = self.kv_manager.new_request(token_ids, cache_salt)
         cache = self.front_end.config.cache
-        if not self.kv_manager.can_pin(req):
-            pins = self.kv_manager.pins
-            return PinResult(0, f"the pins would hold more than cache.pin_max_share = {cache.pin_max_share} of the "
-                                f"pool ({pins.max_blocks} blocks; {pins.num_blocks} pinned)")
+        if not self.kv_manager.can_pin(req, tenant, num_tenants):
+            share = f"cache.pin_max_share = {cache.pin_max_share}"
+            return PinResult(0, self.kv_manager.pins.refusal(tenant, num_tenants, share))
         ttl = cache.pin_ttl_s if ttl_s is None else ttl_s
-        num_tokens = self.kv_manager.pin(req, None if ttl == 0 else time.monotonic() + ttl)
+        num_tokens = self.kv_manager.pin(req, None if ttl == 0 else time.monotonic() + ttl, tenant, num_tenants)
         return PinResult(num_tokens, None if num_tokens else "nothing of the prompt is cached")
 
     def unpin_all(self) -> int:

@@ -326,17 +326,20 @@ A layout of one group has no window group: the same path, with nothing to cut a 
         hits, windows = self.coordinator.find_hit(req, self.match_prefix(req), max(1, self.min_match_blocks))
         return hits + [b for window in windows for b in window], len(hits) * self.block_size
 
-    def can_pin(self, req: CacheRequest) -> bool:
-        """The cached chain of `req`'s prompt fits within the pins' share of the pool (an empty one always does)."""
+    def can_pin(self, req: CacheRequest, tenant: str | None = None, num_tenants: int = 1) -> bool:
+        """The cached chain of `req`'s prompt fits within the pins' share of the pool, and within `tenant`'s share of
+        that (split among `num_tenants`; pins.py); an empty one always does."""
         block_ids, num_tokens = self.cached_chain(req)
-        return not num_tokens or self.pins.can_pin(self._key(req, num_tokens // self.block_size - 1), block_ids)
+        return not num_tokens or self.pins.can_pin(self._key(req, num_tokens // self.block_size - 1), block_ids,
+                                                   tenant, num_tenants)
 
-    def pin(self, req: CacheRequest, expires_at: float | None) -> int:
-        """Hold the cached chain of `req`'s prompt until `expires_at` (time.monotonic(); None: until unpinned); the
-        prompt tokens it covers (0: nothing of it is cached)."""
+    def pin(self, req: CacheRequest, expires_at: float | None, tenant: str | None = None, num_tenants: int = 1) -> int:
+        """Hold the cached chain of `req`'s prompt for `tenant` until `expires_at` (time.monotonic(); None: until
+        unpinned); the prompt tokens it covers (0: nothing of it is cached)."""
         block_ids, num_tokens = self.cached_chain(req)
         if num_tokens:
-            self.pins.pin(self._key(req, num_tokens // self.block_size - 1), block_ids, num_tokens, expires_at)
+            self.pins.pin(self._key(req, num_tokens // self.block_size - 1), block_ids, num_tokens, expires_at,
+                          tenant, num_tenants)
         return num_tokens
 
     # --- n > 1: choices forked from one prompt ---------------------------------------------------------

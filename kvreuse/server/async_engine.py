@@ -138,8 +138,9 @@ class AsyncEngine:
 
     can_pin = True
 
-    async def pin(self, token_ids: list[int], cache_salt: str | None, ttl_s: int | None) -> PinResult:
-        return await self.call(lambda engine: engine.pin_prompt(token_ids, cache_salt, ttl_s))
+    async def pin(self, token_ids: list[int], cache_salt: str | None, ttl_s: int | None, tenant: str | None = None,
+                  num_tenants: int = 1) -> PinResult:
+        return await self.call(lambda engine: engine.pin_prompt(token_ids, cache_salt, ttl_s, tenant, num_tenants))
 
     async def unpin(self) -> int:
         return await self.call(LLMEngine.unpin_all)

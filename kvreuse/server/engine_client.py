@@ -69,8 +69,10 @@ class EngineClient(Protocol):
     def can_pin(self) -> bool:
         """Whether `pin` and `unpin` can act: the engine runs in this process."""
 
-    async def pin(self, token_ids: list[int], cache_salt: str | None, ttl_s: int | None) -> PinResult:
-        """Pin the cached chain of a prompt (LLMEngine.pin_prompt). PinsUnsupported where not `can_pin`."""
+    async def pin(self, token_ids: list[int], cache_salt: str | None, ttl_s: int | None, tenant: str | None = None,
+                  num_tenants: int = 1) -> PinResult:
+        """Pin the cached chain of a prompt for `tenant`, one of `num_tenants` sharing the pins' share of the pool
+        (LLMEngine.pin_prompt). PinsUnsupported where not `can_pin`."""
 
     async def unpin(self) -> int:
         """End every pin; how many blocks they held. PinsUnsupported where not `can_pin`."""

@@ -6,10 +6,12 @@ cache (the stats: the disk path and the Redis URL too).
 
 API key required when configured. Warming (kvreuse/warm.py) runs each item as a one-token greedy completion under the
 caller's tenant salt (so it warms exactly what that tenant's requests will find), through the server's queue like any
-request, then waits until the lower tiers have written it; `tiers_written` says whether they stored all of it.
-Resetting drops what no request or pin holds: blocks in use stay until their requests finish, pinned ones until
-their pins end; with `tiers=true` the answer
-says what each tier still holds (entries it could not remove, or written since).
+request, then waits until the lower tiers have written it; `tiers_written` says whether they stored all of it. A
+tenant's pins hold at most its share of `cache.pin_max_share`, split evenly among the tenants the API keys name
+(kvcache/pins.py), so no tenant's pins keep another from pinning; unpinning (admin) ends every tenant's pins.
+Resetting drops what no request or pin holds: blocks in use stay until their requests finish, pinned ones until their
+pins end; with `tiers=true` the answer says what each tier still holds (entries it could not remove, or written
+since).
 """
 
 from __future__ import annotations
@@ -57,13 +59,14 @@ async def warm(body: WarmRequest, request: Request, state: StateDep, tenant: Ten
               "computed_prompt_tokens": total.computed_prompt_tokens, "tiers": tiers.tier_names if tiers else [],
               **{k: v for k, v in writes.items() if k != "flushed"}}
     if body.pin:
-        answer["pins"] = [await _pin(state, seq, body.pin_ttl_s) for seq, _ in warmed]
+        answer["pins"] = [await _pin(state, seq, body.pin_ttl_s, tenant) for seq, _ in warmed]
     return answer
 
 
-async def _pin(state: ServerState, seq: Sequence, ttl_s: int | None) -> dict:
-    """Pin what a warmed item left cached (its prompt, under its request's salt)."""
-    result = await state.engine.pin(seq.prompt_token_ids, seq.cache_salt, ttl_s)
+async def _pin(state: ServerState, seq: Sequence, ttl_s: int | None, tenant: str | None) -> dict:
+    """Pin what a warmed item left cached (its prompt, under its request's salt), as `tenant`'s pin: within its share
+    of the pins' share of the pool (pins.py)."""
+    result = await state.engine.pin(seq.prompt_token_ids, seq.cache_salt, ttl_s, tenant, state.num_tenants)
     return {"pinned_tokens": result.pinned_tokens, "refused": result.refused}
 
 

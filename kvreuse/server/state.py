@@ -37,6 +37,11 @@ class ServerState:
     def config(self) -> Config:
         return self.engine.front_end.config
 
+    @property
+    def num_tenants(self) -> int:
+        """The tenants the API keys name, admins included (each has its share of the pins); 1 without keys."""
+        return len(set(self.api_keys.values())) if self.api_keys else 1
+
 
 async def get_state(request: Request) -> ServerState:
     """Dependency: the ServerState of the app serving this request."""
