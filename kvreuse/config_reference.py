@@ -1,4 +1,5 @@
-"""The configuration reference, docs/configuration.md, generated from the pydantic models of kvreuse/config.py.
+"""The configuration reference, docs/configuration.md, generated from the pydantic models of
+kvreuse/config/sections.py.
 
 `python -m kvreuse.config_reference` prints it; `python -m kvreuse.config_reference --write` writes
 docs/configuration.md (tests/test_config_reference.py fails while the file differs from `render()`). Types,
@@ -25,7 +26,7 @@ REGENERATE = "python -m kvreuse.config_reference --write"
 _INTRO = f"""\
 # Configuration reference
 
-<!-- Generated from kvreuse/config.py by `{REGENERATE}`: edit the descriptions there, not here. -->
+<!-- Generated from kvreuse/config/sections.py by `{REGENERATE}`: edit the descriptions there, not here. -->
 
 kvreuse reads one INI file (`--config FILE`); any key can be overridden with `--set section.key=value`
 (repeatable; a nested key is written with its dots, e.g. `--set cache.suffix.recompute_ratio=0.3`).

@@ -29,7 +29,7 @@ def add_tokenizer(sub) -> None:
 
 def cmd_tokenizer_export(args: argparse.Namespace) -> int:
     """Write the tokenizer files into DIR, with the context limit the server would report."""
-    from kvreuse.model.chat_template import load_chat_template
+    from kvreuse.config.chat_template import load_chat_template
     from kvreuse.model.loader import load_model_info
     from kvreuse.model.tokenizer import Tokenizer
 

@@ -18,6 +18,7 @@ import torch
 from jinja2 import TemplateError
 
 from kvreuse.config import Config
+from kvreuse.config.chat_template import UnsupportedChatTemplate
 from kvreuse.engine.errors import RequestError, check_text
 from kvreuse.engine.resolved_model import ResolvedModel, resolve_model
 from kvreuse.engine.sequence import Sequence
@@ -25,7 +26,7 @@ from kvreuse.kvcache.normalize import normalize_text
 from kvreuse.kvcache.request import new_cache_request
 from kvreuse.model import validate
 from kvreuse.model.chat_render import ChatTemplateFailed, ChatTemplateLimit
-from kvreuse.model.chat_template import NoChatTemplate, UnsupportedChatTemplate
+from kvreuse.model.chat_template import NoChatTemplate
 from kvreuse.model.tokenizer import ChatText, Tokenizer, check_unicode
 from kvreuse.sampling_params import SamplingParams
 from kvreuse.tools.parsers import ToolParser, detect_format, get_parser

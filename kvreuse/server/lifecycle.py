@@ -13,9 +13,9 @@ from pathlib import Path
 import uvicorn
 
 from kvreuse.config import CacheConfig, Config
+from kvreuse.config.named_models import NAMED_MODELS
 from kvreuse.engine.front_end import FrontEnd
 from kvreuse.engine.stats import compile_summary
-from kvreuse.model.named_models import NAMED_MODELS
 from kvreuse.server.async_engine import load_engine
 from kvreuse.server.auth import load_api_keys
 

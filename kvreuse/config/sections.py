@@ -1,40 +1,48 @@
-"""Configuration: pydantic models loaded from an INI file plus ``--set section.key=value`` overrides.
+"""The config's sections: one pydantic model per INI section (and per dotted group of keys, `cache.suffix.*`),
+each key declared with its type, default, bounds and description, and `Config`, the whole of them.
 
-Types, ranges and choices live in the field declarations; pydantic's first error becomes a ConfigError."""
+`KEYS` (section -> INI key -> field) and `PREFIX` (each model's place in the INI) are derived from `Config`, so the
+INI loader, the messages and docs/configuration.md all read the same declarations."""
 
 from __future__ import annotations
 
-import configparser
 import contextlib
-import difflib
 import os
-import re
-from collections.abc import Iterator, Sequence
-from functools import reduce
-from typing import Annotated, Literal, get_args
+from collections.abc import Iterator
+from typing import Annotated, Literal
 
 from pydantic import (
     AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
-    TypeAdapter,
     ValidationError,
     field_validator,
     model_validator,
 )
 from pydantic.fields import FieldInfo
-from pydantic_core import ErrorDetails, PydanticCustomError
+from pydantic_core import PydanticCustomError
 from typing_extensions import Self
 
-from kvreuse.model.chat_template import load_chat_template
-from kvreuse.model.named_models import NAMED_MODELS
+from kvreuse.config.chat_template import load_chat_template
+from kvreuse.config.messages import ConfigError, message
+from kvreuse.config.named_models import NAMED_MODELS
 
 MAX_PIN_TTL_S = 30 * 86400  # a pin's longest TTL, 30 days (a request's pin_ttl_s and cache.pin_ttl_s); 0 has none
 
 
-class ConfigError(ValueError):
-    """A config file, override or value is invalid; the message names the key or line and the problem."""
+@contextlib.contextmanager
+def reported(model: type[BaseModel]) -> Iterator[None]:
+    """Re-raise the first error of a ValidationError about ``model`` as a ConfigError naming the INI key."""
+    try:
+        yield
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        # A nested section built from a dict runs its own __init__, whose ConfigError pydantic wraps: unwrap it.
+        if isinstance(error.get("ctx", {}).get("error"), ConfigError):
+            raise error["ctx"]["error"] from None
+        key = ".".join(filter(None, [PREFIX[model], *map(str, error["loc"])]))
+        raise ConfigError(message(KEYS, key, error)) from None
 
 
 class _Section(BaseModel):
@@ -45,11 +53,11 @@ class _Section(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, validate_assignment=True)
 
     def __init__(self, **values: object) -> None:
-        with _reported(type(self)):
+        with reported(type(self)):
             super().__init__(**values)
 
     def __setattr__(self, name: str, value: object) -> None:
-        with _reported(type(self)):
+        with reported(type(self)):
             super().__setattr__(name, value)
 
     def with_changes(self, **changes: object) -> Self:
@@ -253,32 +261,6 @@ class CacheConfig(_Section):
         "sha256, which the read checks."))
 
 
-# The article's scenario advice as presets (chat, eval and agent are its advice; rag is ours). A preset sets these
-# keys first; keys written explicitly (in the file or with --set) override it, wherever they appear.
-# Segment reuse is on where the scenario bench (docs/benchmarks.md, "Scenarios") shows it pays within the fidelity
-# thresholds (top-1 >= 0.9, KL <= 0.03): on the eval rubric the guard never changed an answer and only added
-# work, so it is off there; agent steps are cheap to repair (recompute 10%), RAG documents need 30%.
-# The policy is measured, not the article's (lru for chat, lfu for eval): docs/bench/preset-policies.md.
-PRESETS: dict[str, dict[str, str]] = {
-    "none": {},
-    "chat": {"block_size": "16", "policy": "learned"},
-    "eval": {"block_size": "32", "policy": "learned", "suffix.enabled": "true", "suffix.guard_margin": "0"},
-    "agent": {"block_size": "16", "policy": "learned", "normalize_input": "true", "suffix.enabled": "true",
-              "suffix.recompute_ratio": "0.1"},
-    "rag": {"block_size": "16", "policy": "learned", "suffix.enabled": "true", "suffix.recompute_ratio": "0.3"},
-}
-# What each preset is for (docs/configuration.md shows these beside the keys).
-PRESET_DESCRIPTIONS: dict[str, str] = {
-    "none": "No preset: every key keeps its default.",
-    "chat": "Multi-turn chat: short repeated turns with recent hot spots; the shared part is a prefix, so segment "
-            "reuse stays off.",
-    "eval": "Batch evaluation: a long fixed rubric after varying text, a fixed hot spot reached only by segment "
-            "reuse; the guard is off, since on this workload it never changed an answer and only added work.",
-    "agent": "Agent steps: tool output with formatting noise before fixed tool rules; segment reuse recomputing 10%.",
-    "rag": "RAG: the same documents in varying positions; segment reuse recomputing 30%.",
-}
-
-
 class ModelConfig(_Section):
     """``[model]``: which weights to load and how; an empty path means the embedded default model."""
 
@@ -432,243 +414,27 @@ class Config(_Section):
         return self.model_dump()
 
 
+
+def _is_section(annotation: object) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
+
+
 def _leaves(model: type[BaseModel], prefix: str = "") -> Iterator[tuple[str, FieldInfo]]:
     for name, field in model.model_fields.items():
-        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+        if _is_section(field.annotation):
             yield from _leaves(field.annotation, f"{prefix}{name}.")
         else:
             yield prefix + name, field
 
 
+def _places(model: type[BaseModel], prefix: str = "") -> Iterator[tuple[type[BaseModel], str]]:
+    yield model, prefix
+    for name, field in model.model_fields.items():
+        if _is_section(field.annotation):
+            yield from _places(field.annotation, f"{prefix}.{name}" if prefix else name)
+
+
 # section -> INI key ("suffix.enabled") -> field; the keys the loader accepts and config_to_ini writes.
-_KEYS = {section: dict(_leaves(field.annotation)) for section, field in Config.model_fields.items()}
-# Where each model sits in the INI, to name the key of an error raised while building it.
-_PREFIX = {Config: "", ServerConfig: "server", CacheConfig: "cache", SegmentConfig: "cache.suffix",
-           DiskTierConfig: "cache.disk", RedisTierConfig: "cache.redis",
-           ModelConfig: "model", EngineConfig: "engine", EventsConfig: "events", ClusterConfig: "cluster",
-           StructuredConfig: "structured"}
-# What a value must be, by pydantic error type.
-_MUST_BE = {"bool_type": "a boolean (true/false)", "string_type": "a string",
-            **dict.fromkeys(("int_type", "int_parsing", "int_from_float"), "an integer"),
-            **dict.fromkeys(("float_type", "float_parsing", "finite_number"), "a number")}
-_NUMBERS = {kind: TypeAdapter(kind, config=ConfigDict(allow_inf_nan=False)) for kind in (int, float)}
-
-
-def _unknown(section: str, key: str, where: str) -> str:
-    """The message for an unknown section, or for an unknown key of a known one, with the closest valid name."""
-    if section not in _KEYS:
-        valid = sorted(_KEYS)
-        close = difflib.get_close_matches(section, valid, n=1)
-        hint = f"; did you mean [{close[0]}]?" if close else ";"
-        return f"unknown config section [{section}] {where}{hint} valid sections: {', '.join(valid)}"
-    keys = _KEYS[section]
-    close = difflib.get_close_matches(key, list(keys), n=1)
-    hint = f"did you mean '{section}.{close[0]}'?" if close else f"valid keys: {', '.join(sorted(keys))}"
-    return f"unknown config key '{section}.{key}'; {hint}"
-
-
-def _message(key: str, error: ErrorDetails) -> str:
-    kind, got = error["type"], error["input"]
-    section, _, rest = key.partition(".")
-    field = _KEYS.get(section, {}).get(rest)
-    if kind in _MUST_BE:
-        return f"config key '{key}' must be {_MUST_BE[kind]}, got {got!r}"
-    if kind == "literal_error" and field is not None:
-        return f"config key '{key}' must be one of {', '.join(get_args(field.annotation))}, got {got!r}"
-    if kind in ("greater_than_equal", "less_than_equal") and field is not None:
-        low = next((m.ge for m in field.metadata if hasattr(m, "ge")), None)
-        high = next((m.le for m in field.metadata if hasattr(m, "le")), None)
-        if low is not None and high is not None:
-            return f"config key '{key}' must be between {low} and {high}, got {got}"
-        bound = f">= {error['ctx']['ge']}" if kind == "greater_than_equal" else f"<= {error['ctx']['le']}"
-        return f"config key '{key}' must be {bound}, got {got}"
-    if kind == "string_pattern_mismatch" and key == "cache.redis.url":
-        return f"config key '{key}' must be a redis://host:port/db (or rediss://, unix://) URL, got {got!r}"
-    if kind == "string_pattern_mismatch" and key.startswith("events."):
-        return f"config key '{key}' must be a ZMQ endpoint such as tcp://127.0.0.1:5557, got {got!r}"
-    if kind == "greater_than":
-        return f"config key '{key}' must be > {error['ctx']['gt']}, got {got}"
-    if kind == "extra_forbidden":
-        return _unknown(section, rest, "in code")
-    if kind == "value_error":
-        return f"config key '{key}': {error['ctx']['error']}, got {got!r}"
-    if kind == "frozen_instance":
-        return f"config key '{key}' is read-only, got {got!r}; derive a changed copy with with_changes()"
-    return f"config key '{key}': {error['msg']}, got {got!r}"
-
-
-@contextlib.contextmanager
-def _reported(model: type[BaseModel]) -> Iterator[None]:
-    """Re-raise the first error of a ValidationError about ``model`` as a ConfigError naming the INI key."""
-    try:
-        yield
-    except ValidationError as exc:
-        error = exc.errors()[0]
-        # A nested section built from a dict runs its own __init__, whose ConfigError pydantic wraps: unwrap it.
-        if isinstance(error.get("ctx", {}).get("error"), ConfigError):
-            raise error["ctx"]["error"] from None
-        key = ".".join(filter(None, [_PREFIX[model], *map(str, error["loc"])]))
-        raise ConfigError(_message(key, error)) from None
-
-
-def parse_value(key: str, text: str, kind: type) -> bool | int | float | str:
-    """Convert the INI text of ``key`` (e.g. ``'cache.block_size'``) to ``kind``, or raise ConfigError.
-
-    Booleans take configparser's spellings (true/false, yes/no, on/off, 1/0, any case); numbers must be finite."""
-    if kind is str:
-        return text
-    if kind is bool:
-        with contextlib.suppress(KeyError):
-            return configparser.ConfigParser.BOOLEAN_STATES[text.strip().lower()]
-        raise ConfigError(f"config key '{key}' must be {_MUST_BE['bool_type']}, got {text!r}")
-    try:
-        return _NUMBERS[kind].validate_strings(text)
-    except ValidationError as exc:
-        raise ConfigError(_message(key, exc.errors()[0])) from None
-
-
-_HEADER_WITH_KEYS = re.compile(r"\s*\[[^\]]*\]\s*[^\s#;]")
-_HEADER = re.compile(r"\s*(\[[^\]]*\])\s*")
-_PAIR = re.compile(r"([^\s=]+)\s*=\s*(\S+)")
-_TRAILING_COMMENT = re.compile(r"\s[#;].*")
-
-
-def _unflatten(text: str, name: str) -> tuple[str, list[int]]:
-    # The article printed its example on one line ("[server] max_tokens = 2048 [cache] enabled = true ...");
-    # configparser would silently take "[server] max_tokens ..." as a header, so split such lines first.
-    # Returns the text and, for each output line, its line number in the original file.
-    lines: list[str] = []
-    origin: list[int] = []
-    for number, line in enumerate(text.splitlines(), 1):
-        if not _HEADER_WITH_KEYS.match(line):
-            lines.append(line)
-            origin.append(number)
-            continue
-        for part in _HEADER.split(_TRAILING_COMMENT.sub("", line)):
-            if part.startswith("["):
-                lines.append(part)
-                origin.append(number)
-                continue
-            leftover = _PAIR.sub("", part).strip()
-            if leftover:
-                raise ConfigError(
-                    f"malformed config file {name}, line {number}: expected key = value, got {leftover!r}"
-                )
-            for key, value in _PAIR.findall(part):
-                lines.append(f"{key} = {value}")
-                origin.append(number)
-    return "\n".join(lines) + "\n", origin
-
-
-def _syntax_error(exc: configparser.Error, name: str, text: str, origin: list[int]) -> ConfigError:
-    lines = text.split("\n")
-
-    def line(n: int) -> int:
-        return origin[n - 1] if 0 < n <= len(origin) else n
-
-    where = f"malformed config file {name}"
-    if isinstance(exc, configparser.MissingSectionHeaderError):
-        bad = exc.line.strip()
-        return ConfigError(f"{where}, line {line(exc.lineno)}: expected a [section] header, got {bad!r}")
-    if isinstance(exc, configparser.ParsingError):
-        lineno = exc.errors[0][0]
-        bad = lines[lineno - 1].strip() if 0 < lineno <= len(lines) else ""
-        return ConfigError(f"{where}, line {line(lineno)}: expected key = value or [section], got {bad!r}")
-    if isinstance(exc, configparser.DuplicateOptionError):
-        return ConfigError(f"{where}, line {line(exc.lineno)}: key '{exc.section}.{exc.option}' is set twice")
-    if isinstance(exc, configparser.DuplicateSectionError):
-        return ConfigError(f"{where}, line {line(exc.lineno)}: section [{exc.section}] appears twice")
-    return ConfigError(f"{where}: {exc}")
-
-
-def _read_file(path: str | os.PathLike) -> tuple[str, configparser.ConfigParser]:
-    name = str(os.fspath(path))
-    try:
-        with open(name, encoding="utf-8-sig") as fh:
-            text = fh.read()
-    except FileNotFoundError:
-        raise ConfigError(f"config file not found: {name}") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"cannot read config file {name}: {exc}") from None
-    text, origin = _unflatten(text, name)
-    # An unmatchable default section makes a stray [DEFAULT] an unknown section instead of leaking its keys
-    # into every section; no interpolation so values may contain '%'.
-    parser = configparser.ConfigParser(interpolation=None, default_section="\0")
-    try:
-        parser.read_string(text, source=name)
-    except configparser.Error as exc:
-        raise _syntax_error(exc, name, text, origin) from None
-    return name, parser
-
-
-def _parse_override(item: str) -> tuple[str, str, str]:
-    name, eq, text = item.partition("=")
-    section, dot, key = name.strip().partition(".")
-    section, key = section.strip(), key.strip().lower()
-    if not eq or not dot or not section or not key:
-        raise ConfigError(f"bad --set {item!r}: expected section.key=value")
-    return section, key, text.strip()
-
-
-def _assign(values: dict, section: str, key: str, text: str, where: str) -> None:
-    """Parse ``text`` for ``section.key`` into the nested dict ``values`` (``suffix.mode`` under ``suffix``)."""
-    fields = _KEYS.get(section, {})
-    if key not in fields:
-        raise ConfigError(_unknown(section, key, where))
-    kind = fields[key].annotation
-    value = parse_value(f"{section}.{key}", text, kind if kind in (bool, int, float) else str)
-    *parents, name = key.split(".")
-    node = values.setdefault(section, {})
-    for parent in parents:
-        node = node.setdefault(parent, {})
-    node[name] = value
-
-
-def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> Config:
-    """Defaults, then the INI file at ``path`` (if any), then ``section.key=value`` overrides; validated.
-
-    Raises ConfigError with a one-sentence message for any unreadable, unknown or invalid setting.
-    """
-    assignments: list[tuple[str, str, str, str]] = []  # (section, key, text, where), file first, then --set
-    if path is not None:
-        name, parser = _read_file(path)
-        for section in parser.sections():
-            if section not in _KEYS:
-                raise ConfigError(_unknown(section, "", f"in {name}"))
-            assignments += [(section, key, text, f"in {name}") for key, text in parser.items(section, raw=True)]
-    if isinstance(overrides, str):
-        overrides = [overrides]
-    for item in overrides:
-        assignments.append((*_parse_override(item), f"in --set {item!r}"))
-    values: dict = {}
-    presets = [a for a in assignments if a[:2] == ("cache", "preset")]
-    if presets:
-        _assign(values, *presets[-1])
-        preset = values["cache"]["preset"]
-        for key, text in PRESETS.get(preset, {}).items():  # an unknown preset fails validation below
-            _assign(values, "cache", key, text, f"in preset {preset!r}")
-    for assignment in assignments:
-        _assign(values, *assignment)
-    with _reported(Config):
-        return Config.model_validate(values)
-
-
-def _format(value) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return repr(value) if isinstance(value, float) else str(value)
-
-
-def config_to_ini(config: Config) -> str:
-    """Every key of every section as INI text that ``load_config`` reads back to an equal Config.
-
-    String values are written verbatim, so they must not hold newlines or leading/trailing spaces.
-    """
-    lines: list[str] = []
-    for section, keys in _KEYS.items():
-        lines.append(f"[{section}]")
-        for key in keys:
-            value = reduce(getattr, key.split("."), getattr(config, section))
-            lines.append(f"{key} = {_format(value)}".rstrip())
-        lines.append("")
-    return "\n".join(lines)
+KEYS = {section: dict(_leaves(field.annotation)) for section, field in Config.model_fields.items()}
+# Where each model sits in the INI ("cache.suffix"; Config: ""), to name the key of an error raised while building it.
+PREFIX = dict(_places(Config))
