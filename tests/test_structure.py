@@ -45,6 +45,97 @@ def test_the_layering_test_sees_the_tiers():
     assert "kvreuse/kvcache/tiers/store.py" in {relative(p) for p in (PACKAGE / "kvcache").rglob("*.py")}
 
 
+# --- the floors: the ground floor imports nothing above it, and no circle runs between the top-level rooms ---------
+def room(path: Path) -> str | None:
+    """The top-level package or module of kvreuse that the file at `path` belongs to (`model`, `config`, `llm`);
+    None for the package's own `__init__.py` and `__main__.py`."""
+    first = path.relative_to(PACKAGE).parts[0]
+    return None if first in ("__init__.py", "__main__.py") else first.removesuffix(".py")
+
+
+def imported_rooms(path: Path) -> set[str]:
+    """The rooms of kvreuse that the file at `path` imports from, anywhere in it (inside functions and
+    TYPE_CHECKING blocks too), its own room left out."""
+    rooms = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            # `from kvreuse import extras` imports the room `extras`
+            names = [f"{node.module}.{alias.name}" if node.module == "kvreuse" else node.module for alias in node.names]
+        else:
+            continue
+        rooms.update(name.split(".")[1] for name in names if name.startswith("kvreuse."))
+    return rooms - {room(path)}
+
+
+def room_graph() -> dict[str, set[str]]:
+    """Each room -> the rooms it imports from."""
+    graph: dict[str, set[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        if (name := room(path)) is not None:
+            graph.setdefault(name, set()).update(imported_rooms(path))
+    return graph
+
+
+# The ground floor and what each of its rooms may import of kvreuse's besides itself: config/ is read by every layer
+# (the model included), and cache_dir and extras by config/, the model, the kernels and the tiers.
+GROUND_FLOOR = {"cache_dir": set(), "extras": set(), "config": {"extras"}}
+
+
+@pytest.mark.parametrize("name", sorted(GROUND_FLOOR))
+def test_the_ground_floor_imports_nothing_above_it(name):
+    files = sorted((PACKAGE / name).rglob("*.py")) if (PACKAGE / name).is_dir() else [PACKAGE / f"{name}.py"]
+    above = {relative(path): imported_rooms(path) - GROUND_FLOOR[name] for path in files}
+    assert not {where: rooms for where, rooms in above.items() if rooms}
+
+
+# Arrows that close a circle between rooms today. The list only shrinks: remove an arrow here when its import goes.
+KNOWN_CIRCLE_ARROWS = {
+    # layers/rotary.py reads model/args.py's Rope (the model's rope settings); goes when Rope moves below layers/.
+    ("layers", "model"): "kvreuse/layers/rotary.py",
+    # layers/logits_processors.py applies a grammar's mask (a lazy import), and structured/compiler.py takes the
+    # model's Tokenizer: model/ -> layers/ -> structured/ -> model/.
+    ("layers", "structured"): "kvreuse/layers/logits_processors.py",
+}
+
+
+def find_circle(graph: dict[str, set[str]]) -> list[str]:
+    """One circle of `graph` as the rooms along it, first repeated at the end; [] if there is none."""
+    done: set[str] = set()
+
+    def visit(node: str, path: list[str]) -> list[str]:
+        if node in path:
+            return path[path.index(node):] + [node]
+        if node in done:
+            return []
+        for successor in sorted(graph.get(node, ())):
+            if circle := visit(successor, [*path, node]):
+                return circle
+        done.add(node)
+        return []
+
+    return next((circle for node in sorted(graph) if (circle := visit(node, []))), [])
+
+
+def test_no_import_circle_runs_between_the_top_level_rooms():
+    graph = room_graph()
+    for source, target in KNOWN_CIRCLE_ARROWS:
+        graph[source].discard(target)
+    circle = find_circle(graph)
+    assert not circle, "an import circle between kvreuse's rooms: " + " -> ".join(circle)
+
+
+def test_the_circle_test_finds_a_circle_and_its_known_arrows_are_still_there():
+    graph = room_graph()
+    assert find_circle(graph), "no circle is left: empty KNOWN_CIRCLE_ARROWS"
+    assert find_circle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_circle({"a": {"b", "c"}, "b": {"c"}}) == []
+    for (source, target), where in KNOWN_CIRCLE_ARROWS.items():
+        path = PACKAGE.parent / where
+        assert room(path) == source and target in imported_rooms(path), f"{where} no longer imports {target}"
+
+
 def long_functions(path: Path) -> list[str]:
     """`path:line name (N lines)` for each function (nested ones and methods too) over MAX_FUNCTION_LINES."""
     long = []
