@@ -217,7 +217,7 @@ def test_incremental_stops_cut_where_whole_decoding_cut(scripted_llm, data):
     scripted_llm.script[seq.request_id] = completion
     drain(engine)
     expected_text, expected_tokens = whole_decode_finish(tokenizer, completion, stops)
-    assert (seq.output_text, seq.num_completion_tokens) == (expected_text, expected_tokens)
+    assert (seq.detokenized.text, seq.num_completion_tokens) == (expected_text, expected_tokens)
     assert seq.finish_reason == ("stop" if expected_tokens < len(completion) or expected_text != text else "length")
 
 
@@ -236,11 +236,11 @@ def test_incremental_detokenization_equals_whole_decoding_at_every_token(real_to
     pending = ""
     for i, token_id in enumerate(completion):
         seq.token_ids.append(token_id)
-        pending = detokenize(real_tokenizer, seq)
+        pending = detokenize(real_tokenizer, seq.detokenized, seq.token_ids, seq.num_prompt_tokens)
         whole = real_tokenizer.decode(completion[:i + 1])
-        assert seq.output_text + pending == whole
-        assert not seq.output_text.endswith("\ufffd")      # a partial character is held back, never streamed
-    assert seq.output_text + pending == real_tokenizer.decode(completion)
+        assert seq.detokenized.text + pending == whole
+        assert not seq.detokenized.text.endswith("\ufffd")      # a partial character is held back, never streamed
+    assert seq.detokenized.text + pending == real_tokenizer.decode(completion)
 
 
 def test_an_engine_resolves_its_model_once(tiny_model_dir, monkeypatch):

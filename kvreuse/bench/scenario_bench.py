@@ -92,7 +92,7 @@ def send_all(llm: LLM, conversations: list[list[dict]], params: SamplingParams, 
             in_flight[seq.request_id] = messages
         for seq in engine.step():
             if seq.is_finished:
-                replies.record(in_flight.pop(seq.request_id), seq.output_text)
+                replies.record(in_flight.pop(seq.request_id), seq.detokenized.text)
                 bar.update(1)
     return [engine.output(seq) for seq in seqs]
 

@@ -34,6 +34,7 @@ from kvreuse.engine.scheduler import (  # noqa: F401 (MAX_ADMISSION_FAULTS: impo
 from kvreuse.engine.sequence import Sequence
 from kvreuse.engine.stats import DecodeGraphStatus, EngineSnapshot, EngineStats
 from kvreuse.engine.stop import StopCheck
+from kvreuse.engine.timings import Timings
 from kvreuse.kvcache.accounting import ReuseRecord
 from kvreuse.kvcache.copy_jobs import CopyJobs
 from kvreuse.kvcache.events import KVEventPublisher
@@ -62,7 +63,7 @@ class LLMEngine:
         self.weights_description = built.weights_description
         num_blocks = front.num_kv_blocks
         decode_graph = (DecodeGraph(model, min(COMPILED_ROWS, config.engine.max_num_batched_tokens),
-                                    precompile_command(resolved.model_config))
+                                    precompile_command(resolved.model_config, resolved.max_model_len))
                         if config.engine.compile == "decode" else None)
         self.runner = ModelRunner(model, num_blocks, front.block_size, resolved.kv_format, self.device,
                                   front.tokenizer.eos_token_ids, decode_graph, front.kv_layout)
@@ -154,7 +155,7 @@ class LLMEngine:
         its K/V and first token when `seq` draws its own (Scheduler.fork)."""
         kv = CacheRequest(list(seq.prompt_token_ids), seq.kv.extra_key, ReuseScope.ANY if seq.kv.use_cache else
                           ReuseScope.NONE)
-        choice = Sequence(f"{seq.request_id}#{index}", kv, seq.params, arrival_time=seq.arrival_time, index=index,
+        choice = Sequence(f"{seq.request_id}#{index}", kv, seq.params, times=Timings(seq.times.arrival), index=index,
                           parent=seq, grammar=seq.grammar, cache_salt=seq.cache_salt)
         choice.generator = choice.generator or self.front_end.generator
         return choice
@@ -164,7 +165,7 @@ class LLMEngine:
         for choice in (seq.choices or [seq]) if seq is not None else []:
             if not choice.is_finished:
                 self.scheduler.finish(choice, "abort")
-                choice.finish_time = time.perf_counter()
+                choice.times.finish = time.perf_counter()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -234,7 +235,7 @@ class LLMEngine:
         now = time.perf_counter()
         for seq in failed:
             seq.error = f"the engine failed while computing this request: {type(exc).__name__}: {exc}"
-            seq.finish_time = now
+            seq.times.finish = now
             self.scheduler.finish(seq, "error")
             self.sequences.pop(seq.group_id, None)
         self.check_integrity()  # blocks published by earlier steps were computed whole: the cache stays valid
@@ -250,7 +251,7 @@ class LLMEngine:
             if seq.index == 0:
                 reuse = " ".join(f"{k}={v}" for k, v in seq.reuse_or_planned.as_dict().items())
                 logger.info("cache-hit request=%s %s completion=%d ttft_ms=%.1f finish=%s hit_rate_total=%.3f",
-                            seq.request_id, reuse, seq.num_completion_tokens, (seq.ttft_s or 0) * 1000,
+                            seq.request_id, reuse, seq.num_completion_tokens, (seq.times.ttft_s or 0) * 1000,
                             seq.finish_reason, self.stats.reuse.hit_rate)
 
     def output(self, seq: Sequence) -> RequestOutput:

@@ -51,10 +51,10 @@ class RequestOutput:
     @classmethod
     def from_sequence(cls, seq: Sequence, index: int | None = None) -> RequestOutput:
         """The output of one sequence (one choice); `LLMEngine.output` gathers a request's choices."""
-        total = None if seq.finish_time is None else seq.finish_time - seq.arrival_time
         p = seq.params
-        return cls(seq.request_id, seq.output_text, seq.completion_token_ids, seq.finish_reason, Usage.of(seq),
-                   seq.ttft_s, total, seq.num_preemptions, seq.first_logits, seq.error, seq.kv.load_seconds,
+        return cls(seq.request_id, seq.detokenized.text, seq.completion_token_ids, seq.finish_reason, Usage.of(seq),
+                   seq.times.ttft_s, seq.times.total_s, seq.num_preemptions, seq.first_logits, seq.error,
+                   seq.kv.load_seconds,
                    index=seq.index if index is None else index,
                    logprobs=list(seq.logprobs) if p.logprobs is not None else None,
                    prompt_logprobs=list(seq.prompt_logprobs) if p.prompt_logprobs is not None else None,

@@ -224,14 +224,14 @@ class Scheduler:
                 seq.logprobs.append(logprob)
         if seq.matcher is not None and not seq.matcher.is_finished():
             seq.matcher.accept(token_id)
-        if seq.first_token_time is None:
-            seq.first_token_time = now
+        if seq.times.first_token is None:
+            seq.times.first_token = now
         reason = stop(seq, token_id)
         if reason is not None:
             self._finish_at(seq, reason, now, done)
 
     def _finish_at(self, seq: Sequence, reason: str, now: float, done: StepResult) -> None:
-        seq.finish_time = now
+        seq.times.finish = now
         self.finish(seq, reason)
         done.finished.append(seq)
 

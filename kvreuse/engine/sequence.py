@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from enum import Enum
 
 import torch
 
+from kvreuse.engine.detokenizer import DetokenizedText
+from kvreuse.engine.timings import Timings
 from kvreuse.kvcache.accounting import ReuseRecord
 from kvreuse.kvcache.request import CacheRequest
 from kvreuse.layers.logits_processors import TokenMask
@@ -26,7 +27,7 @@ class Sequence:
     request_id: str
     kv: CacheRequest                  # its tokens, block table, keys and reuse plan, as the KV cache sees them
     params: SamplingParams
-    arrival_time: float = field(default_factory=time.perf_counter)
+    times: Timings = field(default_factory=Timings)  # arrival, first token, finish, tier load
     status: SequenceStatus = SequenceStatus.WAITING
     num_prompt_tokens: int = 0        # set from kv.token_ids at creation
     num_computed_tokens: int = 0      # tokens whose K/V are in the block table
@@ -36,11 +37,7 @@ class Sequence:
     reuse: ReuseRecord | None = None  # how the prompt was obtained; set after the request's first step
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" (a step failed; see `error`)
     error: str | None = None          # why, when finish_reason is "error"
-    output_text: str = ""             # confirmed text: never ends in half a character (see detokenizer.py)
-    prefix_offset: int = 0            # completion tokens [prefix_offset, read_offset): context of the next decode
-    read_offset: int = 0              # completion tokens whose text is in output_text
-    first_token_time: float | None = None
-    finish_time: float | None = None
+    detokenized: DetokenizedText = field(default_factory=DetokenizedText)  # its completion's confirmed text
     generator: torch.Generator | None = None
     first_logits: torch.Tensor | None = None  # [vocab] fp32, kept when params.keep_first_logits
     cache_salt: str | None = None     # the salt in kv's extra key, for handing the request to another process
@@ -103,10 +100,6 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
-
-    @property
-    def ttft_s(self) -> float | None:
-        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
 
     @property
     def group_id(self) -> str:

@@ -11,7 +11,7 @@ class StopCheck:
     """Called with a sequence and the token just appended to it (`Scheduler.postprocess`): detokenizes the new token
     (incrementally) and returns why the sequence finishes ("stop" or "length"), or None. Stops are searched only where
     the new text can complete one, with the same result as searching the whole text every step (see
-    detokenizer.py). On a finish, `seq.output_text` becomes what decoding the whole completion gives, cut before a
+    detokenizer.py). On a finish, `seq.detokenized.text` becomes what decoding the whole completion gives, cut before a
     stop string, a cut-short character as U+FFFD."""
 
     def __init__(self, tokenizer: Tokenizer, max_model_len: int):
@@ -23,9 +23,10 @@ class StopCheck:
         reason = None
         if (not params.ignore_eos and token_id in self.tokenizer.eos_token_ids) or token_id in params.stop_token_ids:
             reason = "stop"
-        search_from = stop_search_start(len(seq.output_text), params.stop)
-        pending = detokenize(self.tokenizer, seq)    # a character still cut short, if any
-        text = seq.output_text + pending
+        out = seq.detokenized
+        search_from = stop_search_start(len(out.text), params.stop)
+        pending = detokenize(self.tokenizer, out, seq.token_ids, seq.num_prompt_tokens)  # a character cut short, if any
+        text = out.text + pending
         cut = find_stop(text, params.stop, search_from) if params.stop else -1
         if cut >= 0:
             text, reason = text[:cut], "stop"
@@ -33,5 +34,5 @@ class StopCheck:
                                  or seq.num_tokens >= self.max_model_len):
             reason = "length"
         if reason is not None:
-            seq.output_text = text
+            out.text = text
         return reason

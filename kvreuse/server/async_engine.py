@@ -213,7 +213,8 @@ class AsyncEngine:
             if seq.error is not None:  # a failed request says nothing more: its client gets the error instead
                 self._finish_stream(seq.group_id, self.engine.output(request))
                 continue
-            text = seq.output_text if seq.is_finished else _stable_prefix(seq.output_text, seq.params.stop)
+            text = seq.detokenized.text
+            text = text if seq.is_finished else _stable_prefix(text, seq.params.stop)
             sent_chars, sent_tokens = stream.sent_chars.get(seq.index, 0), stream.sent_tokens.get(seq.index, 0)
             logprobs = seq.logprobs[sent_tokens:] if seq.params.logprobs is not None else None
             if len(text) > sent_chars or logprobs or seq.is_finished:
@@ -254,7 +255,7 @@ class AsyncEngine:
 
 def _stable_prefix(text: str, stops: list[str]) -> str:
     """The part of an unfinished text that can no longer change: drop anything that could still grow into a stop
-    string. (A character cut between tokens never reaches `output_text` before it is whole: detokenizer.py.)"""
+    string. (A character cut between tokens never reaches `seq.detokenized.text` before it is whole: detokenizer.py.)"""
     for stop in stops:
         for k in range(min(len(stop) - 1, len(text)), 0, -1):
             if text.endswith(stop[:k]):
