@@ -15,6 +15,8 @@ import redis
 from kvreuse.bench.redis_process import RedisProcess, free_port
 from kvreuse.kvcache.tiers.redis_tier import RedisTier, redact_url
 
+from .redis_faults import FaultyRedis
+
 LOGGER = "kvreuse.kvcache.tiers.redis_tier"
 
 
@@ -186,7 +188,7 @@ def test_refused_connection_is_a_quick_miss_with_backoff(caplog):
 def test_redis_killed_then_restarted_recovers_by_itself(caplog):
     caplog.set_level(logging.INFO, logger=LOGGER)
     clock = Clock()
-    with RedisProcess() as server:
+    with FaultyRedis() as server:
         tier = RedisTier(server.url, clock=clock)
         try:
             assert tier.put([(key(1), value(1)), (key(2), value(2))]) == 2

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 
-from kvreuse.bench.redis_process import RedisProcess
 from kvreuse.engine.engine import LLMEngine
 from kvreuse.kvcache.tiers import entry
 from kvreuse.kvcache.tiers.tier_secret import load_tier_secret
@@ -22,6 +21,7 @@ from kvreuse.llm import LLM
 from kvreuse.sampling_params import SamplingParams
 
 from .helpers import drain, tiny_llm
+from .redis_faults import FaultyRedis
 
 BS = 16
 PROMPT = "The lighthouse keeper wrote in the log every night, noting the wind and the ships that passed. " * 12
@@ -285,7 +285,7 @@ def wait_until(predicate, timeout: float = 15.0) -> bool:
 
 
 def test_redis_killed_and_restarted_mid_run(tiny_model_dir, reference):
-    with RedisProcess() as server:
+    with FaultyRedis() as server:
         llm = tiny_llm(tiny_model_dir, cache__redis__url=server.url, cache__redis__timeout_ms="200")
         engine, redis = llm.engine, llm.engine.tiers.tiers[0]
         redis.BACKOFF_MIN_S = redis.BACKOFF_MAX_S = 0.2

@@ -1,5 +1,6 @@
-"""A real `redis-server` as a subprocess on a free 127.0.0.1 port, in a temp dir, persisting nothing: for the
-Redis tests and `kvreuse bench tiers` (tiers_bench.py), which starts one when it is given no URL."""
+"""A real `redis-server` as a subprocess on a free 127.0.0.1 port, in a temp dir, persisting nothing: for
+`kvreuse bench tiers` (tiers_bench.py), which starts one when it is given no URL, the live trace replays with a Redis
+tier (live_trace_cluster.py) and the Redis tests (which add their faults in tests/redis_faults.py)."""
 
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ def free_port() -> int:
 
 
 class RedisProcess:
-    """`redis-server` on 127.0.0.1: started on construction, answering PING; `url` to reach it. `kill()` and
-    `restart()` (on the same port) are for the fault tests. Also a context manager that stops it on exit."""
+    """`redis-server` on 127.0.0.1: started on construction, answering PING; `url` to reach it. Also a context
+    manager that stops it on exit."""
 
     def __init__(self, maxmemory: str | None = None, policy: str = "allkeys-lru", ready_timeout: float = 10.0):
         executable = shutil.which("redis-server")
@@ -80,16 +81,6 @@ class RedisProcess:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait(10)
-
-    def kill(self) -> None:
-        """SIGKILL: Redis dies without closing anything itself (the kernel still resets its sockets)."""
-        if self.process is not None and self.process.poll() is None:
-            self.process.kill()
-            self.process.wait(10)
-
-    def restart(self) -> None:
-        self.stop()
-        self.start()
 
     def close(self) -> None:
         self.stop()
