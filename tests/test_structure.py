@@ -1,9 +1,12 @@
-"""The shape the code keeps: the KV cache (tiers included) stands alone, every function in the package stays small,
-and the reuse counters are named in one place (ReuseRecord) and rendered everywhere from it."""
+"""The shape the code keeps: no import runs up a floor of docs/design/architecture.md's Layers and no circle runs
+between the top-level rooms (but the known ones, listed), the KV cache (tiers included) stands alone, every function
+in the package stays small, and the reuse counters are named in one place (ReuseRecord) and rendered everywhere from
+it."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -98,6 +101,37 @@ KNOWN_CIRCLE_ARROWS = {
     # model's Tokenizer: model/ -> layers/ -> structured/ -> model/.
     ("layers", "structured"): "kvreuse/layers/logits_processors.py",
 }
+
+
+# Arrows that run up a floor of docs/design/architecture.md's Layers today; the list only shrinks.
+KNOWN_ARROWS_UP = {
+    ("layers", "structured"): "kvreuse/layers/logits_processors.py",  # a grammar's mask, applied to the logits
+}
+
+
+def floors() -> list[set[str]]:
+    """The Layers diagram of docs/design/architecture.md, top floor first: each floor's rooms (`model/` -> `model`,
+    `llm.py` -> `llm`). A floor's names come first on its line, before a run of spaces and its description; a line
+    that starts with spaces continues the description above."""
+    text = (PACKAGE.parent / "docs" / "design" / "architecture.md").read_text(encoding="utf-8")
+    diagram = text.split("\n## Layers\n", 1)[1].split("```\n", 2)[1]
+    names = [re.split(r"\s{2,}", line, maxsplit=1)[0] for line in diagram.splitlines() if line and line[0] != " "]
+    return [{name.strip().removesuffix("/").removesuffix(".py") for name in line.split(",")} for line in names]
+
+
+def test_the_layers_diagram_puts_every_room_on_one_floor():
+    placed = [name for floor in floors() for name in floor]
+    assert len(placed) == len(set(placed)), "a room is on two floors"
+    assert set(placed) == set(room_graph()), "the diagram's rooms are not the package's top-level packages and modules"
+
+
+def test_no_import_runs_up_a_floor():
+    level = {name: depth for depth, floor in enumerate(floors()) for name in floor}
+    up = sorted(f"{source} -> {target}" for source, targets in room_graph().items() for target in targets
+                if level[target] < level[source] and (source, target) not in KNOWN_ARROWS_UP)
+    assert not up, "imports up a floor of docs/design/architecture.md's Layers:\n  " + "\n  ".join(up)
+    for (source, target), where in KNOWN_ARROWS_UP.items():
+        assert level[target] < level[source] and target in imported_rooms(PACKAGE.parent / where), (source, target)
 
 
 def find_circle(graph: dict[str, set[str]]) -> list[str]:
