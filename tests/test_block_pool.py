@@ -538,10 +538,10 @@ def admit_and_compute(mgr: KVCacheManager, seq: CacheRequest, running: list[Cach
     prefix hits."""
     match = mgr.match(seq)
     assert mgr.can_admit(match, seq.num_tokens - match.num_cached_tokens)
-    mgr.admit(seq, match, seq.num_tokens - match.num_cached_tokens)
-    assert seq.num_cached_tokens == match.num_cached_tokens
+    reuse = mgr.admit(seq, match, seq.num_tokens - match.num_cached_tokens).reuse
+    assert reuse.cached_tokens == match.num_cached_tokens
     if not match.last_blocks:
-        assert seq.num_cached_tokens == len(match.hits) * mgr.block_size
+        assert reuse.cached_tokens == len(match.hits) * mgr.block_size
     assert len(seq.block_table) == -(-seq.num_tokens // mgr.block_size)
     mgr.update(seq, seq.num_tokens)
     mgr.check_integrity([*running, seq])

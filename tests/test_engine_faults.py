@@ -76,7 +76,7 @@ def test_a_fault_after_some_tokens_keeps_the_text_so_far_and_the_engine_serves_n
     later = engine.add_request(prompt, greedy(5))
     drain(engine, MAX_STEPS, check_integrity=True)
     assert later.finish_reason == "length" and later.num_completion_tokens == 5
-    assert later.kv.num_cached_tokens > 0     # it reused the failed request's published prompt blocks (exact)
+    assert later.admitted.cached_tokens > 0     # it reused the failed request's published prompt blocks (exact)
 
 
 def test_a_fault_in_a_reusing_forward_releases_the_segment_sources(tiny_model_dir):

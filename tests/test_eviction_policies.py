@@ -440,10 +440,10 @@ def test_a_request_end_is_learned_from_and_a_preemption_is_not():
     def run(token_ids: list[int], finished: bool) -> None:
         req = manager.new_request(token_ids)
         match = manager.match(req)
-        manager.admit(req, match, req.num_tokens - match.num_cached_tokens)
+        reuse = manager.admit(req, match, req.num_tokens - match.num_cached_tokens).reuse
         manager.update(req, req.num_tokens)
         req.token_ids += [1, 2, 3]  # what it generated
-        manager.free(req, finished=finished)
+        manager.free(req, finished=finished, num_cached_tokens=reuse.cached_tokens)
         manager.check_integrity([])
 
     run(list(range(10)), finished=False)

@@ -210,6 +210,6 @@ def test_prompts_sharing_a_prefix_sent_together_compute_it_once(tiny_model_dir):
     llm.engine.kv_manager.pool.reset_cache()
     salted = [llm.engine.add_request(p, greedy(6), cache_salt=f"tenant-{i}") for i, p in enumerate(prompts)]
     assert len(llm.engine.step()) == 4  # one prefill step admits all four
-    assert all(s.kv.num_cached_tokens == 0 for s in salted)
+    assert all(s.admitted.cached_tokens == 0 for s in salted)
     drain(llm.engine)
     llm.engine.check_integrity()

@@ -105,7 +105,7 @@ def test_equal_prompts_arriving_together_compute_their_shared_blocks_once():
     second = add(scheduler, "second", shared + [30])
     assert step(scheduler) == [("first", 13)]               # second waits: first is publishing what it needs
     assert step(scheduler) == [("first", 1), ("second", 1)]
-    assert second.kv.num_cached_tokens == 12 and second.kv.block_table[:3] == first.kv.block_table[:3]
+    assert second.admitted.cached_tokens == 12 and second.kv.block_table[:3] == first.kv.block_table[:3]
 
 
 def test_a_prompt_does_not_wait_for_blocks_of_another_tenant():

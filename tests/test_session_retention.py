@@ -11,9 +11,9 @@ import random
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from kvreuse.kvcache.accounting import ReuseRecord
 from kvreuse.kvcache.layout import KVLayout
 from kvreuse.kvcache.manager import KVCacheManager
-from kvreuse.kvcache.request import CacheRequest
 
 from .helpers import app_server, tiny_engine
 from .server_process import http_client
@@ -40,18 +40,18 @@ def manager(num_blocks: int, max_retained_blocks: int | None = None, policy: str
 
 
 def run(kv: KVCacheManager, token_ids: list[int], session: str | None = None, retention_s: float = 60.0,
-        salt: str | None = None) -> CacheRequest:
-    """Admit, compute and publish a whole prompt, then end the request; it returns with its cached token count."""
+        salt: str | None = None) -> ReuseRecord:
+    """Admit, compute and publish a whole prompt, then end the request; what its admission took from the cache."""
     req = kv.new_request(list(token_ids), cache_salt=salt, session_key=session, retention_s=retention_s)
     match = kv.match(req)
     num_new = req.num_tokens - match.num_cached_tokens
     assert kv.can_admit(match, num_new), "the pool has no room"
-    kv.admit(req, match, num_new)
+    reuse = kv.admit(req, match, num_new).reuse
     kv.update(req, req.num_tokens)
     kv.check_integrity([req])
-    kv.free(req)
+    kv.free(req, num_cached_tokens=reuse.cached_tokens)
     kv.check_integrity()
-    return req
+    return reuse
 
 
 def tokens(tag: int, num_blocks: int, start: int = 0) -> list[int]:
@@ -186,9 +186,9 @@ def agent_loop(retention_s: float, num_sessions: int = 4, num_steps: int = 6, nu
             if step >= last:
                 continue  # its conversation is over: it never comes back
             grown = prompts[s] + [rng.randrange(10**6) for _ in range(3 * BS)]
-            req = run(kv, grown, session=f"agent-{s}", retention_s=retention_s)
+            reuse = run(kv, grown, session=f"agent-{s}", retention_s=retention_s)
             if step:
-                computed += req.num_tokens - req.num_cached_tokens
+                computed += reuse.computed_prompt_tokens
                 new += len(grown) - len(prompts[s])
             prompts[s] = grown
     return computed, new

@@ -89,7 +89,7 @@ class RecordingForward:
     def forward(self, seq: Sequence) -> int | None:
         start, end = seq.num_computed_tokens, seq.num_computed_tokens + seq.num_scheduled_tokens
         assert len(seq.kv.block_table) * self.bs >= end, f"{seq.request_id}: table too short for {end} tokens"
-        if start and start == seq.kv.num_cached_tokens and seq.reuse is None:
+        if start and seq.admitted is not None and start == seq.admitted.cached_tokens and seq.reuse is None:
             self.check_hits(seq)
         copied = self.copy_segments(seq) if seq.kv.segment_plan is not None else set()
         for position in range(start, end):
@@ -105,7 +105,7 @@ class RecordingForward:
     def check_hits(self, seq: Sequence) -> None:
         self.coverage["prefix hits"] += 1
         pool = self.engine.kv_manager.pool
-        for block_id in seq.kv.block_table[:seq.kv.num_cached_tokens // self.bs]:
+        for block_id in seq.kv.block_table[:seq.admitted.cached_tokens // self.bs]:
             assert pool.blocks[block_id].extra_key == seq.kv.extra_key, "a hit crossed a salt"
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:

@@ -53,6 +53,7 @@ from kvreuse.bench.passed_windows import PassedWindows, WindowRetention
 from kvreuse.engine.engine import LLMEngine
 from kvreuse.engine.model_runner import StepOutput
 from kvreuse.engine.sequence import Sequence
+from kvreuse.kvcache.accounting import ReuseRecord
 from kvreuse.kvcache.block import NULL_BLOCK
 from kvreuse.kvcache.block_pool import BlockPool
 from kvreuse.kvcache.eviction import POLICIES
@@ -178,9 +179,9 @@ class RecordingForward:
             self.admissions.add(admission)
             return
         self.admissions.add(admission)
-        kv = seq.kv
-        if start != kv.num_cached_tokens:
-            assert seq.parent is not None, f"{seq.request_id} starts at {start}, of which {kv.num_cached_tokens} hit"
+        kv, admitted = seq.kv, seq.admitted or ReuseRecord()  # a forked choice was never admitted
+        if start != admitted.cached_tokens:
+            assert seq.parent is not None, f"{seq.request_id} starts at {start}, of which {admitted.cached_tokens} hit"
             self.coverage["forks"] += 1
             return
         assert kv.use_cache, f"{seq.request_id} (use_cache=False) got a hit"
@@ -191,7 +192,7 @@ class RecordingForward:
         # The loaded blocks follow the pool's hits. They are the request's own (published at admission, the windows'
         # after the step, or kept private beside a twin the pool already holds): their contents are checked by the
         # read-back, their salt by the tier's keys.
-        num_pool_hits = num_hits - sum(kv.num_loaded_tokens.values()) // self.bs
+        num_pool_hits = num_hits - (admitted.cached_tokens_disk + admitted.cached_tokens_redis) // self.bs
         for group, table in enumerate(kv.block_tables):
             first = 0 if group == 0 else first_window_block(start, self.windows[group - 1], self.bs)
             for i, block_id in enumerate(table[first:num_hits], start=first):

@@ -35,7 +35,6 @@ from kvreuse.engine.sequence import Sequence
 from kvreuse.engine.stats import DecodeGraphStatus, EngineSnapshot, EngineStats
 from kvreuse.engine.stop import StopCheck
 from kvreuse.engine.timings import Timings
-from kvreuse.kvcache.accounting import ReuseRecord
 from kvreuse.kvcache.copy_jobs import CopyJobs
 from kvreuse.kvcache.events import KVEventPublisher
 from kvreuse.kvcache.manager import KVCacheManager
@@ -210,7 +209,7 @@ class LLMEngine:
         self.stats.record_step(self.kv_manager, batch.num_prefill_tokens)
         for seq in batch.seqs:
             if seq.reuse is None:
-                seq.reuse = ReuseRecord.admitted(seq.num_prompt_tokens, seq.kv)
+                seq.reuse = seq.admitted
                 if seq.request_id in step.outcomes:
                     seq.reuse = step.outcomes[seq.request_id].account(seq.reuse)
 

@@ -54,7 +54,7 @@ class RequestOutput:
         p = seq.params
         return cls(seq.request_id, seq.detokenized.text, seq.completion_token_ids, seq.finish_reason, Usage.of(seq),
                    seq.times.ttft_s, seq.times.total_s, seq.num_preemptions, seq.first_logits, seq.error,
-                   seq.kv.load_seconds,
+                   seq.times.tier_load_s,
                    index=seq.index if index is None else index,
                    logprobs=list(seq.logprobs) if p.logprobs is not None else None,
                    prompt_logprobs=list(seq.prompt_logprobs) if p.prompt_logprobs is not None else None,

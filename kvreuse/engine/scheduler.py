@@ -33,6 +33,8 @@ from kvreuse.engine.waiting_queue import WaitingQueue
 from kvreuse.kvcache.accounting import ReuseRecord
 from kvreuse.kvcache.copy_jobs import CopyJobs
 from kvreuse.kvcache.manager import KVCacheManager
+from kvreuse.kvcache.match import AdmissionOutcome
+from kvreuse.kvcache.prompt_logprobs import merge_records
 
 if TYPE_CHECKING:
     from kvreuse.engine.model_runner import Draw, StepOutput
@@ -153,7 +155,7 @@ class Scheduler:
                     continue
                 break  # strict arrival order: nobody overtakes the head of the queue
             self.waiting.popleft()
-            out.copy_jobs += kv.admit(seq.kv, match, num_tokens)
+            self._keep_outcome(seq, kv.admit(seq.kv, match, num_tokens), out)
             seq.num_computed_tokens = match.num_cached_tokens
             seq.num_scheduled_tokens = num_tokens
             seq.status = SequenceStatus.RUNNING
@@ -164,6 +166,15 @@ class Scheduler:
             seats += self.seats_of(seq)
         self._considering = None
         return out
+
+    @staticmethod
+    def _keep_outcome(seq: Sequence, admission: AdmissionOutcome, out: SchedulerOutput) -> None:
+        """What `seq`'s admission took, kept on it: its record, the tiers' read time, the stored prompt logprobs."""
+        out.copy_jobs += admission.copy_jobs
+        seq.admitted = admission.reuse
+        if admission.load_seconds is not None:
+            seq.times.tier_load_s = admission.load_seconds
+        merge_records(seq.prompt_logprobs, 0, admission.prompt_logprobs)
 
     @property
     def num_seats_taken(self) -> int:
@@ -198,8 +209,10 @@ class Scheduler:
             seq.num_computed_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
             outcome = step.outcomes.get(seq.request_id)
+            if seq.kv.prompt_logprobs is not None:
+                merge_records(seq.prompt_logprobs, *step.prompt_logprobs.get(seq.request_id, (0, ())))
             jobs += self.kv_manager.update(seq.kv, seq.num_computed_tokens, exact=outcome is not None and outcome.exact,
-                                           prompt_logprobs=step.prompt_logprobs.get(seq.request_id))
+                                           prompt_logprobs=seq.prompt_logprobs)
         return jobs
 
     def _take_draws(self, seq: Sequence, draws: list[Draw], stop: StopRule, now: float, done: StepResult) -> None:
@@ -279,7 +292,7 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         # Also when it is in neither: a step that failed while admitting it may have left it holding blocks.
-        self.kv_manager.free(seq.kv)
+        self.kv_manager.free(seq.kv, num_cached_tokens=seq.admitted.cached_tokens if seq.admitted else 0)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 

@@ -34,6 +34,7 @@ class Sequence:
     num_scheduled_tokens: int = 0     # tokens this step computes
     num_preemptions: int = 0
     num_admission_faults: int = 0     # steps whose scheduling raised while this one was the queue's head
+    admitted: ReuseRecord | None = None  # what its latest admission took from the cache (the scheduler sets it)
     reuse: ReuseRecord | None = None  # how the prompt was obtained; set after the request's first step
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" (a step failed; see `error`)
     error: str | None = None          # why, when finish_reason is "error"
@@ -51,6 +52,9 @@ class Sequence:
     parent: Sequence | None = field(default=None, repr=False)  # choice 0, on the other choices
     logprobs: list[TokenLogprob] = field(default_factory=list)  # of the completion tokens, when asked for
     cumulative_logprob: float = 0.0   # their sum (best_of ranks choices by it)
+    # Scoring the prompt: each position's record known so far (position 0 has none), taken from the cache at admission
+    # or computed; the scheduler merges them in.
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     grammar: object | None = None     # the compiled response_format (kvreuse.structured), shared by the choices
     matcher: TokenMask | None = None  # the grammar's state along this choice's tokens
 
@@ -78,11 +82,6 @@ class Sequence:
     @property
     def completion_token_ids(self) -> list[int]:
         return self.kv.token_ids[self.num_prompt_tokens:]
-
-    @property
-    def prompt_logprobs(self) -> list[TokenLogprob | None]:
-        """Scoring the prompt: each position's record known so far (position 0 has none), as the cache keeps them."""
-        return self.kv.prompt_logprob_records
 
     @property
     def num_completion_tokens(self) -> int:

@@ -11,10 +11,6 @@ cached tokens is one labeled counter instead (`cached_by_tier`).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from kvreuse.kvcache.request import CacheRequest
 
 
 def _counter(metric: str | None, help_text: str):
@@ -57,12 +53,6 @@ class ReuseRecord:
         return cls(num_prompt_tokens, num_cached_tokens, num_reused_tokens, num_shifted_tokens,
                    computed_prompt_tokens=num_prompt_tokens - num_cached_tokens - num_reused_tokens,
                    cached_tokens_disk=loaded.get("disk", 0), cached_tokens_redis=loaded.get("redis", 0))
-
-    @classmethod
-    def admitted(cls, num_prompt_tokens: int, req: CacheRequest) -> ReuseRecord:
-        """What `req`'s last admission took from the cache (`planned` from its record)."""
-        return cls.planned(num_prompt_tokens, req.num_cached_tokens, req.num_reused_tokens, req.num_shifted_tokens,
-                           req.num_loaded_tokens)
 
     def cached_by_tier(self) -> dict[str, int]:
         """Where the cached tokens came from: held in the pool's memory, or loaded from disk or Redis."""

@@ -8,6 +8,7 @@ import time
 from collections.abc import Sequence
 
 from kvreuse.config import CacheConfig
+from kvreuse.kvcache.accounting import ReuseRecord
 from kvreuse.kvcache.block import NULL_BLOCK
 from kvreuse.kvcache.block_pool import BlockPool
 from kvreuse.kvcache.coordinator import KVCacheCoordinator
@@ -16,7 +17,7 @@ from kvreuse.kvcache.eviction import EvictionPolicy, Release
 from kvreuse.kvcache.hashing import BlockHashFn, extend_chain, sha256_block_key
 from kvreuse.kvcache.in_batch import gains_by_waiting
 from kvreuse.kvcache.layout import KVLayout
-from kvreuse.kvcache.match import NO_MATCH, Match
+from kvreuse.kvcache.match import NO_MATCH, AdmissionOutcome, Match
 from kvreuse.kvcache.pins import Pins
 from kvreuse.kvcache.prompt_logprobs import PromptLogprobStore
 from kvreuse.kvcache.request import CacheRequest, ReuseScope, new_cache_request
@@ -222,25 +223,23 @@ A layout of one group has no window group: the same path, with nothing to cut a 
         num_blocks = -(-(match.num_cached_tokens + num_new_tokens) // self.block_size) - len(match.hits)
         return self.pool.can_allocate(num_blocks * len(self.layout.groups) + num_held)
 
-    def admit(self, req: CacheRequest, match: Match, num_new_tokens: int) -> CopyJobs:
+    def admit(self, req: CacheRequest, match: Match, num_new_tokens: int) -> AdmissionOutcome:
         """Give a waiting request the blocks of `match` and new ones for `num_new_tokens` beyond it: it holds its
         hits, takes the loaded blocks into its first new blocks and publishes them, and holds its segment sources,
-        or its last block's cached copy, until the step after this one has copied them."""
+        or its last block's cached copy, until the step after this one has copied them. Returns what it took: its
+        reuse record, the copy jobs, the tiers' read time and, scoring its prompt, the hits' stored records."""
         assert not req.block_table, "admission is for a request that holds no blocks"
         self.pool.hold(match.hits)
         self.pool.end_retention(req.session.key)  # its session is back: what it retained and did not take, cached
         req.block_table = list(match.hits)
         req.block_uids = [self.pool.blocks[b].uid for b in match.hits]
-        req.num_cached_tokens = match.num_cached_tokens
-        plan = match.plan
-        req.num_reused_tokens = plan.num_tokens if plan else 0
-        req.num_shifted_tokens = plan.num_shifted_tokens if plan else 0
+        records = ()
         if req.scope is ReuseScope.SCORED and match.hits:  # before allocating below can evict the block after them
-            self.prompt_logprobs.take(req, [self._key(req, i) for i in range(len(match.hits) + 1)])
-        if plan is not None:
-            self.pool.hold(plan.source_block_ids)
-            req.segment_plan = plan
-            req.num_exact_tokens = plan.runs[0].start
+            records = self.prompt_logprobs.take(req, [self._key(req, i) for i in range(len(match.hits) + 1)])
+        if match.plan is not None:
+            self.pool.hold(match.plan.source_block_ids)
+            req.segment_plan = match.plan
+            req.num_exact_tokens = match.plan.runs[0].start
         if match.last_blocks:
             self.pool.hold(match.last_blocks)
             req.last_block_sources = list(match.last_blocks)
@@ -249,10 +248,22 @@ A layout of one group has no window group: the same path, with nothing to cut a 
         jobs = CopyJobs()
         jobs.copies += [(source, table[len(match.hits)])
                         for source, table in zip(match.last_blocks, req.block_tables, strict=False)]
+        load_seconds = None
         if match.loads:
+            load_seconds = req.tier_load.result().seconds
             self._fill(req, len(match.hits), match.loads, jobs)
         req.tier_load = None
-        return jobs
+        return AdmissionOutcome(self._reuse_of(req, match), jobs, load_seconds, records)
+
+    def _reuse_of(self, req: CacheRequest, match: Match) -> ReuseRecord:
+        """The reuse record of `req`'s prompt admitted with `match`: cached (per tier loaded from) and reused tokens,
+        the rest computed."""
+        loaded: dict[str, int] = {}
+        for block in match.loads:
+            loaded[block.tier] = loaded.get(block.tier, 0) + self.block_size
+        plan = match.plan
+        return ReuseRecord.planned(req.num_prompt_tokens, match.num_cached_tokens, plan.num_tokens if plan else 0,
+                                   plan.num_shifted_tokens if plan else 0, loaded)
 
     def can_allocate(self, req: CacheRequest, num_tokens: int) -> bool:
         """A running request's tables can grow to cover `num_tokens` tokens."""
@@ -268,17 +279,17 @@ A layout of one group has no window group: the same path, with nothing to cut a 
         """Put loaded K/V into the request's blocks `first`, ... (a job) and publish them. A block from a farther tier
         is also written to the nearer ones (a Redis hit lands on the local disk)."""
         positions = [self._position(req, first + j) for j in range(len(loads))]
-        tiers = self.tier_loads.write(req, positions, loads, jobs)
+        tiers = self.tier_loads.write(positions, loads, jobs)
         self._publish(req, (first + len(loads)) * self.block_size, tiers, jobs)
 
     # --- after a forward ----------------------------------------------------------------------------
     def update(self, req: CacheRequest, num_computed_tokens: int, *, exact: bool = False,
-               prompt_logprobs: tuple[int, Sequence] | None = None) -> CopyJobs:
+               prompt_logprobs: Sequence = ()) -> CopyJobs:
         """A forward has computed `req` up to `num_computed_tokens`: let its copy sources go (their K/V are in its own
         blocks now), mark its K/V exact if the repair recomputed every reused token (`exact`), publish the full blocks
-        that hold exact K/V (returning the lower tiers' writes as jobs), and merge the prompt logprob records the
-        step computed (`prompt_logprobs`: the first position, then one record per position) and store those of its
-        published blocks."""
+        that hold exact K/V (returning the lower tiers' writes as jobs), and, scoring its prompt, store the prompt
+        logprob records of its published blocks whose every position `prompt_logprobs` (the records known so far,
+        from position 0, which has none) holds."""
         self._release_sources(req)
         if exact:
             req.num_exact_tokens = None
@@ -289,7 +300,7 @@ A layout of one group has no window group: the same path, with nothing to cut a 
             self.coordinator.publish_windows(req)
         self.coordinator.release_passed(req, num_computed_tokens)
         if req.prompt_logprobs is not None:
-            self.prompt_logprobs.add(req, *(prompt_logprobs or (0, ())), publishes=self.caches(req))
+            self.prompt_logprobs.store(req, prompt_logprobs, publishes=self.caches(req))
         return jobs
 
     def _release_sources(self, req: CacheRequest) -> None:
@@ -368,12 +379,13 @@ A layout of one group has no window group: the same path, with nothing to cut a 
         child.num_exact_tokens = parent.num_exact_tokens
         return jobs
 
-    def free(self, req: CacheRequest, finished: bool = True) -> None:
-        """Let go of every block `req` holds. `finished`: this is its end, which the eviction policy is told
-        (False: a preemption, which admits it again)."""
+    def free(self, req: CacheRequest, finished: bool = True, num_cached_tokens: int = 0) -> None:
+        """Let go of every block `req` holds. `finished`: this is its end, which the eviction policy is told, with the
+        prompt tokens its last admission took from the cache (`num_cached_tokens`; False: a preemption, which admits
+        it again)."""
         self._release_sources(req)
         req.tier_load = None
-        release = self._release(req) if finished else None
+        release = self._release(req, num_cached_tokens) if finished else None
         block_ids = self.coordinator.release_order(req)
         if finished and self.pool.can_retain(req.session, block_ids):
             self.pool.retain(req.session, block_ids, release, self.clock())
@@ -386,9 +398,9 @@ A layout of one group has no window group: the same path, with nothing to cut a 
         req.num_exact_tokens = None
 
     @staticmethod
-    def _release(req: CacheRequest) -> Release:
+    def _release(req: CacheRequest, num_cached_tokens: int) -> Release:
         num_published = next((i for i, uid in enumerate(req.block_uids) if uid is None), len(req.block_uids))
-        return Release(req.num_prompt_tokens, req.num_tokens - req.num_prompt_tokens, req.num_cached_tokens,
+        return Release(req.num_prompt_tokens, req.num_tokens - req.num_prompt_tokens, num_cached_tokens,
                        req.block_keys[num_published - 1] if num_published else None)
 
     # --- reporting -----------------------------------------------------------------------------------

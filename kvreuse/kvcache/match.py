@@ -1,10 +1,13 @@
-"""What the cache holds of a waiting request's prompt: `KVCacheManager.match` finds it, `can_admit` / `admit` take it
-(as vLLM's get_computed_blocks, then allocate_slots)."""
+"""The admission pair's values: what the cache holds of a waiting request's prompt (`Match`: `KVCacheManager.match`
+finds it, `can_admit` / `admit` take it, as vLLM's get_computed_blocks, then allocate_slots), and what the admission
+took (`AdmissionOutcome`, which `admit` returns)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from kvreuse.kvcache.accounting import ReuseRecord
+from kvreuse.kvcache.copy_jobs import CopyJobs
 from kvreuse.kvcache.segment import SegmentPlan
 from kvreuse.kvcache.tiers.store import LoadedBlock
 
@@ -34,3 +37,15 @@ class Match:
 
 
 NO_MATCH = Match()
+
+
+@dataclass(frozen=True)
+class AdmissionOutcome:
+    """What one admission took from the cache, as `KVCacheManager.admit` returns it: a value, kept by the engine's
+    sequence (the request's record on the cache holds only its tables and the sources still to copy)."""
+    reuse: ReuseRecord  # its prompt: tokens cached (and per tier, loaded) and reused; the rest computed
+    copy_jobs: CopyJobs = field(default_factory=CopyJobs)  # the copies into its new blocks, run before its forward
+    load_seconds: float | None = None    # the lower tiers' read of the blocks it loaded; None: it loaded none
+    # Scoring the prompt: the stored records of the positions of its hits and of the block after them (position 0
+    # has none), in order; () when it scores nothing or has no hits.
+    prompt_logprobs: tuple = ()

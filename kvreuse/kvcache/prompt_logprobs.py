@@ -43,25 +43,17 @@ class PromptLogprobStore:
         assert self.can_put(key, num_top) and len(records) == self.block_size, "a stale or partial entry"
         self.entries[key] = LogprobEntry(num_top, tuple(records))
 
-    def take(self, req: CacheRequest, keys: Sequence[bytes]) -> None:
-        """At admission: the stored records of the blocks `keys` (`req`'s first blocks), after those it already
-        knows."""
+    def take(self, req: CacheRequest, keys: Sequence[bytes]) -> tuple:
+        """At admission: the stored records of the blocks `keys` (`req`'s first blocks), every position in order."""
         entries = [self.get(key, req.prompt_logprobs) for key in keys]
         assert all(entries), "a matched block lost its prompt logprobs"
-        known = req.prompt_logprob_records
-        known.extend([r for entry in entries for r in entry.records][len(known):])
         req.num_logprob_blocks_stored = len(keys)
         self.num_hits += len(keys)
+        return tuple(r for entry in entries for r in entry.records)
 
-    def add(self, req: CacheRequest, first: int, records: Sequence, publishes: bool) -> None:
-        """After a step: merge the records it computed (from position `first` on) after those `req` knows, keeping the
-        known ones (a recomputation after preemption gives them again); if `publishes`, store those of its published
-        blocks whose every position is known."""
-        known = req.prompt_logprob_records
-        if records and not known:
-            known.append(None)  # position 0: nothing before it
-        assert first <= len(known) or not records, f"prompt logprobs from {first}, {len(known)} known"
-        known.extend(records[len(known) - first:])
+    def store(self, req: CacheRequest, known: Sequence, publishes: bool) -> None:
+        """After a step: if `publishes`, store the records of `req`'s published blocks whose every position `known`
+        (its records so far, from position 0) holds."""
         bs = self.block_size
         for i in range(req.num_logprob_blocks_stored, min(len(known) // bs, len(req.block_uids)) if publishes else 0):
             if req.block_uids[i] is None:
@@ -77,3 +69,13 @@ class PromptLogprobStore:
         stale = [key for key in self.entries if key not in self.pool.key_to_block]
         assert not stale, f"{len(stale)} prompt logprob entries outlived their blocks"
         assert all(len(e.records) == self.block_size for e in self.entries.values()), "an entry is not one block"
+
+
+def merge_records(known: list, first: int, records: Sequence) -> None:
+    """Extend `known` (a prompt's records so far, from position 0, which has none) with `records` (computed, or taken
+    at admission, from position `first` on) after the positions it knows, keeping the known ones (a recomputation
+    after preemption gives them again)."""
+    if records and not known:
+        known.append(None)  # position 0: nothing before it
+    assert first <= len(known) or not records, f"prompt logprobs from {first}, {len(known)} known"
+    known.extend(records[len(known) - first:])

@@ -1,5 +1,5 @@
 """What the KV cache knows about one request. The engine's Sequence owns one; the cache never sees the Sequence.
-Every field below `scope` is written by the KVCacheManager alone; the engine reads them."""
+Every field below the identity is written by the KVCacheManager alone; the engine reads them."""
 
 from __future__ import annotations
 
@@ -21,12 +21,18 @@ class ReuseScope(Enum):
 
 @dataclass
 class CacheRequest:
+    """Its identity (tokens, key, scope, session), its layer groups' block tables with how far they are published, and
+    the sources it holds until their K/V are copied into its blocks. What an admission took is not kept here:
+    `KVCacheManager.admit` returns it (match.py's `AdmissionOutcome`)."""
+    # Identity: what it is and what it may take.
     token_ids: list[int]              # prompt + completion so far (the Sequence reads and extends this list)
     extra_key: bytes                  # model fingerprint + block size + salt: part of every key of this request
     scope: ReuseScope = ReuseScope.ANY
     # Scoring the prompt: the alternatives per position asked for (prompt_logprobs.py), else None.
     prompt_logprobs: int | None = None
     session: SessionHint = NO_SESSION  # whose blocks are retained when it ends (retention.py)
+    num_prompt_tokens: int = 0        # set from `token_ids` when made
+    # Group tables, written by the KVCacheManager alone.
     block_table: list[int] = field(default_factory=list)   # physical block of each logical block
     block_keys: list[bytes] = field(default_factory=list)  # chain keys of the full blocks, computed as needed
     # Identity (pool uid) of each published full block, in order; None: private (not published, or its chain broke).
@@ -37,24 +43,14 @@ class CacheRequest:
     window_tables: list[list[int]] = field(default_factory=list)
     window_starts: list[int] = field(default_factory=list)
     num_window_published: int = 0
-    # What the last admission took: tokens from the exact prefix cache (pool, tiers, last block), and of those, how
-    # many each lower tier ("disk", "redis") loaded and how long its read took; tokens from cached segments.
-    num_cached_tokens: int = 0
-    num_loaded_tokens: dict[str, int] = field(default_factory=dict)
-    load_seconds: float = 0.0
-    num_reused_tokens: int = 0
-    num_shifted_tokens: int = 0
-    segment_plan: SegmentPlan | None = None  # cached segments to copy in, held until the step after admission
-    last_block_sources: list[int] = field(default_factory=list)  # a fully cached aligned prompt's cached last
-    # block, in every group, held likewise
     # K/V from this position on attended to reused (approximate) K/V and are never published; None: all exact.
     num_exact_tokens: int | None = None
+    num_logprob_blocks_stored: int = 0  # scoring the prompt: leading blocks whose records are in the store
+    # Pending sources, held until the step after admission has copied them (or, the tiers' read, until admission).
+    segment_plan: SegmentPlan | None = None  # cached segments to copy in
+    last_block_sources: list[int] = field(default_factory=list)  # a fully cached aligned prompt's cached last
+    # block, in every group
     tier_load: Future | None = None   # the lower tiers' read of its prefix chain (a TierLoad), until admission
-    # Scoring the prompt: the record of each position known so far (position 0 has none), taken from the cache at
-    # admission or computed; and how many leading blocks have theirs in the store.
-    prompt_logprob_records: list = field(default_factory=list)
-    num_logprob_blocks_stored: int = 0
-    num_prompt_tokens: int = 0        # set from `token_ids` when made
 
     def __post_init__(self):
         self.num_prompt_tokens = self.num_prompt_tokens or len(self.token_ids)

@@ -40,11 +40,10 @@ class CacheSimulator:
             if not manager.can_admit(match, req.num_tokens):
                 self.num_skipped += 1
                 return ReuseRecord()
-        manager.admit(req, match, req.num_tokens - match.num_cached_tokens)
-        record = ReuseRecord.admitted(req.num_tokens, req)
+        record = manager.admit(req, match, req.num_tokens - match.num_cached_tokens).reuse
         manager.update(req, req.num_tokens)
         req.token_ids += [0] * num_output_tokens
-        manager.free(req)
+        manager.free(req, num_cached_tokens=record.cached_tokens)
         return record
 
 

@@ -55,15 +55,10 @@ class TierLoads:
         loads = load.blocks[offset:] if offset >= 0 else []
         return loads if len(hits) + len(loads) >= self.need else []
 
-    def write(self, req: CacheRequest, positions: Sequence[tuple[int, ...]], loads: Sequence[LoadedBlock],
-              jobs: CopyJobs) -> list[str]:
-        """Put loaded K/V into the request's blocks at `positions` (each one's block in every group: a job), and
-        record what each tier loaded; the tiers nearer than the farthest one read from, which the manager then
-        publishes the loaded blocks to (a Redis hit lands on the local disk)."""
+    def write(self, positions: Sequence[tuple[int, ...]], loads: Sequence[LoadedBlock], jobs: CopyJobs) -> list[str]:
+        """Put loaded K/V into a request's blocks at `positions` (each one's block in every group: a job); the tiers
+        nearer than the farthest one read from, which the manager then publishes the loaded blocks to (a Redis hit
+        lands on the local disk)."""
         jobs.writes += [(position, b.payload) for position, b in zip(positions, loads, strict=True)]
-        req.num_loaded_tokens = {}
-        for block in loads:
-            req.num_loaded_tokens[block.tier] = req.num_loaded_tokens.get(block.tier, 0) + self.block_size
-        req.load_seconds = req.tier_load.result().seconds
         names = self.tiers.tier_names
         return names[:max(names.index(b.tier) for b in loads)]
