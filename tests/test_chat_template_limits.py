@@ -21,6 +21,11 @@ LOOPING = ("{% for m in messages %}{% if m.content == 'loop' %}{% for i in range
            "{% endfor %}{% endfor %}{% endif %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
            "<|im_start|>assistant\n")
 HUGE = "{{ 'x' * 1000000000 }}"
+# The looping template, with a message that says "huge" rendering a gigabyte and one that says "list" making a list of
+# 10^9 elements (8 GB): content drives what a template allocates too.
+LOOPING_OR_HUGE = LOOPING.replace("{% endif %}", "{% elif m.content == 'huge' %}{{ 'x' * 1000000000 }}"
+                                                 "{% elif m.content == 'list' %}{{ ([0] * 1000000000)|length }}"
+                                                 "{% endif %}", 1)
 
 
 @pytest.fixture
@@ -67,13 +72,14 @@ def test_a_huge_render_is_refused_by_the_memory_cap(tokenizer):
 
 def test_a_server_refuses_a_looping_template_serves_meanwhile_and_exits_on_sigterm(tmp_path):
     template = tmp_path / "looping.jinja"
-    template.write_text(LOOPING)
+    template.write_text(LOOPING_OR_HUGE)
     with start_server("--chat-template", str(template), "--set", "server.chat_template_timeout_s=3",
                       log_path=tmp_path / "server.log") as server, http_client(60.0) as client:
         chat = f"{server.base_url}/chat/completions"
         body = {"model": server.model, "max_tokens": 1, "messages": [{"role": "user", "content": "loop"}]}
         answers = {}
         looping = threading.Thread(target=lambda: answers.update(loop=client.post(chat, json=body)))
+        started = time.monotonic()
         looping.start()
         time.sleep(0.5)
         plain = client.post(f"{server.base_url}/completions", json={"model": server.model, "prompt": "Hi",
@@ -82,8 +88,15 @@ def test_a_server_refuses_a_looping_template_serves_meanwhile_and_exits_on_sigte
         looping.join(30)
         refused = answers["loop"]
         assert refused.status_code == 400, refused.text
+        assert time.monotonic() - started < 3 + 10  # the deadline, a new worker, and slack for 2 busy cores
         assert refused.json()["error"]["code"] == "chat_template_limit"
         assert "server.chat_template_timeout_s" in refused.json()["error"]["message"]
+        for content in ("huge", "list"):  # past the worker's memory cap: the same 400, naming that key
+            started = time.monotonic()
+            huge = client.post(chat, json={**body, "messages": [{"role": "user", "content": content}]})
+            assert huge.status_code == 400 and time.monotonic() - started < 3 + 10, (content, huge.text)
+            assert huge.json()["error"]["code"] == "chat_template_limit", huge.text
+            assert "server.chat_template_max_mb" in huge.json()["error"]["message"], huge.text
         again = client.post(chat, json={**body, "messages": [{"role": "user", "content": "plain"}]})
         assert again.status_code == 200, again.text
 
