@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import resource
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +32,9 @@ TIMEOUT_S = 60
 # ran for more than 120 s.
 MAX_PEAK_RSS = 2**30
 MAX_WALL_S = 40.0
+# The same refusal in a process that has torch loaded already: what reading the metadata adds.
+MAX_IN_PROCESS_GROWTH = 256 * 2**20
+MAX_IN_PROCESS_WALL_S = 10.0
 
 
 @pytest.fixture
@@ -51,15 +57,55 @@ def change_tensors(directory: Path, change) -> None:
     save_file(tensors, str(directory / "model.safetensors"))
 
 
-def refused(path, match: str) -> str:
-    """Both readers (metadata only, and the weights) refuse `path` with one ModelLoadError matching `match`."""
+def refused(path, match: str, capsys) -> str:
+    """Both readers (metadata only, and the weights) refuse `path` with one ModelLoadError matching `match`, and
+    `kvreuse generate` (run in this process: `generate_in_process`) exits 1 saying it in one line, within the time and
+    memory bounds."""
     with pytest.raises(ModelLoadError, match=match) as info:
         load_model_info(path)
     with pytest.raises(ModelLoadError, match=match):
         load_weights(path)
     message = str(info.value)
     assert "\n" not in message and str(path) in message
+    result = generate_in_process(path, capsys)
+    output = result.stdout + result.stderr
+    lines = [line for line in output.splitlines() if line.strip()]
+    print(f"{Path(path).name} {match[:40]!r}: exit {result.returncode}, {len(lines)} lines, {result.wall_s:.2f} s, "
+          f"peak RSS +{result.peak_rss / 2**20:.0f} MB")
+    assert result.returncode == 1 and "Traceback" not in output and len(lines) <= 3, output
+    assert re.search(match, lines[-1]) and str(path) in lines[-1], output
+    assert result.peak_rss <= MAX_IN_PROCESS_GROWTH, f"peak RSS grew by {result.peak_rss / 2**20:.0f} MB"
+    assert result.wall_s <= MAX_IN_PROCESS_WALL_S, f"{result.wall_s:.1f} s"
     return message
+
+
+def _status_bytes(field: str) -> int:
+    """A size from /proc/self/status (VmRSS, VmHWM, VmSize), in bytes."""
+    line = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith(field + ":"))
+    return int(line.split()[1]) * 1024
+
+
+def generate_in_process(path, capsys) -> Run:
+    """`kvreuse generate --model PATH hello` through cli.main in this process, its address space allowed to grow by
+    at most MEMORY_LIMIT (a soft RLIMIT_AS, put back after): its exit code, output, wall time, and by how much this
+    process's peak RSS grew (VmHWM, reset first through /proc/self/clear_refs)."""
+    from kvreuse.cli import main
+
+    capsys.readouterr()
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    limit = _status_bytes("VmSize") + MEMORY_LIMIT
+    resource.setrlimit(resource.RLIMIT_AS, (limit if hard == resource.RLIM_INFINITY else min(limit, hard), hard))
+    rss = _status_bytes("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+    start, cpu = time.monotonic(), time.process_time()
+    try:
+        returncode = main(["generate", "--model", str(path), "hello"])
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    wall_s, cpu_s = time.monotonic() - start, time.process_time() - cpu
+    growth = max(0, _status_bytes("VmHWM") - rss)
+    out = capsys.readouterr()
+    return Run(returncode, out.out, out.err, wall_s, growth, cpu_s)
 
 
 # --- Hugging Face config.json ---------------------------------------------------------------------------------------
@@ -91,10 +137,10 @@ HF_CASES = {
 
 
 @pytest.mark.parametrize("name", list(HF_CASES))
-def test_a_hostile_hf_config_is_one_error_naming_the_key(hf_dir, name):
+def test_a_hostile_hf_config_is_one_error_naming_the_key(hf_dir, name, capsys):
     changes, match = HF_CASES[name]
     set_config(hf_dir, **changes)
-    refused(hf_dir, match)
+    refused(hf_dir, match, capsys)
 
 
 def test_an_hf_tokenizer_larger_than_vocab_size_is_refused_before_serving(hf_dir):
@@ -116,29 +162,29 @@ def test_an_hf_tokenizer_larger_than_vocab_size_is_refused_before_serving(hf_dir
     assert "\n" not in str(info.value) and str(hf_dir) in str(info.value)
 
 
-def test_a_missing_hf_tensor_is_named(hf_dir):
+def test_a_missing_hf_tensor_is_named(hf_dir, capsys):
     change_tensors(hf_dir, lambda t: t.pop("model.layers.1.mlp.down_proj.weight"))
-    refused(hf_dir, r"has no tensor model.layers.1.mlp.down_proj.weight")
+    refused(hf_dir, r"has no tensor model.layers.1.mlp.down_proj.weight", capsys)
 
 
-def test_a_misshapen_hf_tensor_is_named(hf_dir):
+def test_a_misshapen_hf_tensor_is_named(hf_dir, capsys):
     import torch
 
     def change(tensors):
         tensors["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(48, 64)
     change_tensors(hf_dir, change)
-    refused(hf_dir, r"tensor model.layers.0.self_attn.k_proj.weight has shape \[48, 64\] \(allowed: \[32, 64\]")
+    refused(hf_dir, r"tensor model.layers.0.self_attn.k_proj.weight has shape \[48, 64\] \(allowed: \[32, 64\]", capsys)
 
 
-def test_a_broken_config_json_is_named(hf_dir):
+def test_a_broken_config_json_is_named(hf_dir, capsys):
     (hf_dir / "config.json").write_text('{"model_type": "llama", "hidden_size": ')
-    refused(hf_dir, r"config.json: expected a JSON object \(JSONDecodeError")
+    refused(hf_dir, r"config.json: expected a JSON object \(JSONDecodeError", capsys)
 
 
-def test_a_truncated_safetensors_file_is_named(hf_dir):
+def test_a_truncated_safetensors_file_is_named(hf_dir, capsys):
     data = (hf_dir / "model.safetensors").read_bytes()
     (hf_dir / "model.safetensors").write_bytes(data[: len(data) // 2])
-    refused(hf_dir, r"model.safetensors: not a readable safetensors file")
+    refused(hf_dir, r"model.safetensors: not a readable safetensors file", capsys)
 
 
 # --- GGUF metadata --------------------------------------------------------------------------------------------------
@@ -183,12 +229,12 @@ GGUF_CASES = {
 
 
 @pytest.mark.parametrize("name", list(GGUF_CASES))
-def test_a_hostile_gguf_is_one_error_naming_the_key(tiny_model_dir, real_tokenizer, tmp_path, name):
+def test_a_hostile_gguf_is_one_error_naming_the_key(tiny_model_dir, real_tokenizer, tmp_path, name, capsys):
     change, match = GGUF_CASES[name]
     if name == "vocab-smaller-than-tokenizer":
         assert len(real_tokenizer.hf) == 49152  # the embedding's rows in the tiny model
     write_gguf(tiny_model_dir, "llama3", tmp_path / "model.gguf", change)
-    refused(tmp_path / "model.gguf", match)
+    refused(tmp_path / "model.gguf", match, capsys)
 
 
 def test_an_unspoiled_gguf_of_the_tiny_model_loads(tiny_model_dir, tmp_path):
