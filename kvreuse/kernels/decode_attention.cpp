@@ -11,7 +11,10 @@
 //     code * scale. The new token's K/V are encoded as KVFormat.encode does, bit for bit; the context is
 //     dequantized in registers (code * scale, in fp32: the very values `KVFormat.decode` gives in fp32).
 // One attention loop serves every format: it reads rows through a row type (PlainRows, Int8Rows, Fp8Rows) that
-// says what a code is worth and what its group's scale is.
+// says what a code is worth and what its group's scale is. Where head_dim is a multiple of 32 (every model served
+// today), the wide loop runs instead (attend_group_wide): 16 values to a vector, a group's scale applied once to the
+// group's partial dot (K) or folded into the softmax weight (V), 16 keys' dot products reduced together, and the
+// query heads' outputs accumulated in registers.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -26,7 +29,9 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <initializer_list>
 #include <type_traits>
 #include <vector>
@@ -56,6 +61,9 @@ inline float exp_nonpositive(float x) {
 // prefetcher does not follow: each loop asks for the row kAhead keys on (8 sequences over 1,000 keys, caches
 // evicted: 30 layers in 31.1 ms instead of 34.6; no change at 160 keys).
 constexpr int64_t kAhead = 8;
+// The wide loop spends a few times less per key, so it asks further ahead (b8 x 8k, int8 pool: 24 keys ahead
+// instead of 8 measured in docs/features/kv-dtype.md).
+constexpr int64_t kAheadWide = 24;
 
 // A row's bytes (`width` codes of one byte or more), a few cache lines.
 template <typename C>
@@ -220,6 +228,190 @@ __attribute__((always_inline)) inline void attend_group(const Pool<R>& pool, con
   }
 }
 
+
+// ---- The wide loop: head_dim a multiple of 32, 16 values per vector (GCC's vector extensions: one zmm on AVX-512,
+// two ymm on AVX2) ----
+typedef float V16 __attribute__((vector_size(64)));
+typedef int32_t V16i __attribute__((vector_size(64)));
+typedef uint32_t V16u __attribute__((vector_size(64)));
+typedef int8_t V16b __attribute__((vector_size(16)));
+typedef uint8_t V16ub __attribute__((vector_size(16)));
+typedef uint16_t V16h __attribute__((vector_size(32)));
+
+// Values i * 16 .. i * 16 + 15 of a row, before its group's scale (the exact value of each code: an integer, an
+// e4m3 value, a bf16 or fp32 value).
+template <typename R>
+__attribute__((always_inline)) inline V16 load16(const typename R::Code* row, int64_t i) {
+  using Code = typename R::Code;
+  if constexpr (std::is_same_v<Code, float>) {
+    V16 x;
+    std::memcpy(&x, row + i * 16, sizeof(x));
+    return x;
+  } else if constexpr (std::is_same_v<Code, c10::BFloat16>) {
+    V16h h;
+    std::memcpy(&h, row + i * 16, sizeof(h));
+    return reinterpret_cast<V16>(__builtin_convertvector(h, V16u) << 16);
+  } else {  // 8-bit codes as a loop GCC vectorizes (its __builtin_convertvector of int8 or uint8 lanes is scalar)
+    const Code* codes = row + i * 16;
+    float lanes[16];
+    if constexpr (std::is_same_v<R, Int8Rows>) {  // code + 128 as the low bits of 2^23's mantissa, less 2^23 + 128
+      for (int l = 0; l < 16; ++l) {
+        const uint32_t bits = 0x4b000000u | (static_cast<uint8_t>(codes[l]) ^ 0x80u);
+        float biased;
+        std::memcpy(&biased, &bits, sizeof(biased));
+        lanes[l] = biased - 8388736.f;
+      }
+    } else {  // float8_e4m3fn by shifts: its exponent and mantissa under fp32's, then times 2^(127 - 7) (exact; fp8's
+              // subnormals are fp32 subnormals before it); the sign bit moved to fp32's
+      for (int l = 0; l < 16; ++l) {
+        const uint32_t bits = codes[l];
+        float magnitude;
+        const uint32_t shifted = (bits & 0x7fu) << 20;
+        std::memcpy(&magnitude, &shifted, sizeof(magnitude));
+        magnitude *= 1.329227995784915872903807060280344576e36f;
+        uint32_t value;
+        std::memcpy(&value, &magnitude, sizeof(value));
+        value |= (bits & 0x80u) << 24;
+        std::memcpy(lanes + l, &value, sizeof(value));
+      }
+    }
+    V16 x;
+    std::memcpy(&x, lanes, sizeof(x));
+    return x;
+  }
+}
+
+// 16 vectors [16 keys][16 partial sums] -> [16 keys' sums]: pairs of vectors folded in halves, 4 times.
+__attribute__((always_inline)) inline V16 fold16(const V16* x) {
+  V16 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)
+    a[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(x[2 * i], x[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)
+    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+// An fp16 scale's value: a normal one (every scale an encoder writes) by shifts, any other by c10::Half.
+__attribute__((always_inline)) inline float half_value(const void* p) {
+  uint16_t h;
+  std::memcpy(&h, p, sizeof(h));
+  const uint32_t exponent = h & 0x7c00u;
+  if (exponent == 0 || exponent == 0x7c00u) return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+  const uint32_t bits = ((h & 0x8000u) << 16) | (((h & 0x7fffu) << 13) + 0x38000000u);  // exponent bias 15 -> 127
+  float x;
+  std::memcpy(&x, &bits, sizeof(x));
+  return x;
+}
+
+// A row's group scales, one per 2 vectors (groups of 32); 1 in a plain row.
+template <typename R, int NV>
+__attribute__((always_inline)) inline void group_scales(const typename R::Code* row, float* scales) {
+  for (int gi = 0; gi < NV / 2; ++gi)
+    scales[gi] = R::kMaxCode == 0.f ? 1.f : half_value(reinterpret_cast<const char*>(row + NV * 16) + 2 * gi);
+}
+
+// attend_group for D = NV * 16 (groups of 32 in an 8-bit pool), query heads taken GC at a time (the outputs of GC
+// heads stay in registers; a row is converted once per GC heads). The same numbers as attend_group up to summation
+// order: a K group's dot is summed from code * q and then scaled, a V row's code * (weight * scale) summed.
+template <typename R, int NV, int GC>
+__attribute__((always_inline)) inline void attend_group_wide(const Pool<R>& pool, const int64_t* ctx, int64_t len,
+                                                             int64_t offset, int64_t G, float scale, Scratch& s) {
+  constexpr int64_t D = NV * 16;
+  constexpr bool kScaled = R::kMaxCode != 0.f;
+  const typename R::Code* kc = pool.k + offset;
+  const typename R::Code* vc = pool.v + offset;
+  float* scores = s.scores.data();  // [G, len]
+  for (int64_t h0 = 0; h0 < G; h0 += GC) {
+    const int64_t gc = std::min<int64_t>(GC, G - h0);
+    V16 q[GC][NV];
+    for (int h = 0; h < GC; ++h)
+      for (int i = 0; i < NV; ++i)
+        if (h < gc) std::memcpy(&q[h][i], s.q.data() + (h0 + h) * D + i * 16, sizeof(V16));
+    V16 partial[GC][16];
+    for (int64_t j0 = 0; j0 < len; j0 += 16) {
+      const int64_t n = std::min<int64_t>(16, len - j0);
+      for (int64_t jj = 0; jj < 16; ++jj) {
+        if (jj >= n) {
+          for (int h = 0; h < GC; ++h) partial[h][jj] = V16{};
+          continue;
+        }
+        const int64_t j = j0 + jj;
+        if (j + kAheadWide < len) prefetch_row(kc + ctx[j + kAheadWide] * pool.stride, pool.width);
+        const typename R::Code* row = kc + ctx[j] * pool.stride;
+        V16 x[NV];
+        for (int i = 0; i < NV; ++i) x[i] = load16<R>(row, i);
+        float gs[NV / 2];
+        group_scales<R, NV>(row, gs);
+        for (int h = 0; h < GC; ++h) {
+          if (h >= gc) break;
+          V16 total{};
+          for (int gi = 0; gi < NV / 2; ++gi) {
+            const V16 dot = q[h][2 * gi] * x[2 * gi] + q[h][2 * gi + 1] * x[2 * gi + 1];
+            total = kScaled ? total + dot * gs[gi] : total + dot;
+          }
+          partial[h][jj] = total;
+        }
+      }
+      for (int h = 0; h < GC; ++h) {
+        if (h >= gc) break;
+        const V16 sums = fold16(partial[h]) * scale;
+        float lanes[16];
+        std::memcpy(lanes, &sums, sizeof(lanes));
+        for (int64_t jj = 0; jj < n; ++jj) scores[(h0 + h) * len + j0 + jj] = lanes[jj];
+      }
+    }
+  }
+  for (int64_t h = 0; h < G; ++h) {
+    float* row = scores + h * len;
+    float top = -INFINITY;
+    for (int64_t j = 0; j < len; ++j) top = std::max(top, row[j]);
+    float total = 0.f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t j = 0; j < len; ++j) {
+      row[j] = exp_nonpositive(row[j] - top);
+      total += row[j];
+    }
+    s.totals[h] = total;
+  }
+  for (int64_t h0 = 0; h0 < G; h0 += GC) {
+    const int64_t gc = std::min<int64_t>(GC, G - h0);
+    V16 acc[GC][NV];
+    for (int h = 0; h < GC; ++h)
+      for (int i = 0; i < NV; ++i) acc[h][i] = V16{};
+    for (int64_t j = 0; j < len; ++j) {
+      if (j + kAheadWide < len) prefetch_row(vc + ctx[j + kAheadWide] * pool.stride, pool.width);
+      const typename R::Code* row = vc + ctx[j] * pool.stride;
+      V16 x[NV];
+      for (int i = 0; i < NV; ++i) x[i] = load16<R>(row, i);
+      float gs[NV / 2];
+      group_scales<R, NV>(row, gs);
+      for (int h = 0; h < GC; ++h) {
+        if (h >= gc) break;
+        const float p = scores[(h0 + h) * len + j];
+        for (int gi = 0; gi < NV / 2; ++gi) {
+          const float w = kScaled ? p * gs[gi] : p;
+          acc[h][2 * gi] += w * x[2 * gi];
+          acc[h][2 * gi + 1] += w * x[2 * gi + 1];
+        }
+      }
+    }
+    for (int h = 0; h < GC; ++h) {
+      if (h >= gc) break;
+      const float inverse = 1.f / s.totals[h0 + h];
+      for (int i = 0; i < NV; ++i) {
+        const V16 o = acc[h][i] * inverse;
+        std::memcpy(s.out.data() + (h0 + h) * D + i * 16, &o, sizeof(V16));
+      }
+    }
+  }
+}
+
 // The (sequence, KV head) pairs [begin, end), each cloned per instruction set so that the loops above are vectorized
 // for the CPU that runs them. q [B, H, D] and out [B, H, D] in T; query heads h * G .. h * G + G - 1 read KV head h.
 template <typename T, typename R>
@@ -231,17 +423,54 @@ __attribute__((always_inline)) inline void attend_range(const T* q, const Pool<R
     const int64_t b = i / Hkv, h = i % Hkv;
     const int64_t first = (b * Hkv + h) * G * D;  // the group's G query rows, one after another in q and out
     for (int64_t e = 0; e < G * D; ++e) s.q[e] = static_cast<float>(q[first + e]);
-    attend_group<R>(pool, context + b * max_len, lens[b], h * pool.width, G, D, scale, s);
+    const int64_t* ctx = context + b * max_len;
+    const int64_t offset = h * pool.width;
+    if (D == 64) attend_group_wide<R, 4, 4>(pool, ctx, lens[b], offset, G, scale, s);
+    else if (D == 128) attend_group_wide<R, 8, 2>(pool, ctx, lens[b], offset, G, scale, s);
+    else if (D == 256) attend_group_wide<R, 16, 1>(pool, ctx, lens[b], offset, G, scale, s);
+    else attend_group<R>(pool, ctx, lens[b], offset, G, D, scale, s);
     for (int64_t e = 0; e < G * D; ++e) out[first + e] = static_cast<T>(s.out[e]);
   }
 }
 
+template <typename T, typename R>
+using AttendFn = void (*)(const T*, const Pool<R>&, const int64_t*, const int64_t*, int64_t, int64_t, int64_t,
+                          int64_t, float, T*, int64_t, int64_t, Scratch&);
+
+// The widest variant this CPU and torch's dispatch allow: 2 AVX-512, 1 AVX2, 0 none.
+int attend_isa() {
+  static const int isa = [] {
+    const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                      __builtin_cpu_supports("f16c");
+    const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+    const char* env = std::getenv("ATEN_CPU_CAPABILITY");  // torch's own setting, read as torch reads it
+    const std::string capability = env ? env : "";
+    const int allowed = capability == "avx2" ? 1 : capability == "default" ? 0 : 2;
+    return std::min(avx512 ? 2 : avx2 ? 1 : 0, allowed);
+  }();
+  return isa;
+}
+
+// Each compiled for AVX-512, AVX2 + FMA + F16C, and no extension; decode_attention runs the widest that both this CPU
+// and torch's ATEN_CPU_CAPABILITY allow (so that `ATEN_CPU_CAPABILITY=avx2` tests the AVX2 variant on any CPU).
 #define KVREUSE_ATTEND_RANGE(NAME, T, R)                                                                             \
-  __attribute__((target_clones("avx512f", "avx2", "default"))) void NAME(                                          \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"))) void NAME##_avx512(                  \
       const T* q, const Pool<R>& pool, const int64_t* context, const int64_t* lens, int64_t max_len, int64_t Hkv,   \
       int64_t G, int64_t D, float scale, T* out, int64_t begin, int64_t end, Scratch& s) {                          \
-    attend_range<T, R>(q, pool, context, lens, max_len, Hkv, G, D, scale, out, begin, end, s);                      \
-  }
+    attend_range<T, R>(q, pool, context, lens, max_len, Hkv, G, D, scale, out, begin, end, s);                   \
+  }                                                                                                                  \
+  __attribute__((target("avx2,fma,f16c"))) void NAME##_avx2(                                                       \
+      const T* q, const Pool<R>& pool, const int64_t* context, const int64_t* lens, int64_t max_len, int64_t Hkv,   \
+      int64_t G, int64_t D, float scale, T* out, int64_t begin, int64_t end, Scratch& s) {                          \
+    attend_range<T, R>(q, pool, context, lens, max_len, Hkv, G, D, scale, out, begin, end, s);                   \
+  }                                                                                                                  \
+  void NAME##_default(const T* q, const Pool<R>& pool, const int64_t* context, const int64_t* lens, int64_t max_len, \
+                      int64_t Hkv, int64_t G, int64_t D, float scale, T* out, int64_t begin, int64_t end,            \
+                      Scratch& s) {                                                                                  \
+    attend_range<T, R>(q, pool, context, lens, max_len, Hkv, G, D, scale, out, begin, end, s);                   \
+  }                                                                                                                  \
+  const AttendFn<T, R> NAME[3] = {NAME##_default, NAME##_avx2, NAME##_avx512};
 KVREUSE_ATTEND_RANGE(attend_fp32, float, PlainRows<float>)
 KVREUSE_ATTEND_RANGE(attend_bf16, c10::BFloat16, PlainRows<c10::BFloat16>)
 KVREUSE_ATTEND_RANGE(attend_fp32_int8, float, Int8Rows)
@@ -249,10 +478,6 @@ KVREUSE_ATTEND_RANGE(attend_bf16_int8, c10::BFloat16, Int8Rows)
 KVREUSE_ATTEND_RANGE(attend_fp32_fp8, float, Fp8Rows)
 KVREUSE_ATTEND_RANGE(attend_bf16_fp8, c10::BFloat16, Fp8Rows)
 #undef KVREUSE_ATTEND_RANGE
-
-template <typename T, typename R>
-using AttendFn = void (*)(const T*, const Pool<R>&, const int64_t*, const int64_t*, int64_t, int64_t, int64_t,
-                          int64_t, float, T*, int64_t, int64_t, Scratch&);
 
 // Writes each sequence's new K/V (k, v [B, Hkv, D]) at its slot, then attends: the work of one pool format R.
 template <typename T, typename R>
@@ -326,8 +551,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const int64_t grain = std::max<int64_t>(1, (B * Hkv) * 1024 / std::max<int64_t>(1, total_keys * Hkv));
   using BF16 = c10::BFloat16;
   const bool fp32 = dtype == at::kFloat;
+  const int isa = attend_isa();
 #define KVREUSE_RUN(FN, T, R) \
-  store_and_attend<T, R>(FN, q, k, v, k_cache, v_cache, slots, context, lens, max_len, s, out, grain)
+  store_and_attend<T, R>(FN[isa], q, k, v, k_cache, v_cache, slots, context, lens, max_len, s, out, grain)
   if (pool_dtype == at::kChar) {
     if (fp32) KVREUSE_RUN(attend_fp32_int8, float, Int8Rows);
     else KVREUSE_RUN(attend_bf16_int8, BF16, Int8Rows);
