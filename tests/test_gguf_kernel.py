@@ -89,6 +89,27 @@ def test_kernel_equals_the_dequantized_product(qtype, isa, num_rows):
 
 
 @needs_kernel
+@pytest.mark.parametrize("qtype", SUPPORTED, ids=lambda t: t.name)
+def test_a_rows_product_has_the_same_bits_whatever_the_row_count_and_variant(qtype):
+    """Batch invariance (docs/design/batch-invariance.md): each row sums in one order, so a prompt's rows computed
+    after a cached prefix equal the same rows inside a cold run's whole-prompt product, and a decode row alone equals
+    it beside others; the AVX2 and AVX-512 variants differ only in vector width, so they agree too."""
+    data = random_tensor(qtype, 37, 768, seed=3)
+    packed = from_gguf(data, qtype).pack()
+    x = torch.randn(100, 768, generator=torch.Generator().manual_seed(3))
+
+    def product(rows: torch.Tensor, isa: int) -> torch.Tensor:
+        return torch.ops.kvreuse_cpu.gguf_linear(rows.contiguous(), packed.data, 37, packed.bits, packed.group,
+                                                 packed.half_scales, isa)
+
+    whole = product(x, ISAS[-1])                                          # [100, 37]
+    for isa in ISAS:
+        for start, count in [(99, 1), (0, 2), (40, 5), (3, 8), (90, 9), (50, 13), (20, 17), (7, 31), (36, 64)]:
+            assert torch.equal(product(x[start:start + count], isa), whole[start:start + count]), (isa, count)
+        assert torch.equal(product(x, isa), whole), isa
+
+
+@needs_kernel
 @pytest.mark.parametrize("isa", ISAS, ids=lambda i: kernels.ISAS[i])
 def test_mins_beyond_fp16_are_exact(isa):
     # Q8_0's min is -128 d: for d = 600 that is beyond fp16's range; the records hold it in fp32.

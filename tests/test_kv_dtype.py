@@ -123,23 +123,24 @@ def test_an_8_bit_tier_entry_is_read_back_whole_and_only_by_its_own_mode(tiny_mo
     fp32.engine.close()
 
 
-@pytest.fixture(scope="module")
-def dense_engines():
-    """The embedded model in fp32 with dense weights, whose forward gives each row the same bits whatever else is in
-    its batch (the GGUF kernel's sums depend on the row count: docs/features/kv-dtype.md), per kv_dtype."""
-    llms = {name: LLM(make_config(model__dtype="fp32", model__weights="dense", cache__kv_dtype=name,
-                                  engine__num_kv_blocks=512, engine__compile="off"))
-            for name in ("fp32", "int8", "fp8")}
-    yield llms
-    for llm in llms.values():
-        llm.engine.close()
+# (model.path: "" for the embedded model, model.weights, cache.kv_dtype), in an fp32 model. Not Gemma 3 yet: SDPA's
+# attention rounds a hit's last rows differently (docs/design/batch-invariance.md).
+EXACT_MODES = [*[("", "dense", name) for name in ("fp32", "int8", "fp8")],
+               *[("", "gguf", name) for name in ("fp32", "int8")]]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ("fp32", "int8", "fp8"))
-def test_prefix_caching_is_exact_within_a_kv_dtype(dense_engines, name):
-    """Cache on == cache off, bit for bit: greedy tokens and prompt logprobs, at batch 8 and 1, whole and chunked."""
-    llm = dense_engines[name]
+@pytest.mark.parametrize(("model", "weights", "name"), EXACT_MODES, ids=lambda v: v or "embedded")
+def test_prefix_caching_is_exact_within_a_kv_dtype(model, weights, name):
+    """Cache on == cache off, bit for bit: greedy tokens and prompt logprobs, at batch 8 and 1, whole and chunked. An
+    fp32 forward gives each row the same bits whatever else is in it: the dense GEMM's rows from 2 on, the GGUF
+    kernel's every row (docs/design/batch-invariance.md)."""
+    def engine(**sets: object) -> LLM:
+        named = {"model__path": model} if model else {}
+        return LLM(make_config(**named, model__dtype="fp32", model__weights=weights, cache__kv_dtype=name,
+                               engine__num_kv_blocks=512, engine__compile="off", **sets))
+
+    llm = engine()
     system = llm.tokenizer.encode("You answer in one short sentence, and you check your arithmetic twice. " * 6)
     prompts = [system + llm.tokenizer.encode(f" Question {i}: what is {i} times {i + 3}?") for i in range(8)]
     params = SamplingParams(max_tokens=12, ignore_eos=True, prompt_logprobs=1)
@@ -148,16 +149,17 @@ def test_prefix_caching_is_exact_within_a_kv_dtype(dense_engines, name):
         return a.token_ids == b.token_ids and [r and r.logprob for r in a.prompt_logprobs] == \
             [r and r.logprob for r in b.prompt_logprobs]
 
-    llm.engine.reset_prefix_cache()
-    cold = llm.generate(prompts, params, use_cache=False)
-    llm.generate(prompts[:1], params)
-    batched = llm.generate(prompts, params)
-    assert all(o.usage.cached_tokens >= 64 for o in batched[1:])
-    assert all(same(a, b) for a, b in zip(cold, batched, strict=True))
-    alone = [llm.generate(p, params)[0] for p in prompts[:3]]
-    assert all(same(a, b) for a, b in zip(cold, alone, strict=False))
-    chunked = LLM(make_config(model__dtype="fp32", model__weights="dense", cache__kv_dtype=name,
-                              engine__num_kv_blocks=512, engine__compile="off", engine__max_num_batched_tokens=48))
+    try:
+        cold = llm.generate(prompts, params, use_cache=False)
+        llm.generate(prompts[:1], params)
+        batched = llm.generate(prompts, params)
+        assert all(o.usage.cached_tokens >= 64 for o in batched[1:])
+        assert all(same(a, b) for a, b in zip(cold, batched, strict=True))
+        alone = [llm.generate(p, params)[0] for p in prompts[:3]]
+        assert all(same(a, b) for a, b in zip(cold, alone, strict=False))
+    finally:
+        llm.engine.close()
+    chunked = engine(engine__max_num_batched_tokens=48)
     try:
         assert all(same(a, b) for a, b in zip(cold[:3], chunked.generate(prompts[:3], params), strict=True))
     finally:

@@ -230,7 +230,8 @@ class CacheConfig(_Section):
     pin_max_share: float = Field(0.25, ge=0.0, le=1.0, description=(
         "Share of the KV pool that pinned prefixes (`POST /cache/warm` with `pin`) may hold together; with API keys "
         "each tenant's pins hold at most this share divided by the number of tenants the keys name. A pin beyond "
-        "either is refused, naming this key. 0: no pinning ([features/prefix-caching.md](features/prefix-caching.md))."))
+        "either is refused, naming this key. 0: no pinning "
+        "([features/prefix-caching.md](features/prefix-caching.md))."))
     pin_ttl_s: int = Field(3600, ge=0, le=MAX_PIN_TTL_S, description=(
         "How long a pin lasts unless its warm request says (`pin_ttl_s`), in seconds, at most 30 days; 0: until "
         "`POST /cache/unpin`."))

@@ -1,10 +1,10 @@
-// y = x @ W.T for decode-shaped x (up to a few dozen rows), with W kept in quantized blocks of 32 inputs, each with
+// y = x @ W.T for x of any row count, with W kept in quantized blocks of 32 inputs, each with
 // one scale and min per group of 32 or 16 inputs (g = j / group):
 //   W[n, b*32 + j] = scales[n, b, g] * code(n, b, j) + mins[n, b, g]
 // codes are 4-bit (Q4_0/Q4_1/Q4_K) or 8-bit (Q5_0/Q8_0, and Q6_K's 6-bit codes, with groups of 16). The weights
 // are dequantized in registers, in fp32, with the very expression the fp32 path dequantizes with (scale * code +
 // min, exact for every GGUF format mapped here), and multiplied by fp32 activations with fp32 accumulation: the
-// fp32 path's product up to summation order.
+// fp32 path's product up to summation order, and one summation order for every row whatever the row count.
 //
 // The layout (gguf_blocks.py packs it): for each panel of 16 output rows, for each block of 32 inputs, one record of
 //   G x 16 scales, G x 16 mins (fp16 where every one is an fp16 number, else fp32; G = 32 / group), then the codes
@@ -35,7 +35,6 @@ namespace {
 
 constexpr int64_t kBlock = 32;
 constexpr int64_t kPanel = 16;  // output rows per record (gguf_blocks.PANEL_ROWS)
-constexpr int64_t kChunkBlocks = 4;  // blocks dequantized at a time for several passes: 8 KiB, in L1
 constexpr int kIsaNone = 0, kIsaAvx2 = 1, kIsaAvx512 = 2;
 
 struct Problem {
@@ -52,7 +51,16 @@ constexpr int64_t record_bytes(int64_t bits, int64_t groups, bool half) {
 
 #if defined(__x86_64__)
 
+// Every row of x takes one summation order whatever the row count T, so that a row's output never depends on what
+// else is in its batch (prefix reuse computes a prompt's rows after a cached prefix, a cold run computes them all in
+// one product; docs/design/batch-invariance.md): two sums per output, one over inputs 0-15 of every block and one
+// over inputs 16-31, each in input order, added at the end. Few rows dequantize in registers; more rows dequantize
+// the panel once into a buffer [K, 16] that tiles of rows read in the same order.
+
 // ---- AVX-512: a panel's 16 rows are one vector ----
+
+constexpr int kPassRows512 = 8;   // rows that dequantize in registers (2 x 8 accumulators)
+constexpr int kTileRows512 = 12;  // rows per tile over a dequantized panel (2 x 12 accumulators of 32 registers)
 
 template <bool Half>
 __attribute__((target("avx512f,f16c"))) inline __m512 scales512(const uint8_t* p, int i) {
@@ -60,56 +68,108 @@ __attribute__((target("avx512f,f16c"))) inline __m512 scales512(const uint8_t* p
   else return _mm512_loadu_ps(reinterpret_cast<const float*>(p) + kPanel * i);
 }
 
-// One panel against TR rows of x from t0. Fewer than 16 rows accumulate in two sets (inputs j and j + 16, or even
-// and odd), so that each fma chain has time to finish.
+// A block's scales and mins for inputs 0-15 (d0, m0) and 16-31 (d1, m1), across a panel's 16 rows.
+struct Scales512 {
+  __m512 d0, m0, d1, m1;
+};
+
+template <int G, bool Half>
+__attribute__((target("avx512f,f16c"))) inline Scales512 block_scales512(const uint8_t* record) {
+  const __m512 d0 = scales512<Half>(record, 0), m0 = scales512<Half>(record, G);
+  return {d0, m0, G == 1 ? d0 : scales512<Half>(record, 1), G == 1 ? m0 : scales512<Half>(record, G + 1)};
+}
+
+// The weights of a panel's 16 rows at inputs j (lo) and j + 16 (hi) of the block at `record`.
+template <int Bits, int G, bool Half>
+__attribute__((target("avx512f,fma,avx2,f16c"))) inline void weights512(const uint8_t* record, const Scales512& s,
+                                                                       int j, __m512& lo, __m512& hi) {
+  const auto [d0, m0, d1, m1] = s;
+  const uint8_t* codes = record + 2 * G * kPanel * (Half ? 2 : 4);
+  const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * j)));
+  if constexpr (Bits == 4) {
+    lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(15))), d0, m0);
+    hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), d1, m1);
+  } else {
+    const __m512i q1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * (j + 16))));
+    lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), d0, m0);
+    hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q1), d1, m1);
+  }
+}
+
+template <int TR>
+__attribute__((target("avx512f"))) inline void store512(const Problem& p, int64_t panel, int64_t t0,
+                                                        const __m512 (&acc)[2][TR]) {
+  const int64_t n0 = panel * kPanel, valid = std::min(kPanel, p.N - n0);
+  const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
+  for (int t = 0; t < TR; ++t) _mm512_mask_storeu_ps(p.y + (t0 + t) * p.N + n0, mask, _mm512_add_ps(acc[0][t], acc[1][t]));
+}
+
+// One panel against TR rows of x from t0, dequantizing in registers.
 template <int Bits, int G, bool Half, int TR>
 __attribute__((target("avx512f,fma,avx2,f16c"))) void panel512(const Problem& p, int64_t panel, int64_t t0) {
   constexpr int64_t kRecord = record_bytes(Bits, G, Half);
-  constexpr int kSets = TR >= 16 ? 1 : 2;
   const int64_t num_blocks = p.K / kBlock;
   const uint8_t* record = p.packed + panel * num_blocks * kRecord;
   const float* x = p.x + t0 * p.K;
-  __m512 acc[kSets][TR];
-  for (int s = 0; s < kSets; ++s)
-    for (int t = 0; t < TR; ++t) acc[s][t] = _mm512_setzero_ps();
-  const __m512i low = _mm512_set1_epi32(15);
+  __m512 acc[2][TR];
+  for (int t = 0; t < TR; ++t) acc[0][t] = acc[1][t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < num_blocks; ++b, record += kRecord) {
     for (int64_t line = 0; line < kRecord; line += 64)
       _mm_prefetch(reinterpret_cast<const char*>(record + 4 * kRecord + line), _MM_HINT_T0);
-    const __m512 d0 = scales512<Half>(record, 0), m0 = scales512<Half>(record, G);
-    const __m512 d1 = G == 1 ? d0 : scales512<Half>(record, 1), m1 = G == 1 ? m0 : scales512<Half>(record, G + 1);
-    const uint8_t* codes = record + 2 * G * kPanel * (Half ? 2 : 4);
     const float* xb = x + b * kBlock;
-    if constexpr (Bits == 4) {
+    const Scales512 scales = block_scales512<G, Half>(record);
 #pragma GCC unroll 4
-      for (int j = 0; j < 16; ++j) {
-        const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * j)));
-        const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, low)), d0, m0);   // inputs j
-        const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), d1, m1);   // j + 16
-        for (int t = 0; t < TR; ++t) {
-          acc[0][t] = _mm512_fmadd_ps(lo, _mm512_set1_ps(xb[t * p.K + j]), acc[0][t]);
-          acc[kSets - 1][t] = _mm512_fmadd_ps(hi, _mm512_set1_ps(xb[t * p.K + j + 16]), acc[kSets - 1][t]);
-        }
-      }
-    } else {
-#pragma GCC unroll 4
-      for (int j = 0; j < 32; ++j) {
-        const __m512 w = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
-                                             reinterpret_cast<const __m128i*>(codes + 16 * j)))),
-                                         j < 16 ? d0 : d1, j < 16 ? m0 : m1);
-        for (int t = 0; t < TR; ++t)
-          acc[j % kSets][t] = _mm512_fmadd_ps(w, _mm512_set1_ps(xb[t * p.K + j]), acc[j % kSets][t]);
+    for (int j = 0; j < 16; ++j) {
+      __m512 lo, hi;
+      weights512<Bits, G, Half>(record, scales, j, lo, hi);
+      for (int t = 0; t < TR; ++t) {
+        acc[0][t] = _mm512_fmadd_ps(lo, _mm512_set1_ps(xb[t * p.K + j]), acc[0][t]);
+        acc[1][t] = _mm512_fmadd_ps(hi, _mm512_set1_ps(xb[t * p.K + j + 16]), acc[1][t]);
       }
     }
   }
-  const int64_t n0 = panel * kPanel, valid = std::min(kPanel, p.N - n0);
-  const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
-  for (int t = 0; t < TR; ++t)
-    _mm512_mask_storeu_ps(p.y + (t0 + t) * p.N + n0, mask,
-                          kSets == 2 ? _mm512_add_ps(acc[0][t], acc[kSets - 1][t]) : acc[0][t]);
+  store512<TR>(p, panel, t0, acc);
+}
+
+// The panel's weights, dequantized once: w[k * 16 + r] is W[panel * 16 + r, k].
+template <int Bits, int G, bool Half>
+__attribute__((target("avx512f,fma,avx2,f16c"))) void dequantize512(const Problem& p, int64_t panel, float* w) {
+  constexpr int64_t kRecord = record_bytes(Bits, G, Half);
+  const uint8_t* record = p.packed + panel * (p.K / kBlock) * kRecord;
+  for (int64_t b = 0; b < p.K / kBlock; ++b, record += kRecord, w += kBlock * kPanel) {
+    const Scales512 scales = block_scales512<G, Half>(record);
+    for (int j = 0; j < 16; ++j) {
+      __m512 lo, hi;
+      weights512<Bits, G, Half>(record, scales, j, lo, hi);
+      _mm512_storeu_ps(w + kPanel * j, lo);
+      _mm512_storeu_ps(w + kPanel * (j + 16), hi);
+    }
+  }
+}
+
+// TR rows of x from t0 against a dequantized panel, in panel512's order.
+template <int TR>
+__attribute__((target("avx512f,fma"))) void buffered512(const Problem& p, const float* w, int64_t panel, int64_t t0) {
+  const float* x = p.x + t0 * p.K;
+  __m512 acc[2][TR];
+  for (int t = 0; t < TR; ++t) acc[0][t] = acc[1][t] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < p.K; k += kBlock) {
+#pragma GCC unroll 2
+    for (int64_t j = k; j < k + 16; ++j) {
+      const __m512 w0 = _mm512_loadu_ps(w + kPanel * j), w1 = _mm512_loadu_ps(w + kPanel * (j + 16));
+      for (int t = 0; t < TR; ++t) {
+        acc[0][t] = _mm512_fmadd_ps(w0, _mm512_set1_ps(x[t * p.K + j]), acc[0][t]);
+        acc[1][t] = _mm512_fmadd_ps(w1, _mm512_set1_ps(x[t * p.K + j + 16]), acc[1][t]);
+      }
+    }
+  }
+  store512<TR>(p, panel, t0, acc);
 }
 
 // ---- AVX2: a panel's 16 rows are two 8-lane halves, each its own pass (16 registers) ----
+
+constexpr int kPassRows256 = 4;  // rows that dequantize in registers (2 x 4 accumulators)
+constexpr int kTileRows256 = 5;  // rows per tile over a dequantized panel (2 x 5 accumulators of 16 registers)
 
 template <bool Half>
 __attribute__((target("avx2,f16c"))) inline __m256 scales256(const uint8_t* p, int i, int half) {
@@ -118,51 +178,39 @@ __attribute__((target("avx2,f16c"))) inline __m256 scales256(const uint8_t* p, i
   else return _mm256_loadu_ps(reinterpret_cast<const float*>(p) + kPanel * i + 8 * half);
 }
 
-template <int Bits, int G, bool Half, int TR>
-__attribute__((target("avx2,fma,f16c"))) void panel256(const Problem& p, int64_t panel, int64_t t0, int half) {
-  constexpr int64_t kRecord = record_bytes(Bits, G, Half);
-  constexpr int kSets = TR >= 8 ? 1 : 2;
-  const int64_t num_blocks = p.K / kBlock;
-  const uint8_t* record = p.packed + panel * num_blocks * kRecord;
-  const float* x = p.x + t0 * p.K;
-  __m256 acc[kSets][TR];
-  for (int s = 0; s < kSets; ++s)
-    for (int t = 0; t < TR; ++t) acc[s][t] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < num_blocks; ++b, record += kRecord) {
-    for (int64_t line = 0; line < kRecord; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(record + 4 * kRecord + line), _MM_HINT_T0);
-    const __m256 d0 = scales256<Half>(record, 0, half), m0 = scales256<Half>(record, G, half);
-    const __m256 d1 = G == 1 ? d0 : scales256<Half>(record, 1, half);
-    const __m256 m1 = G == 1 ? m0 : scales256<Half>(record, G + 1, half);
-    const uint8_t* codes = record + 2 * G * kPanel * (Half ? 2 : 4) + 8 * half;
-    const float* xb = x + b * kBlock;
-    if constexpr (Bits == 4) {
-      const __m256i low = _mm256_set1_epi32(15);
-#pragma GCC unroll 2
-      for (int j = 0; j < 16; ++j) {
-        const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 16 * j)));
-        const __m256 lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q, low)), d0, m0);
-        const __m256 hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4)), d1, m1);
-        for (int t = 0; t < TR; ++t) {
-          acc[0][t] = _mm256_fmadd_ps(lo, _mm256_broadcast_ss(xb + t * p.K + j), acc[0][t]);
-          acc[kSets - 1][t] = _mm256_fmadd_ps(hi, _mm256_broadcast_ss(xb + t * p.K + j + 16), acc[kSets - 1][t]);
-        }
-      }
-    } else {
-#pragma GCC unroll 2
-      for (int j = 0; j < 32; ++j) {
-        const __m256 w = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
-                                             reinterpret_cast<const __m128i*>(codes + 16 * j)))),
-                                         j < 16 ? d0 : d1, j < 16 ? m0 : m1);
-        for (int t = 0; t < TR; ++t)
-          acc[j % kSets][t] = _mm256_fmadd_ps(w, _mm256_broadcast_ss(xb + t * p.K + j), acc[j % kSets][t]);
-      }
-    }
+struct Scales256 {
+  __m256 d0, m0, d1, m1;
+};
+
+template <int G, bool Half>
+__attribute__((target("avx2,f16c"))) inline Scales256 block_scales256(const uint8_t* record, int half) {
+  const __m256 d0 = scales256<Half>(record, 0, half), m0 = scales256<Half>(record, G, half);
+  return {d0, m0, G == 1 ? d0 : scales256<Half>(record, 1, half), G == 1 ? m0 : scales256<Half>(record, G + 1, half)};
+}
+
+// The weights of a panel's 8 rows of `half` at inputs j (lo) and j + 16 (hi) of the block at `record`.
+template <int Bits, int G, bool Half>
+__attribute__((target("avx2,fma,f16c"))) inline void weights256(const uint8_t* record, const Scales256& s, int j,
+                                                               int half, __m256& lo, __m256& hi) {
+  const auto [d0, m0, d1, m1] = s;
+  const uint8_t* codes = record + 2 * G * kPanel * (Half ? 2 : 4) + 8 * half;
+  const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 16 * j)));
+  if constexpr (Bits == 4) {
+    lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q, _mm256_set1_epi32(15))), d0, m0);
+    hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4)), d1, m1);
+  } else {
+    const __m256i q1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 16 * (j + 16))));
+    lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d0, m0);
+    hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q1), d1, m1);
   }
+}
+
+template <int TR>
+__attribute__((target("avx2"))) inline void store256(const Problem& p, int64_t panel, int64_t t0, int half,
+                                                     const __m256 (&acc)[2][TR]) {
   const int64_t n0 = panel * kPanel + 8 * half, valid = std::min<int64_t>(8, p.N - n0);
-  if (valid <= 0) return;
   for (int t = 0; t < TR; ++t) {
-    const __m256 v = kSets == 2 ? _mm256_add_ps(acc[0][t], acc[kSets - 1][t]) : acc[0][t];
+    const __m256 v = _mm256_add_ps(acc[0][t], acc[1][t]);
     float* out = p.y + (t0 + t) * p.N + n0;
     if (valid == 8) {
       _mm256_storeu_ps(out, v);
@@ -174,79 +222,45 @@ __attribute__((target("avx2,fma,f16c"))) void panel256(const Problem& p, int64_t
   }
 }
 
-// ---- More rows than one pass holds: the panel is dequantized once, into a buffer [K, 16] that every pass reads ----
-
-template <int Bits, int G, bool Half>
-__attribute__((target("avx512f,fma,avx2,f16c"))) void dequantize512(const Problem& p, int64_t panel, int64_t b0,
-                                                                   int64_t b1, float* w) {
+template <int Bits, int G, bool Half, int TR>
+__attribute__((target("avx2,fma,f16c"))) void panel256(const Problem& p, int64_t panel, int64_t t0, int half) {
   constexpr int64_t kRecord = record_bytes(Bits, G, Half);
-  const uint8_t* record = p.packed + (panel * (p.K / kBlock) + b0) * kRecord;
-  const __m512i low = _mm512_set1_epi32(15);
-  for (int64_t b = b0; b < b1; ++b, record += kRecord, w += kBlock * kPanel) {
-    const __m512 d0 = scales512<Half>(record, 0), m0 = scales512<Half>(record, G);
-    const __m512 d1 = G == 1 ? d0 : scales512<Half>(record, 1), m1 = G == 1 ? m0 : scales512<Half>(record, G + 1);
-    const uint8_t* codes = record + 2 * G * kPanel * (Half ? 2 : 4);
-    for (int j = 0; j < (Bits == 4 ? 16 : 32); ++j) {
-      const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * j)));
-      if constexpr (Bits == 4) {
-        _mm512_storeu_ps(w + kPanel * j, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, low)), d0, m0));
-        _mm512_storeu_ps(w + kPanel * (j + 16), _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), d1, m1));
-      } else {
-        _mm512_storeu_ps(w + kPanel * j, _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), j < 16 ? d0 : d1, j < 16 ? m0 : m1));
+  const int64_t num_blocks = p.K / kBlock;
+  if (panel * kPanel + 8 * half >= p.N) return;
+  const uint8_t* record = p.packed + panel * num_blocks * kRecord;
+  const float* x = p.x + t0 * p.K;
+  __m256 acc[2][TR];
+  for (int t = 0; t < TR; ++t) acc[0][t] = acc[1][t] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < num_blocks; ++b, record += kRecord) {
+    for (int64_t line = 0; line < kRecord; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(record + 4 * kRecord + line), _MM_HINT_T0);
+    const float* xb = x + b * kBlock;
+    const Scales256 scales = block_scales256<G, Half>(record, half);
+#pragma GCC unroll 2
+    for (int j = 0; j < 16; ++j) {
+      __m256 lo, hi;
+      weights256<Bits, G, Half>(record, scales, j, half, lo, hi);
+      for (int t = 0; t < TR; ++t) {
+        acc[0][t] = _mm256_fmadd_ps(lo, _mm256_broadcast_ss(xb + t * p.K + j), acc[0][t]);
+        acc[1][t] = _mm256_fmadd_ps(hi, _mm256_broadcast_ss(xb + t * p.K + j + 16), acc[1][t]);
       }
     }
   }
-}
-
-template <int TR>
-__attribute__((target("avx512f,fma"))) void buffered512(const Problem& p, const float* w, int64_t panel, int64_t t0,
-                                                        int64_t k0, int64_t k1) {
-  constexpr int kSets = TR >= 16 ? 1 : 2;
-  const float* x = p.x + t0 * p.K;
-  const int64_t n0 = panel * kPanel, valid = std::min(kPanel, p.N - n0);
-  const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
-  __m512 acc[kSets][TR];
-  for (int t = 0; t < TR; ++t) {
-    acc[0][t] = k0 == 0 ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask, p.y + (t0 + t) * p.N + n0);
-    acc[kSets - 1][t] = kSets == 1 ? acc[0][t] : _mm512_setzero_ps();
-  }
-#pragma GCC unroll 2
-  for (int64_t k = k0; k < k1; k += 2) {
-    const __m512 w0 = _mm512_loadu_ps(w + kPanel * (k - k0)), w1 = _mm512_loadu_ps(w + kPanel * (k + 1 - k0));
-    for (int t = 0; t < TR; ++t) {
-      acc[0][t] = _mm512_fmadd_ps(w0, _mm512_set1_ps(x[t * p.K + k]), acc[0][t]);
-      acc[kSets - 1][t] = _mm512_fmadd_ps(w1, _mm512_set1_ps(x[t * p.K + k + 1]), acc[kSets - 1][t]);
-    }
-  }
-  for (int t = 0; t < TR; ++t)
-    _mm512_mask_storeu_ps(p.y + (t0 + t) * p.N + n0, mask,
-                          kSets == 2 ? _mm512_add_ps(acc[0][t], acc[kSets - 1][t]) : acc[0][t]);
+  store256<TR>(p, panel, t0, half, acc);
 }
 
 template <int Bits, int G, bool Half>
-__attribute__((target("avx2,fma,f16c"))) void dequantize256(const Problem& p, int64_t panel, int64_t b0, int64_t b1,
-                                                            float* w) {
+__attribute__((target("avx2,fma,f16c"))) void dequantize256(const Problem& p, int64_t panel, float* w) {
   constexpr int64_t kRecord = record_bytes(Bits, G, Half);
-  const uint8_t* record = p.packed + (panel * (p.K / kBlock) + b0) * kRecord;
-  const __m256i low = _mm256_set1_epi32(15);
-  for (int64_t b = b0; b < b1; ++b, record += kRecord, w += kBlock * kPanel) {
-    const uint8_t* codes = record + 2 * G * kPanel * (Half ? 2 : 4);
+  const uint8_t* record = p.packed + panel * (p.K / kBlock) * kRecord;
+  for (int64_t b = 0; b < p.K / kBlock; ++b, record += kRecord, w += kBlock * kPanel) {
     for (int half = 0; half < 2; ++half) {
-      const __m256 d0 = scales256<Half>(record, 0, half), m0 = scales256<Half>(record, G, half);
-      const __m256 d1 = G == 1 ? d0 : scales256<Half>(record, 1, half);
-      const __m256 m1 = G == 1 ? m0 : scales256<Half>(record, G + 1, half);
-      float* out = w + 8 * half;
-      for (int j = 0; j < (Bits == 4 ? 16 : 32); ++j) {
-        const __m256i q = _mm256_cvtepu8_epi32(
-            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 16 * j + 8 * half)));
-        if constexpr (Bits == 4) {
-          _mm256_storeu_ps(out + kPanel * j, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q, low)), d0, m0));
-          _mm256_storeu_ps(out + kPanel * (j + 16),
-                           _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4)), d1, m1));
-        } else {
-          _mm256_storeu_ps(out + kPanel * j,
-                           _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), j < 16 ? d0 : d1, j < 16 ? m0 : m1));
-        }
+      const Scales256 scales = block_scales256<G, Half>(record, half);
+      for (int j = 0; j < 16; ++j) {
+        __m256 lo, hi;
+        weights256<Bits, G, Half>(record, scales, j, half, lo, hi);
+        _mm256_storeu_ps(w + kPanel * j + 8 * half, lo);
+        _mm256_storeu_ps(w + kPanel * (j + 16) + 8 * half, hi);
       }
     }
   }
@@ -254,57 +268,34 @@ __attribute__((target("avx2,fma,f16c"))) void dequantize256(const Problem& p, in
 
 template <int TR>
 __attribute__((target("avx2,fma"))) void buffered256(const Problem& p, const float* w, int64_t panel, int64_t t0,
-                                                     int half, int64_t k0, int64_t k1) {
-  constexpr int kSets = TR >= 8 ? 1 : 2;
+                                                     int half) {
+  if (panel * kPanel + 8 * half >= p.N) return;
   const float* x = p.x + t0 * p.K;
-  const int64_t n0 = panel * kPanel + 8 * half, valid = std::min<int64_t>(8, p.N - n0);
-  if (valid <= 0) return;
-  __m256 acc[kSets][TR];
-  for (int t = 0; t < TR; ++t) {
-    alignas(32) float lanes[8] = {};
-    if (k0 > 0) std::copy(p.y + (t0 + t) * p.N + n0, p.y + (t0 + t) * p.N + n0 + valid, lanes);
-    acc[0][t] = _mm256_load_ps(lanes);
-    acc[kSets - 1][t] = kSets == 1 ? acc[0][t] : _mm256_setzero_ps();
-  }
+  __m256 acc[2][TR];
+  for (int t = 0; t < TR; ++t) acc[0][t] = acc[1][t] = _mm256_setzero_ps();
   w += 8 * half;
-  for (int64_t k = k0; k < k1; k += 2) {
-    const __m256 w0 = _mm256_loadu_ps(w + kPanel * (k - k0)), w1 = _mm256_loadu_ps(w + kPanel * (k + 1 - k0));
-    for (int t = 0; t < TR; ++t) {
-      acc[0][t] = _mm256_fmadd_ps(w0, _mm256_broadcast_ss(x + t * p.K + k), acc[0][t]);
-      acc[kSets - 1][t] = _mm256_fmadd_ps(w1, _mm256_broadcast_ss(x + t * p.K + k + 1), acc[kSets - 1][t]);
+  for (int64_t k = 0; k < p.K; k += kBlock) {
+    for (int64_t j = k; j < k + 16; ++j) {
+      const __m256 w0 = _mm256_loadu_ps(w + kPanel * j), w1 = _mm256_loadu_ps(w + kPanel * (j + 16));
+      for (int t = 0; t < TR; ++t) {
+        acc[0][t] = _mm256_fmadd_ps(w0, _mm256_broadcast_ss(x + t * p.K + j), acc[0][t]);
+        acc[1][t] = _mm256_fmadd_ps(w1, _mm256_broadcast_ss(x + t * p.K + j + 16), acc[1][t]);
+      }
     }
   }
-  for (int t = 0; t < TR; ++t) {
-    const __m256 v = kSets == 2 ? _mm256_add_ps(acc[0][t], acc[kSets - 1][t]) : acc[0][t];
-    float* out = p.y + (t0 + t) * p.N + n0;
-    if (valid == 8) {
-      _mm256_storeu_ps(out, v);
-    } else {
-      alignas(32) float lanes[8];
-      _mm256_store_ps(lanes, v);
-      std::copy(lanes, lanes + valid, out);
-    }
-  }
+  store256<TR>(p, panel, t0, half, acc);
 }
 
-// Up to 16 (AVX-512) or 8 (AVX2) rows of x are one pass, which dequantizes in registers (one instance per row count,
-// so that the accumulators stay in registers). More rows take passes of 16 or 8, then fewer, over chunks of the panel
-// dequantized once into `w`.
+// Up to kPassRows rows of x are one pass, which dequantizes in registers (one instance per row count, so that the
+// accumulators stay in registers). More rows take tiles of kTileRows, then fewer, over the panel dequantized once.
 template <int Bits, int G, bool Half, int... I>
 void one_pass512(const Problem& p, int64_t panel, std::integer_sequence<int, I...>) {
   ((p.T == I + 1 ? panel512<Bits, G, Half, I + 1>(p, panel, 0) : void()), ...);
 }
 
 template <int... I>
-void rest512(const Problem& p, const float* w, int64_t panel, int64_t t0, int64_t k0, int64_t k1,
-             std::integer_sequence<int, I...>) {
-  ((p.T - t0 == I + 1 ? buffered512<I + 1>(p, w, panel, t0, k0, k1) : void()), ...);
-}
-
-template <int... I>
-void rest256(const Problem& p, const float* w, int64_t panel, int64_t t0, int half, int64_t k0, int64_t k1,
-             std::integer_sequence<int, I...>) {
-  ((p.T - t0 == I + 1 ? buffered256<I + 1>(p, w, panel, t0, half, k0, k1) : void()), ...);
+void rest512(const Problem& p, const float* w, int64_t panel, int64_t t0, std::integer_sequence<int, I...>) {
+  ((p.T - t0 == I + 1 ? buffered512<I + 1>(p, w, panel, t0) : void()), ...);
 }
 
 template <int Bits, int G, bool Half, int... I>
@@ -312,35 +303,35 @@ void one_pass256(const Problem& p, int64_t panel, int half, std::integer_sequenc
   ((p.T == I + 1 ? panel256<Bits, G, Half, I + 1>(p, panel, 0, half) : void()), ...);
 }
 
+template <int... I>
+void rest256(const Problem& p, const float* w, int64_t panel, int64_t t0, int half, std::integer_sequence<int, I...>) {
+  ((p.T - t0 == I + 1 ? buffered256<I + 1>(p, w, panel, t0, half) : void()), ...);
+}
+
 template <int Bits, int G, bool Half>
 void panel_rows512(const Problem& p, int64_t panel, float* w) {
-  if (p.T <= 16) {
-    one_pass512<Bits, G, Half>(p, panel, std::make_integer_sequence<int, 16>{});
+  if (p.T <= kPassRows512) {
+    one_pass512<Bits, G, Half>(p, panel, std::make_integer_sequence<int, kPassRows512>{});
     return;
   }
-  for (int64_t b0 = 0; b0 < p.K / kBlock; b0 += kChunkBlocks) {
-    const int64_t b1 = std::min(b0 + kChunkBlocks, p.K / kBlock), k0 = b0 * kBlock, k1 = b1 * kBlock;
-    dequantize512<Bits, G, Half>(p, panel, b0, b1, w);
-    int64_t t0 = 0;
-    for (; t0 + 16 <= p.T; t0 += 16) buffered512<16>(p, w, panel, t0, k0, k1);
-    rest512(p, w, panel, t0, k0, k1, std::make_integer_sequence<int, 15>{});
-  }
+  dequantize512<Bits, G, Half>(p, panel, w);
+  int64_t t0 = 0;
+  for (; t0 + kTileRows512 <= p.T; t0 += kTileRows512) buffered512<kTileRows512>(p, w, panel, t0);
+  rest512(p, w, panel, t0, std::make_integer_sequence<int, kTileRows512 - 1>{});
 }
 
 template <int Bits, int G, bool Half>
 void panel_rows256(const Problem& p, int64_t panel, float* w) {
-  if (p.T <= 8) {
-    for (int half = 0; half < 2; ++half) one_pass256<Bits, G, Half>(p, panel, half, std::make_integer_sequence<int, 8>{});
+  if (p.T <= kPassRows256) {
+    for (int half = 0; half < 2; ++half)
+      one_pass256<Bits, G, Half>(p, panel, half, std::make_integer_sequence<int, kPassRows256>{});
     return;
   }
-  for (int64_t b0 = 0; b0 < p.K / kBlock; b0 += kChunkBlocks) {
-    const int64_t b1 = std::min(b0 + kChunkBlocks, p.K / kBlock), k0 = b0 * kBlock, k1 = b1 * kBlock;
-    dequantize256<Bits, G, Half>(p, panel, b0, b1, w);
-    for (int half = 0; half < 2; ++half) {
-      int64_t t0 = 0;
-      for (; t0 + 8 <= p.T; t0 += 8) buffered256<8>(p, w, panel, t0, half, k0, k1);
-      rest256(p, w, panel, t0, half, k0, k1, std::make_integer_sequence<int, 7>{});
-    }
+  dequantize256<Bits, G, Half>(p, panel, w);
+  for (int half = 0; half < 2; ++half) {
+    int64_t t0 = 0;
+    for (; t0 + kTileRows256 <= p.T; t0 += kTileRows256) buffered256<kTileRows256>(p, w, panel, t0, half);
+    rest256(p, w, panel, t0, half, std::make_integer_sequence<int, kTileRows256 - 1>{});
   }
 }
 
@@ -348,7 +339,7 @@ template <int Bits, int G, bool Half>
 void run(const Problem& p, int64_t isa) {
   const int64_t num_panels = (p.N + kPanel - 1) / kPanel;
   at::parallel_for(0, num_panels, 2, [&](int64_t begin, int64_t end) {
-    std::vector<float> w(kChunkBlocks * kBlock * kPanel);  // a dequantized chunk, when several passes read it
+    std::vector<float> w(p.T > kPassRows256 ? p.K * kPanel : 0);  // the dequantized panel, when tiles read it
     for (int64_t panel = begin; panel < end; ++panel) {
       if (isa == kIsaAvx512) panel_rows512<Bits, G, Half>(p, panel, w.data());
       else panel_rows256<Bits, G, Half>(p, panel, w.data());

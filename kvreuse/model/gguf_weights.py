@@ -1,11 +1,15 @@
-"""`model.weights = gguf`: decode-shaped products read the GGUF file's own quantized blocks.
+"""`model.weights = gguf`: the model's products read the GGUF file's own quantized blocks.
 
-Each decoder linear and the LM head of a model loaded from a GGUF keep, beside the dense fp32 weight that prefill
-multiplies by, the file's blocks (gguf_blocks.py). Up to `kernel_max_rows` rows (16 or 32, measured per CPU:
-kernel_rows.py; decode steps, short prompt chunks, a few sampled rows of the head), the kernel (kvreuse/kernels)
-dequantizes them in registers to exactly the dense weight's values and multiplies in fp32: the dense product up to
-summation order, at a fifth (4-bit codes) to a third (8-bit) of the bytes. Where the kernel is not built or the CPU
-lacks AVX2 the dense weight is used: the same numbers as `dense`, so no tag.
+Each decoder linear and the LM head of a model loaded from a GGUF keep the file's blocks (gguf_blocks.py); the kernel
+(kvreuse/kernels) dequantizes them in registers to exactly the dense weight's values and multiplies in fp32, at a
+fifth (4-bit codes) to a third (8-bit) of the dense bytes, summing every row in one order whatever the row count.
+- In an fp32 model every product takes the kernel (`GGUFLinear`), so a row's numbers never depend on what else is in
+  its forward: prefix reuse gives the bits a cold run gives (docs/design/batch-invariance.md), and the model holds one
+  copy of its weights, the blocks.
+- In a model of another dtype (bf16), up to `kernel_max_rows` rows take the kernel (decode steps, short chunks, the
+  head's sampled rows) and more take the dense weight, whose GEMM runs in that dtype (`SplitGGUFLinear`;
+  kernel_rows.py measures the limit per CPU).
+Where the kernel is not built or the CPU lacks AVX2 the dense weight is used: the same numbers as `dense`, so no tag.
 """
 
 from __future__ import annotations
@@ -38,26 +42,21 @@ def resolve_weights(mode: str, quantization: str, path: Path, device: torch.devi
 
 def weights_tag(mode: str) -> str:
     """The fingerprint tag of `mode` as resolved ("gguf" or "dense") on this machine: "" where its numbers are the
-    dense path's, else the kernel's panel rows and variant ("gguf16.avx512", "gguf16.avx2"), which fix its
-    summation order. Decided by torch's CPU capability, so that a front end that loads no kernel (a cluster's
+    dense path's, else the kernel's panel rows, its two sums per row and its variant ("gguf16s2.avx512"), which fix
+    its summation order. Decided by torch's CPU capability, so that a front end that loads no kernel (a cluster's
     ingress) keys blocks alike."""
     if mode != "gguf":
         return ""
     isa = {"AVX512": "avx512", "AVX2": "avx2"}.get(torch.backends.cpu.get_cpu_capability())
-    return f"gguf{PANEL_ROWS}.{isa}" if isa else ""
+    return f"gguf{PANEL_ROWS}s2.{isa}" if isa else ""
 
 
 class GGUFLinear(nn.Module):
-    """A bias-free linear with a dense weight (prefill) and the GGUF blocks of the same values (decode)."""
+    """A bias-free linear whose every product reads the GGUF blocks: one summation order per row for any row count."""
 
-    # Where forward branches: one of kernel_rows.ROW_LIMITS, set by the probe (the compiled graphs split there); more
-    # rows (prefill) are compute-bound, where the dense GEMM's blocking wins.
-    kernel_max_rows = kernel_rows.ROW_LIMITS[0]
-
-    def __init__(self, weight: torch.Tensor, blocks: QuantizedBlocks, isa: int):
+    def __init__(self, blocks: QuantizedBlocks, isa: int):
         super().__init__()
-        self.out_features, self.in_features = weight.shape
-        self.weight = weight                                             # [out, in], the model dtype
+        self.out_features, self.in_features = blocks.shape
         packed = blocks.pack()
         self.bits, self.group, self.half_scales = packed.bits, packed.group, packed.half_scales
         self.isa, self.source = isa, blocks.source
@@ -70,14 +69,33 @@ class GGUFLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., in] -> [..., out], in x's dtype."""
         rows = x.reshape(-1, self.in_features)                           # [T, in]
-        use_kernel = self.isa and rows.shape[0] <= self.kernel_max_rows
-        y = self.kernel_product(rows) if use_kernel else self.dense_product(rows)  # [T, out]
-        return y.view(*x.shape[:-1], self.out_features)
+        return self.product(rows).view(*x.shape[:-1], self.out_features)
+
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows: [T, in] -> [T, out]."""
+        return self.kernel_product(rows)
 
     def kernel_product(self, rows: torch.Tensor) -> torch.Tensor:
         """rows: [T, in] -> [T, out] from the blocks, multiplied in fp32 (rows' dtype in and out)."""
         return torch.ops.kvreuse_cpu.gguf_linear(rows.float().contiguous(), self.packed, self.out_features,
                                                  self.bits, self.group, self.half_scales, self.isa).to(rows.dtype)
+
+
+class SplitGGUFLinear(GGUFLinear):
+    """A GGUF linear that also keeps the dense weight (a dtype other than fp32), for more than `kernel_max_rows` rows:
+    prefill at that dtype's GEMM speed, decode from the blocks. A row's numbers then depend on its forward's size."""
+
+    # Where forward branches: one of kernel_rows.ROW_LIMITS, set by the probe (the compiled graphs split there); more
+    # rows (prefill) are compute-bound, where the dense GEMM's blocking wins.
+    kernel_max_rows = kernel_rows.ROW_LIMITS[0]
+
+    def __init__(self, weight: torch.Tensor, blocks: QuantizedBlocks, isa: int):
+        super().__init__(blocks, isa)
+        self.weight = weight                                             # [out, in], the model dtype
+
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows: [T, in] -> [T, out]: the kernel's up to kernel_max_rows rows, else the dense weight's."""
+        return self.kernel_product(rows) if rows.shape[0] <= self.kernel_max_rows else self.dense_product(rows)
 
     def dense_product(self, rows: torch.Tensor) -> torch.Tensor:
         """rows: [T, in] -> [T, out] from the dense weight."""
@@ -116,15 +134,18 @@ def use_gguf_blocks(model: CausalLM, weights: LoadedWeights) -> str:
     for i, owner, attr, key in targets:
         linear = getattr(owner, attr)
         if key in blocks and blocks[key].shape == tuple(linear.weight.shape):
-            gguf = GGUFLinear(linear.weight, blocks[key], status.isa)
+            gguf = (GGUFLinear(blocks[key], status.isa) if linear.weight.dtype == torch.float32 else
+                    SplitGGUFLinear(linear.weight, blocks[key], status.isa))
             setattr(owner, attr, gguf)
             made.append((i, gguf))
-    per_layer = [[lin for j, lin in made if j == i] for i in range(len(model.layers))]
-    limit = ""
+    per_layer = [[lin for j, lin in made if j == i and isinstance(lin, SplitGGUFLinear)]
+                 for i in range(len(model.layers))]
+    limit = "; every row through the kernel" if made and not any(per_layer) else ""
     if any(per_layer):
         rows = kernel_rows.probe([linears for linears in per_layer if linears])
         for _, lin in made:
-            lin.kernel_max_rows = rows.limit
+            if isinstance(lin, SplitGGUFLinear):
+                lin.kernel_max_rows = rows.limit
         limit = f"; {rows.summary}"
     kinds = ", ".join(sorted({lin.source for _, lin in made}))
     return f"gguf: {len(made)} of {len(targets)} linears read {kinds} blocks ({status.reason}){limit}"

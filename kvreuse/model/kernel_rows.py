@@ -17,7 +17,7 @@ from kvreuse.kernels import build as kernels
 from kvreuse.model.dtype_probe import cpu_identity
 
 if TYPE_CHECKING:
-    from kvreuse.model.gguf_weights import GGUFLinear
+    from kvreuse.model.gguf_weights import SplitGGUFLinear
 
 PROBE_VERSION = 3  # 3: passes from evicted caches
 # The row limits to choose from: the compiled graphs' row boundaries (decode_graph.BRANCHING_ROW_GRID), so that no
@@ -61,13 +61,13 @@ def choose_limit(times: Sequence[RowTimes]) -> int:
     return limit
 
 
-def sampled(layers: Sequence[Sequence[GGUFLinear]]) -> list[GGUFLinear]:
+def sampled(layers: Sequence[Sequence[SplitGGUFLinear]]) -> list[SplitGGUFLinear]:
     """The GGUF linears of MEASURED_LAYERS layers spread evenly over the model (`layers`: each layer's)."""
     step = max(1, len(layers) // MEASURED_LAYERS)
     return [lin for linears in layers[::step][:MEASURED_LAYERS] for lin in linears]
 
 
-def measure(linears: Sequence[GGUFLinear]) -> tuple[RowTimes, ...]:
+def measure(linears: Sequence[SplitGGUFLinear]) -> tuple[RowTimes, ...]:
     """Time `linears` at each measured limit's rows, kernel and dense interleaved (alternating which goes first):
     one warm-up, then the fastest of REPEATS (another process's load only ever adds time). Each pass starts from
     caches that hold none of its weights, as in a step, where every linear's weights were evicted by the others'."""
@@ -98,7 +98,7 @@ def measure(linears: Sequence[GGUFLinear]) -> tuple[RowTimes, ...]:
                  for rows in counts)
 
 
-def probe_key(linears: Sequence[GGUFLinear]) -> dict:
+def probe_key(linears: Sequence[SplitGGUFLinear]) -> dict:
     """Everything the answer depends on; a change in any of it measures again."""
     return {"version": PROBE_VERSION, **cpu_identity(), "torch": torch.__version__, "threads": torch.get_num_threads(),
             "limits": list(ROW_LIMITS), "kernel": kernels.build_dir().name,  # keyed by the kernel's source
@@ -117,7 +117,7 @@ def load_cached(key: dict) -> tuple[RowTimes, ...] | None:
     return times if valid else None
 
 
-def probe(layers: Sequence[Sequence[GGUFLinear]]) -> KernelRows:
+def probe(layers: Sequence[Sequence[SplitGGUFLinear]]) -> KernelRows:
     """The row limit for a model whose layers have the GGUF linears `layers` (each layer's): from the disk cache, or
     measured on a sample of them (and then cached)."""
     linears = sampled(layers)
