@@ -6,6 +6,7 @@ inputs that are not 64-byte aligned, and scales that fp16 cannot hold (the fp32 
 from __future__ import annotations
 
 import fcntl
+import re
 import subprocess
 import sys
 import textwrap
@@ -138,6 +139,12 @@ def test_bad_calls_are_refused_with_the_reason():
         torch.ops.kvreuse_cpu.gguf_linear(torch.randn(1, 64), blocks.data, 8, 4, 16, True, ISAS[0])
     with pytest.raises(RuntimeError, match="isa"):
         torch.ops.kvreuse_cpu.gguf_linear(torch.randn(1, 64), blocks.data, 8, 4, 32, True, 7)
+
+
+def test_the_python_isa_enum_mirrors_the_kernels_header():
+    header = kernels.HEADERS[0].read_text()
+    values = {name.lower(): int(value) for name, value in re.findall(r"^\s*k(\w+) = (\d+),", header, re.MULTILINE)}
+    assert values == {isa.name.lower(): isa.value for isa in kernels.Isa} == {"none": 0, "avx2": 1, "avx512": 2}
 
 
 def test_the_build_is_kept_per_source_and_torch():

@@ -21,6 +21,7 @@ import logging
 import os
 import threading
 from dataclasses import dataclass
+from enum import IntEnum
 from pathlib import Path
 
 import torch
@@ -30,9 +31,19 @@ from kvreuse.cache_dir import cache_root
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("gguf_linear.cpp", "decode_attention.cpp"))
+HEADERS = (Path(__file__).with_name("isa.h"),)  # included by the sources: kept beside their copies, and keyed
 CFLAGS = ("-O3", "-fopenmp")  # at::parallel_for is OpenMP in the headers: without it, one thread
-ISAS = {1: "avx2", 2: "avx512"}
-_TORCH_CAPABILITY = {"AVX512": 2, "AVX2": 1}  # torch.backends.cpu.get_cpu_capability() -> the widest we may run
+
+
+class Isa(IntEnum):
+    """The kernels' instruction sets, as the ops take them: isa.h's `kvreuse::Isa`, value for value."""
+    NONE = 0
+    AVX2 = 1
+    AVX512 = 2
+
+
+ISAS = {Isa.AVX2: "avx2", Isa.AVX512: "avx512"}
+_TORCH_CAPABILITY = {"AVX512": Isa.AVX512, "AVX2": Isa.AVX2}  # torch.backends.cpu.get_cpu_capability() -> widest
 _lock = threading.Lock()
 _status: KernelStatus | None = None  # load()'s answer
 
@@ -40,7 +51,7 @@ _status: KernelStatus | None = None  # load()'s answer
 @dataclass(frozen=True)
 class KernelStatus:
     loaded: bool    # the extension is loaded: the decode attention kernel runs
-    isa: int        # the GGUF product's variant: 0 none (dense weights in torch), 1 AVX2, 2 AVX-512
+    isa: Isa        # the GGUF product's variant: NONE (dense weights in torch), AVX2, AVX512
     reason: str     # why: the instruction set, or what kept the extension from loading
 
     @property
@@ -62,19 +73,19 @@ def load() -> KernelStatus:
 
 def _load() -> KernelStatus:
     if os.environ.get("KVREUSE_CPU_KERNELS", "1") == "0":
-        return KernelStatus(False, 0, "KVREUSE_CPU_KERNELS=0")
+        return KernelStatus(False, Isa.NONE, "KVREUSE_CPU_KERNELS=0")
     try:
         _build()
     except Exception as exc:  # no compiler, no ninja, a build error: the torch ops compute the same
         last = str(exc).strip().splitlines()[-1:] or [""]
         logger.warning("kvreuse's CPU kernels unavailable (%s: %s); running pure torch ops", type(exc).__name__,
                        last[0])
-        return KernelStatus(False, 0, f"build failed: {type(exc).__name__}")
-    cpu = int(torch.ops.kvreuse_cpu.best_isa())
+        return KernelStatus(False, Isa.NONE, f"build failed: {type(exc).__name__}")
+    cpu = Isa(torch.ops.kvreuse_cpu.best_isa())
     capability = torch.backends.cpu.get_cpu_capability()
-    isa = min(cpu, _TORCH_CAPABILITY.get(capability, 0))
-    if isa == 0:
-        return KernelStatus(True, 0, "this CPU has no AVX2/FMA" if cpu == 0 else
+    isa = min(cpu, _TORCH_CAPABILITY.get(capability, Isa.NONE))
+    if isa == Isa.NONE:
+        return KernelStatus(True, Isa.NONE, "this CPU has no AVX2/FMA" if cpu == Isa.NONE else
                             f"ATEN_CPU_CAPABILITY={capability.lower()}")
     return KernelStatus(True, isa, ISAS[isa] if isa == cpu else f"{ISAS[isa]}, as ATEN_CPU_CAPABILITY allows")
 
@@ -84,7 +95,7 @@ def build_dir() -> Path:
     so two environments (a checkout's and a clean clone's) sharing one directory rebuilt in turn (~9 s each)."""
     torch_dir = str(Path(torch.__file__).resolve().parent)
     digest = hashlib.sha256("\0".join([torch.__version__, torch_dir, *CFLAGS]).encode())
-    for source in SOURCES:
+    for source in (*SOURCES, *HEADERS):
         digest.update(source.read_bytes())
     return cache_root() / "kernels" / f"kvreuse_cpu-{digest.hexdigest()[:16]}"
 
@@ -125,18 +136,19 @@ def _build() -> None:
 
 
 def _stable_sources(directory: Path) -> list[Path]:
-    """The sources, copied into the build directory once: ninja's build file names its sources' paths, so building
-    from each checkout's own files made every other checkout (a clone, an installed copy) rebuild in turn. The
-    directory is keyed by their contents, so the copies are these sources."""
+    """The sources (and the headers they include, beside them), copied into the build directory once: ninja's build
+    file names its sources' paths, so building from each checkout's own files made every other checkout (a clone, an
+    installed copy) rebuild in turn. The directory is keyed by their contents, so the copies are these files. Returns
+    the sources' copies."""
     copies = []
-    for source in SOURCES:
+    for source in (*SOURCES, *HEADERS):
         copy = directory / source.name
         if not copy.exists():
             temp = copy.with_suffix(f".{os.getpid()}.tmp")
             temp.write_bytes(source.read_bytes())
             temp.replace(copy)
         copies.append(copy)
-    return copies
+    return copies[:len(SOURCES)]
 
 
 if __name__ == "__main__":  # `python -m kvreuse.kernels.build`: build now (make install does)

@@ -27,6 +27,8 @@
 #include <utility>
 #include <vector>
 
+#include "isa.h"
+
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -35,7 +37,7 @@ namespace {
 
 constexpr int64_t kBlock = 32;
 constexpr int64_t kPanel = 16;  // output rows per record (gguf_blocks.PANEL_ROWS)
-constexpr int kIsaNone = 0, kIsaAvx2 = 1, kIsaAvx512 = 2;
+using kvreuse::Isa;
 
 struct Problem {
   const float* x;         // [T, K]
@@ -336,19 +338,19 @@ void panel_rows256(const Problem& p, int64_t panel, float* w) {
 }
 
 template <int Bits, int G, bool Half>
-void run(const Problem& p, int64_t isa) {
+void run(const Problem& p, Isa isa) {
   const int64_t num_panels = (p.N + kPanel - 1) / kPanel;
   at::parallel_for(0, num_panels, 2, [&](int64_t begin, int64_t end) {
     std::vector<float> w(p.T > kPassRows256 ? p.K * kPanel : 0);  // the dequantized panel, when tiles read it
     for (int64_t panel = begin; panel < end; ++panel) {
-      if (isa == kIsaAvx512) panel_rows512<Bits, G, Half>(p, panel, w.data());
+      if (isa == Isa::kAvx512) panel_rows512<Bits, G, Half>(p, panel, w.data());
       else panel_rows256<Bits, G, Half>(p, panel, w.data());
     }
   });
 }
 
 template <bool Half>
-void dispatch(const Problem& p, int64_t bits, int64_t group, int64_t isa) {
+void dispatch(const Problem& p, int64_t bits, int64_t group, Isa isa) {
   if (bits == 4) run<4, 1, Half>(p, isa);
   else if (group == 32) run<8, 1, Half>(p, isa);
   else run<8, 2, Half>(p, isa);
@@ -360,10 +362,10 @@ int64_t best_isa() {
 #if defined(__x86_64__)
   __builtin_cpu_init();
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-  if (avx2 && __builtin_cpu_supports("avx512f")) return kIsaAvx512;
-  if (avx2) return kIsaAvx2;
+  if (avx2 && __builtin_cpu_supports("avx512f")) return static_cast<int64_t>(Isa::kAvx512);
+  if (avx2) return static_cast<int64_t>(Isa::kAvx2);
 #endif
-  return kIsaNone;
+  return static_cast<int64_t>(Isa::kNone);
 }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, int64_t bits, int64_t group,
@@ -377,14 +379,15 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, int6
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() &&
                   packed.numel() == (N + kPanel - 1) / kPanel * (K / kBlock) * record,
               "packed must hold ceil(N / 16) * K / 32 records of ", record, " bytes");
-  TORCH_CHECK(isa == kIsaAvx2 || isa == kIsaAvx512, "isa must be 1 (AVX2) or 2 (AVX-512)");
+  TORCH_CHECK(isa == static_cast<int64_t>(Isa::kAvx2) || isa == static_cast<int64_t>(Isa::kAvx512),
+              "isa must be 1 (AVX2) or 2 (AVX-512)");
   TORCH_CHECK(isa <= best_isa(), "this CPU does not run isa ", isa);
   at::Tensor y = at::empty({T, N}, x.options());
   if (T == 0 || N == 0) return y;
   Problem p{x.data_ptr<float>(), packed.data_ptr<uint8_t>(), y.data_ptr<float>(), T, N, K};
 #if defined(__x86_64__)
-  if (half_scales) dispatch<true>(p, bits, group, isa);
-  else dispatch<false>(p, bits, group, isa);
+  if (half_scales) dispatch<true>(p, bits, group, static_cast<Isa>(isa));
+  else dispatch<false>(p, bits, group, static_cast<Isa>(isa));
 #endif
   return y;
 }
