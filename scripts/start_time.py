@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from kvreuse.cache_dir import cache_root
-from kvreuse.model.dtype_probe import cpu_identity
+from kvreuse.tuning.dtype_probe import cpu_identity
 
 READY = "kvreuse ready:"
 

@@ -20,9 +20,10 @@ import torch
 from safetensors.torch import save_file
 
 from kvreuse.llm import LLM
-from kvreuse.model import decode_graph, dtype_probe, loader
+from kvreuse.model import decode_graph, loader
 from kvreuse.model.loader import embedded_model_path, file_sha256
 from kvreuse.model.tokenizer import Tokenizer
+from kvreuse.tuning import dtype_probe
 
 # make_config is also imported from here, by test_analyze, test_cache_cli and test_soak
 from .helpers import make_config, tiny_config

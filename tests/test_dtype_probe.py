@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from kvreuse.engine.engine import LLMEngine, resolve_dtype
-from kvreuse.model import dtype_probe
 from kvreuse.model.args import ModelArgs, Rope
+from kvreuse.tuning import dtype_probe
 
 from .conftest import TINY
 from .helpers import tiny_engine

@@ -248,7 +248,7 @@ def test_an_engine_resolves_its_model_once(tiny_model_dir, monkeypatch):
     compiled step's build command take what it decided."""
     from kvreuse.engine import engine as engine_module
     from kvreuse.engine import resolved_model
-    from kvreuse.model import dtype_probe
+    from kvreuse.tuning import dtype_probe
 
     calls = {"resolve_model": 0, "load_model_info": 0, "probe": 0}
 

@@ -1,4 +1,4 @@
-"""Up to how many rows the GGUF kernel serves (kvreuse/model/kernel_rows.py): the rule, the per-machine cache, the
+"""Up to how many rows the GGUF kernel serves (kvreuse/tuning/kernel_rows.py): the rule, the per-machine cache, the
 compiled graphs' row grid that follows the linears' branch, and the probe on the embedded model's own linears, whose
 limit every GGUF linear then carries. Only the last test times anything, and it asserts no speed."""
 
@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 from kvreuse.kernels import build as kernels
-from kvreuse.model import kernel_rows
 from kvreuse.model.decode_graph import BRANCHING_ROW_GRID, row_buckets
-from kvreuse.model.kernel_rows import MIN_GAIN, RowTimes, choose_limit
+from kvreuse.tuning import kernel_rows
+from kvreuse.tuning.kernel_rows import MIN_GAIN, RowTimes, choose_limit
 
 needs_kernel = pytest.mark.skipif(not kernels.load().isa, reason=f"no GGUF kernel here: {kernels.load().reason}")
 

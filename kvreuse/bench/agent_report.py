@@ -100,7 +100,7 @@ def round_ratios(systems: dict[str, dict], reference: str) -> dict[str, list[flo
 
 def machine() -> dict:
     """The client machine: CPU model (lscpu's), its SIMD flags, cores, and the hypervisor if any."""
-    from kvreuse.model.dtype_probe import cpu_identity
+    from kvreuse.tuning.dtype_probe import cpu_identity
 
     info = {**cpu_identity(), "cores": os.cpu_count()}
     try:

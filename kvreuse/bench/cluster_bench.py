@@ -28,7 +28,7 @@ import httpx
 from kvreuse.bench import replay
 from kvreuse.bench.engine_bench import machine
 from kvreuse.bench.workloads import agent, chat, document_chat
-from kvreuse.model.dtype_probe import cpu_identity
+from kvreuse.tuning.dtype_probe import cpu_identity
 
 READY = re.compile(r"kvreuse ready: (http://127\.0\.0\.1:\d+)/v1")
 READY_TIMEOUT_S = 600.0

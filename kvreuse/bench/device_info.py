@@ -8,7 +8,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 import torch
 
-from kvreuse.model import dtype_probe
+from kvreuse.tuning import dtype_probe
 
 PACKAGES = ("transformers", "tokenizers", "safetensors", "numpy", "triton", "pydantic")
 

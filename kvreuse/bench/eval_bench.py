@@ -35,8 +35,8 @@ from kvreuse.bench.tiers_bench import expect
 from kvreuse.bench.workloads import documents
 from kvreuse.config import load_config
 from kvreuse.llm import LLM
-from kvreuse.model.dtype_probe import cpu_identity
 from kvreuse.sampling_params import SamplingParams
+from kvreuse.tuning.dtype_probe import cpu_identity
 
 MODES = ("cache-on", "cache-off", "hf")
 NUM_CHOICES = 4

@@ -21,7 +21,7 @@ from kvreuse.bench.cluster_bench import served
 from kvreuse.bench.engine_bench import machine
 from kvreuse.bench.redis_process import RedisProcess
 from kvreuse.bench.trace import read_trace
-from kvreuse.model.dtype_probe import cpu_identity
+from kvreuse.tuning.dtype_probe import cpu_identity
 
 POLICIES = ("cache_aware", "round_robin", "ray_prefix")
 HIT_RATE_RATIO = 1.3

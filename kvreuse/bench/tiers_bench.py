@@ -27,8 +27,8 @@ from kvreuse.engine.output import RequestOutput
 from kvreuse.kvcache.tiers.redis_tier import redact_url
 from kvreuse.kvcache.tiers.store import TieredStore
 from kvreuse.llm import LLM
-from kvreuse.model.dtype_probe import cpu_identity
 from kvreuse.sampling_params import SamplingParams
+from kvreuse.tuning.dtype_probe import cpu_identity
 
 WAYS = ("cold", "memory", "disk_cached", "disk", "redis")
 TIER_OF = {"memory": "memory", "disk_cached": "disk", "disk": "disk", "redis": "redis"}

@@ -123,7 +123,7 @@ def replay(token_lists: Sequence[list[int]], cache: CacheConfig, fingerprint: st
 
 def machine() -> dict:
     """The CPU and Python the replay ran on (they set its speed, never its numbers)."""
-    from kvreuse.model.dtype_probe import cpu_identity
+    from kvreuse.tuning.dtype_probe import cpu_identity
 
     cpu = cpu_identity()
     return {"cpu": cpu["cpu"], "arch": cpu["machine"], "cores": os.cpu_count(), "python": platform.python_version()}

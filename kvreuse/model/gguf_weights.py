@@ -22,9 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvreuse.kernels import build as kernels
-from kvreuse.model import kernel_rows
 from kvreuse.model.decoder import FUSED_LINEARS, fused_parts
 from kvreuse.model.gguf_blocks import PANEL_ROWS, QuantizedBlocks, concat
+from kvreuse.tuning import kernel_rows
 
 if TYPE_CHECKING:
     from kvreuse.model.decoder import CausalLM

@@ -27,7 +27,7 @@ import torch
 
 from kvreuse.cache_dir import cache_root, write_json_atomically
 from kvreuse.kernels import build as kernels
-from kvreuse.model.dtype_probe import cpu_identity
+from kvreuse.tuning.dtype_probe import cpu_identity
 
 GRAPH_VERSION = 1
 SOURCES = ("model", "layers", "kernels")  # the packages whose code the graphs are made of

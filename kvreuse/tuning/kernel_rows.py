@@ -8,16 +8,13 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from kvreuse.cache_dir import keyed_path, read_keyed, write_json_atomically
 from kvreuse.kernels import build as kernels
-from kvreuse.model.dtype_probe import cpu_identity
-
-if TYPE_CHECKING:
-    from kvreuse.model.gguf_weights import SplitGGUFLinear
+from kvreuse.tuning.dtype_probe import cpu_identity
 
 PROBE_VERSION = 3  # 3: passes from evicted caches
 # The row limits to choose from: the compiled graphs' row boundaries (decode_graph.BRANCHING_ROW_GRID), so that no
@@ -28,6 +25,21 @@ MIN_GAIN = 1.1         # the kernel takes a limit's rows only if it is this much
 MEASURED_LAYERS = 6    # layers sampled evenly: their linears at 64 rows take ~10-15 ms a pass on a 2-core Xeon
 REPEATS = 5
 EVICT_BYTES = 64 << 20
+
+
+class BlockLinear(Protocol):
+    """What the probe reads of a GGUF linear (gguf_weights.py's `SplitGGUFLinear` has it): tuning/ sits below
+    the weights and measures what it is handed."""
+    in_features: int
+    out_features: int
+    bits: int
+    group: int
+    isa: int
+    weight: torch.Tensor
+
+    def kernel_product(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def dense_product(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -61,13 +73,13 @@ def choose_limit(times: Sequence[RowTimes]) -> int:
     return limit
 
 
-def sampled(layers: Sequence[Sequence[SplitGGUFLinear]]) -> list[SplitGGUFLinear]:
+def sampled(layers: Sequence[Sequence[BlockLinear]]) -> list[BlockLinear]:
     """The GGUF linears of MEASURED_LAYERS layers spread evenly over the model (`layers`: each layer's)."""
     step = max(1, len(layers) // MEASURED_LAYERS)
     return [lin for linears in layers[::step][:MEASURED_LAYERS] for lin in linears]
 
 
-def measure(linears: Sequence[SplitGGUFLinear]) -> tuple[RowTimes, ...]:
+def measure(linears: Sequence[BlockLinear]) -> tuple[RowTimes, ...]:
     """Time `linears` at each measured limit's rows, kernel and dense interleaved (alternating which goes first):
     one warm-up, then the fastest of REPEATS (another process's load only ever adds time). Each pass starts from
     caches that hold none of its weights, as in a step, where every linear's weights were evicted by the others'."""
@@ -98,7 +110,7 @@ def measure(linears: Sequence[SplitGGUFLinear]) -> tuple[RowTimes, ...]:
                  for rows in counts)
 
 
-def probe_key(linears: Sequence[SplitGGUFLinear]) -> dict:
+def probe_key(linears: Sequence[BlockLinear]) -> dict:
     """Everything the answer depends on; a change in any of it measures again."""
     return {"version": PROBE_VERSION, **cpu_identity(), "torch": torch.__version__, "threads": torch.get_num_threads(),
             "limits": list(ROW_LIMITS), "kernel": kernels.build_dir().name,  # keyed by the kernel's source
@@ -117,7 +129,7 @@ def load_cached(key: dict) -> tuple[RowTimes, ...] | None:
     return times if valid else None
 
 
-def probe(layers: Sequence[Sequence[SplitGGUFLinear]]) -> KernelRows:
+def probe(layers: Sequence[Sequence[BlockLinear]]) -> KernelRows:
     """The row limit for a model whose layers have the GGUF linears `layers` (each layer's): from the disk cache, or
     measured on a sample of them (and then cached)."""
     linears = sampled(layers)

@@ -10,14 +10,24 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 from kvreuse.cache_dir import keyed_path, read_keyed, write_json_atomically
-from kvreuse.model.loader import ModelArgs
 
 logger = logging.getLogger(__name__)
+
+
+class LayerShape(Protocol):
+    """What the probe reads of a model's shape (model/args.py's `ModelArgs` has it): tuning/ sits below the model and
+    measures what it is handed."""
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
 
 # Bumped whenever what is measured changes, so that answers measured the old way are not reused.
 PROBE_VERSION = 1
@@ -100,7 +110,7 @@ def _pace(speedup: float) -> str:
     return f"ran {speedup:.2f}x as fast" if speedup >= 1 else f"took {1 / speedup:.1f}x as long"
 
 
-def layer_shapes(args: ModelArgs) -> list[tuple[int, int]]:
+def layer_shapes(args: LayerShape) -> list[tuple[int, int]]:
     """(in, out) of a decoder layer's linears, fused as `Llama` fuses them: qkv, o, gate_up, down."""
     q, kv = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
     return [(args.hidden_size, q + 2 * kv), (q, args.hidden_size),
@@ -191,7 +201,7 @@ def store(path: Path, key: dict, figures: Figures) -> bool:
     return write_json_atomically(path, {"key": key, "value": asdict(figures)}, "cache the dtype probe")
 
 
-def probe(args: ModelArgs) -> ProbeResult:
+def probe(args: LayerShape) -> ProbeResult:
     """fp32 against bf16 on this CPU for `args`' shapes: from the disk cache, or measured (and then cached)."""
     shapes = layer_shapes(args)
     key = probe_key(shapes)
