@@ -21,9 +21,9 @@ from kvreuse.kvcache.normalize import normalize_text
 from kvreuse.kvcache.simulate import simulate
 from kvreuse.kvcache.tokens import common_prefix_length
 from kvreuse.model.args import ModelArgs
-from kvreuse.model.fingerprint import cached_sha256
-from kvreuse.model.loader import load_model_info, resolve_model_path
-from kvreuse.model.tokenizer import Tokenizer
+from kvreuse.weights.fingerprint import cached_sha256
+from kvreuse.weights.loader import load_model_info, resolve_model_path
+from kvreuse.weights.tokenizer import Tokenizer
 
 DYNAMIC_FIELDS = {
     "timestamp": re.compile(r"\b\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}(:\d{2}(\.\d+)?)?(Z|[+-]\d{2}:?\d{2})?\b"

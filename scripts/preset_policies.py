@@ -16,8 +16,8 @@ from kvreuse.bench.workloads import WORKLOADS
 from kvreuse.config import PRESETS, load_config
 from kvreuse.kvcache.eviction import POLICIES
 from kvreuse.kvcache.simulate import simulate
-from kvreuse.model.loader import embedded_model_path, file_sha256
-from kvreuse.model.tokenizer import Tokenizer
+from kvreuse.weights.loader import embedded_model_path, file_sha256
+from kvreuse.weights.tokenizer import Tokenizer
 
 SCENARIOS = {"chat": "chat", "eval": "eval", "agent": "agent", "rag": "rag"}  # preset -> workload
 SHARES = (0.25, 0.5, 1.0)  # pool sizes, as shares of the workload's distinct full blocks

@@ -20,10 +20,11 @@ import torch
 from safetensors.torch import save_file
 
 from kvreuse.llm import LLM
-from kvreuse.model import decode_graph, loader
-from kvreuse.model.loader import embedded_model_path, file_sha256
-from kvreuse.model.tokenizer import Tokenizer
+from kvreuse.model import decode_graph
 from kvreuse.tuning import dtype_probe
+from kvreuse.weights import loader
+from kvreuse.weights.loader import embedded_model_path, file_sha256
+from kvreuse.weights.tokenizer import Tokenizer
 
 # make_config is also imported from here, by test_analyze, test_cache_cli and test_soak
 from .helpers import make_config, tiny_config
@@ -89,7 +90,7 @@ def _embedded_model_guard():
 
     def load_gguf(path, *args, **kwargs):
         if path.resolve() == embedded.resolve():
-            _check_may_load(f"kvreuse.model.loader.load_weights({path.name})")
+            _check_may_load(f"kvreuse.weights.loader.load_weights({path.name})")
         return original_load_gguf(path, *args, **kwargs)
 
     def dequantize(*args, **kwargs):

@@ -218,7 +218,7 @@ def fake_binary(tmp_path) -> str:
 
 
 def test_llama_server_gets_the_same_gguf_and_template_as_kvreuse(tmp_path):
-    from kvreuse.model.loader import embedded_model_path
+    from kvreuse.weights.loader import embedded_model_path
 
     binary = fake_binary(tmp_path)
     kvreuse, nocache, llama = agent_systems.started_systems(

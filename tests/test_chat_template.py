@@ -13,8 +13,8 @@ from kvreuse.cli import build_parser
 from kvreuse.cli.common import build_config
 from kvreuse.config import ConfigError
 from kvreuse.engine.front_end import RequestError
-from kvreuse.model.chat_template import NoChatTemplate
-from kvreuse.model.tokenizer import Tokenizer
+from kvreuse.weights.chat_template import NoChatTemplate
+from kvreuse.weights.tokenizer import Tokenizer
 
 from .helpers import app_server, make_config, tiny_engine
 from .server_process import http_client

@@ -1,4 +1,4 @@
-"""A server renders conversations in a worker process with a deadline and a memory cap (kvreuse/model/chat_render.py):
+"""A server renders conversations in a worker process with a deadline and a memory cap (kvreuse/weights/chat_render.py):
 the same text as in process, a looping or a huge template refused with 400 naming the bound, other requests served
 meanwhile, and SIGTERM exiting cleanly while a render is stuck."""
 
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from kvreuse.model.chat_render import ChatTemplateFailed, ChatTemplateLimit, RenderLimits
+from kvreuse.weights.chat_render import ChatTemplateFailed, ChatTemplateLimit, RenderLimits
 from tests.server_process import http_client, start_server
 
 pytestmark = pytest.mark.slow

@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from kvreuse.model import fingerprint
-from kvreuse.model.fingerprint import cached_sha256, sha256_of_files
+from kvreuse.weights import fingerprint
+from kvreuse.weights.fingerprint import cached_sha256, sha256_of_files
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import torch
 
 from kvreuse.kernels import build as kernels
 from kvreuse.llm import LLM
-from kvreuse.model.named_models import resolve_named_model
+from kvreuse.weights.named_models import resolve_named_model
 
 from .helpers import greedy, make_config
 

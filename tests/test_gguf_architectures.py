@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvreuse.model.architectures import ARCHITECTURES
-from kvreuse.model.loader import ModelLoadError, load_weights
+from kvreuse.weights.loader import ModelLoadError, load_weights
 
 from .test_architectures import SHAPE, build, our_model_logits, prompts
 
@@ -40,7 +40,7 @@ def write_gguf(hf_dir: str, name: str, path, extra: Callable | None = None, laye
     from transformers import AutoConfig
 
     from kvreuse.layers.rotary import inv_frequencies
-    from kvreuse.model.loader import _hf_args
+    from kvreuse.weights.loader import _hf_args
 
     arch_name = GGUF_NAMES[name]
     arch = next(a for a in ARCHITECTURES.values() if arch_name in a.gguf_names)
@@ -120,7 +120,7 @@ def test_phi3s_fused_tensors_keep_their_blocks_for_the_gguf_kernel(tmp_path, rea
     """A checkpoint's own fused qkv and gate/up blocks are the fused linears' blocks, as stacked parts are."""
     import gguf
 
-    from kvreuse.model.gguf_weights import fused_blocks
+    from kvreuse.weights.gguf_weights import fused_blocks
 
     hf_dir = str(build("phi3", tmp_path / "hf", len(real_tokenizer.hf), real_tokenizer))
     write_gguf(hf_dir, "phi3", tmp_path / "model.gguf", layer_type=gguf.GGMLQuantizationType.Q8_0)

@@ -34,7 +34,7 @@ from kvreuse.config import load_config
 from kvreuse.kernels import build as kernels
 from kvreuse.model.decode_graph import COMPILED_ROWS
 from kvreuse.llm import LLM
-from kvreuse.model.gguf_weights import GGUFLinear
+from kvreuse.weights.gguf_weights import GGUFLinear
 from kvreuse.sampling_params import SamplingParams
 
 sets, prompts, num_tokens, NUM_B1, profiled = json.loads(sys.argv[1])

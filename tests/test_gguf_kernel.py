@@ -20,7 +20,7 @@ from gguf import GGMLQuantizationType as QType
 from gguf.quants import dequantize
 
 from kvreuse.kernels import build as kernels
-from kvreuse.model.gguf_blocks import SUPPORTED, from_gguf
+from kvreuse.weights.gguf_blocks import SUPPORTED, from_gguf
 
 STATUS = kernels.load()
 ISAS = [isa for isa in (1, 2) if isa <= STATUS.isa]

@@ -1,4 +1,4 @@
-"""kvreuse.model.gguf_metadata reads what gguf's GGUFReader reads, field for field and tensor for tensor, and names
+"""kvreuse.weights.gguf_metadata reads what gguf's GGUFReader reads, field for field and tensor for tensor, and names
 the file and the problem for anything that is not a whole GGUF file."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pytest
 from gguf import GGMLQuantizationType, GGUFEndian, GGUFReader, GGUFValueType, GGUFWriter
 from gguf.quants import dequantize, quantize
 
-from kvreuse.model.gguf_metadata import read_gguf
-from kvreuse.model.loader import ModelLoadError, embedded_model_path
-from kvreuse.model.named_models import resolve_named_model
+from kvreuse.weights.gguf_metadata import read_gguf
+from kvreuse.weights.loader import ModelLoadError, embedded_model_path
+from kvreuse.weights.named_models import resolve_named_model
 
 VOCAB = ["<unk>", "<s>", "</s>", "héllo", "日本語", "zzzz", " ", "  ", "▁the", "a b"]
 

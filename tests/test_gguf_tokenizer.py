@@ -8,11 +8,11 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from kvreuse.model import gguf_tokenizer
-from kvreuse.model.gguf_tokenizer import SPECIAL_TOKENS, cache_dir, convert_gguf, load_gguf_tokenizer
-from kvreuse.model.loader import embedded_model_path
-from kvreuse.model.named_models import resolve_named_model
-from kvreuse.model.tokenizer import Tokenizer
+from kvreuse.weights import gguf_tokenizer
+from kvreuse.weights.gguf_tokenizer import SPECIAL_TOKENS, cache_dir, convert_gguf, load_gguf_tokenizer
+from kvreuse.weights.loader import embedded_model_path
+from kvreuse.weights.named_models import resolve_named_model
+from kvreuse.weights.tokenizer import Tokenizer
 
 TEXTS = ["Hello world", "héllo 日本語 🙂 naïve café", "  two leading spaces\n\ttab\r\nCRLF", "12345 3.14159 1e-6",
          "", "a" * 300, "<|im_start|>user\nhi<|im_end|>", "<start_of_turn>user\nhi<end_of_turn>\n<bos><eos>",

@@ -124,7 +124,7 @@ def test_the_compiled_graphs_split_where_the_linears_branch(children, max_rows, 
 def test_the_embedded_models_linears_carry_the_measured_limit_and_its_products_match(cache_dir):
     from kvreuse.config import load_config
     from kvreuse.engine.engine import LLMEngine
-    from kvreuse.model.gguf_weights import SplitGGUFLinear
+    from kvreuse.weights.gguf_weights import SplitGGUFLinear
 
     # bf16: the dense weight's GEMM runs in bf16, so prefill may take it (an fp32 model reads only the blocks).
     engine = LLMEngine(load_config(None, ["model.dtype=bf16", "engine.compile=off"]))
@@ -150,7 +150,7 @@ def test_the_embedded_models_linears_carry_the_measured_limit_and_its_products_m
 def test_an_fp32_model_reads_every_row_from_the_blocks_and_keeps_no_dense_copy(cache_dir):
     from kvreuse.config import load_config
     from kvreuse.engine.engine import LLMEngine
-    from kvreuse.model.gguf_weights import GGUFLinear, SplitGGUFLinear
+    from kvreuse.weights.gguf_weights import GGUFLinear, SplitGGUFLinear
 
     engine = LLMEngine(load_config(None, ["model.dtype=fp32", "engine.compile=off"]))
     linears = [m for m in engine.runner.model.modules() if isinstance(m, GGUFLinear)]

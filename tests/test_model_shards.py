@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvreuse.cli import main
-from kvreuse.model.loader import ModelLoadError, load_model_info, load_weights
+from kvreuse.weights.loader import ModelLoadError, load_model_info, load_weights
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"

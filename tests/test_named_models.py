@@ -7,9 +7,9 @@ import importlib
 
 import pytest
 
-from kvreuse.model import named_models
-from kvreuse.model.loader import ModelLoadError
-from kvreuse.model.named_models import NamedModel, resolve_named_model
+from kvreuse.weights import named_models
+from kvreuse.weights.loader import ModelLoadError
+from kvreuse.weights.named_models import NamedModel, resolve_named_model
 
 GEMMA = named_models.NAMED_MODELS["gemma3-270m"]
 

@@ -8,8 +8,8 @@ import textwrap
 import pytest
 import torch
 
-from kvreuse.model.loader import embedded_model_path
 from kvreuse.sampling_params import SamplingParams
+from kvreuse.weights.loader import embedded_model_path
 
 from .helpers import greedy, tiny_llm
 

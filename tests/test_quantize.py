@@ -1,4 +1,4 @@
-"""Weight-only quantization (kvreuse/model/quantize.py): each quantized linear multiplies by exactly the weight it
+"""Weight-only quantization (kvreuse/weights/quantize.py): each quantized linear multiplies by exactly the weight it
 dequantizes to (the kernel up to its bf16 rounding, the dense path up to fp32 rounding), the quantization error stays
 within half a step, and a quantized tiny model runs through the engine with logits close to the unquantized one's."""
 
@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvreuse.llm import LLM
-from kvreuse.model.quantize import (
+from kvreuse.sampling_params import SamplingParams
+from kvreuse.weights.quantize import (
     KERNEL_MAX_ROWS,
     Int4Linear,
     Int8Linear,
@@ -19,7 +20,6 @@ from kvreuse.model.quantize import (
     quantize_model,
     weight_bytes,
 )
-from kvreuse.sampling_params import SamplingParams
 
 from .helpers import greedy, tiny_config, tiny_engine
 
@@ -210,7 +210,7 @@ def test_weight_bytes_shrink_with_the_mode(tiny_model_dir):
 
 
 def test_the_engine_quantizes_by_config_and_keys_its_blocks_apart(tiny_model_dir):
-    from kvreuse.model.quantize import Int8Linear
+    from kvreuse.weights.quantize import Int8Linear
 
     plain = tiny_engine(tiny_model_dir, engine__num_kv_blocks=16)
     int8 = tiny_engine(tiny_model_dir, engine__num_kv_blocks=16, model__quantization="int8")

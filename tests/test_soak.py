@@ -33,8 +33,8 @@ from kvreuse.engine.model_runner import StepOutput
 from kvreuse.engine.sequence import Sequence
 from kvreuse.kvcache.eviction import POLICIES
 from kvreuse.llm import LLM
-from kvreuse.model.tokenizer import Tokenizer
 from kvreuse.sampling_params import SamplingParams
+from kvreuse.weights.tokenizer import Tokenizer
 
 from .conftest import make_config
 from .soak_driver import Faults, Run, programs_from_the_seed_alone

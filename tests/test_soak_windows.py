@@ -60,8 +60,8 @@ from kvreuse.kvcache.eviction import POLICIES
 from kvreuse.kvcache.layout import first_window_block
 from kvreuse.kvcache.tiers.entry import BlockSpec
 from kvreuse.llm import LLM
-from kvreuse.model.tokenizer import Tokenizer
 from kvreuse.sampling_params import SamplingParams
+from kvreuse.weights.tokenizer import Tokenizer
 
 from .conftest import make_config
 from .soak_driver import Faults, Run, choices, programs_from_the_seed_alone

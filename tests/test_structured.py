@@ -256,7 +256,7 @@ MAX_TOKENS = 80
 def hf_model():
     from transformers import AutoModelForCausalLM
 
-    from kvreuse.model.loader import embedded_model_path
+    from kvreuse.weights.loader import embedded_model_path
 
     path = embedded_model_path()
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)

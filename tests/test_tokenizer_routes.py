@@ -18,7 +18,7 @@ from tokenizers.processors import TemplateProcessing
 from transformers import AutoTokenizer
 
 from kvreuse.cli import main
-from kvreuse.model.tokenizer import Tokenizer
+from kvreuse.weights.tokenizer import Tokenizer
 
 from .helpers import server_args
 from .server_process import Server, http_client, start_server

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from kvreuse.model.tokenizer import TokenSplice
 from kvreuse.structured import GrammarCompiler
 from kvreuse.tools.conversation import template_messages
 from kvreuse.tools.grammar import LAYOUTS, tool_format
@@ -13,6 +12,7 @@ from kvreuse.tools.parsers import get_parser
 from kvreuse.tools.parsers.base import ToolCall
 from kvreuse.tools.request import ToolError, parse_tool_request
 from kvreuse.tools.turns import GeneratedTurn, TurnStore
+from kvreuse.weights.tokenizer import TokenSplice
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The forecast of a city",

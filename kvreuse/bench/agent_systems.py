@@ -91,8 +91,8 @@ def started_systems(names: list[str], shared_args: list[str], *, sessions: int =
 
 
 def _llama_server_for(model: str | None, template: str, sessions: int, binary: str | None) -> list[str]:
-    from kvreuse.model.loader import ModelLoadError, resolve_model_path
     from kvreuse.server.lifecycle import model_name_of
+    from kvreuse.weights.loader import ModelLoadError, resolve_model_path
 
     try:
         gguf = resolve_model_path(model)

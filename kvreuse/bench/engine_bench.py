@@ -27,9 +27,9 @@ from kvreuse.config import load_config
 from kvreuse.engine.resolved_model import resolve_device
 from kvreuse.kvcache.layout import resolve_layout
 from kvreuse.llm import LLM
-from kvreuse.model.loader import ModelArgs, load_model_info, resolve_model_path
 from kvreuse.sampling_params import SamplingParams
 from kvreuse.tuning import dtype_probe
+from kvreuse.weights.loader import ModelArgs, load_model_info, resolve_model_path
 
 
 @dataclass(frozen=True)

@@ -71,8 +71,8 @@ def prepare_tokenizer(given: Path | None, work: Path) -> dict:
         if not (given / "tokenizer.json").is_file():
             raise FileNotFoundError(f"{given} holds no tokenizer.json (scripts/gpu_carry.sh exports one)")
         return {"path": str(given)}
-    from kvreuse.model.loader import load_model_info
-    from kvreuse.model.tokenizer import Tokenizer
+    from kvreuse.weights.loader import load_model_info
+    from kvreuse.weights.tokenizer import Tokenizer
 
     info = load_model_info(None)  # what `kvreuse tokenizer export` reads: metadata, no weights
     Tokenizer.load(info.path, info.fingerprint).export(work / "tokenizer", model_max_length=8192)

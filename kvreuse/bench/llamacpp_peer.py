@@ -98,7 +98,7 @@ class LlamaCppPeer:
 def _serve(threads: int, model: str | None) -> None:
     from llama_cpp import Llama
 
-    from kvreuse.model.loader import resolve_model_path
+    from kvreuse.weights.loader import resolve_model_path
 
     llm = None
     for line in sys.stdin:

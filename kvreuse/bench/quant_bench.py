@@ -22,9 +22,9 @@ from kvreuse.bench.metrics import fidelity_metrics
 from kvreuse.bench.timing import Interleaved
 from kvreuse.config import Config, load_config
 from kvreuse.llm import LLM
-from kvreuse.model.quantize import quantization_tag, weight_bytes
 from kvreuse.sampling_params import SamplingParams
 from kvreuse.tuning.dtype_probe import cpu_identity
+from kvreuse.weights.quantize import quantization_tag, weight_bytes
 
 MODES = ("none", "int8", "int4")
 PREFILL_TOKENS = 512

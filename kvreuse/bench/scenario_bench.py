@@ -29,8 +29,8 @@ from kvreuse.config import Config
 from kvreuse.engine.stats import EngineStats, peak_rss_bytes
 from kvreuse.kvcache.layout import KVLayout
 from kvreuse.llm import LLM
-from kvreuse.model.loader import load_model_info
 from kvreuse.sampling_params import SamplingParams
+from kvreuse.weights.loader import load_model_info
 
 SCENARIOS = tuple(workloads.WORKLOADS)
 # cache.suffix.* per mode; no-cache differs from prefix by sending every request with use_cache=False.

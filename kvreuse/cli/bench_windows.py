@@ -61,8 +61,8 @@ def add_windows(suites) -> None:
 def load(model: str, chat_template: str | None):
     """The model's args, tokenizer (under `chat_template`, or the default one) and fingerprint, without weights."""
     from kvreuse.bench.window_retention import DEFAULT_MODEL
-    from kvreuse.model.loader import load_model_info
-    from kvreuse.model.tokenizer import Tokenizer
+    from kvreuse.weights.loader import load_model_info
+    from kvreuse.weights.tokenizer import Tokenizer
 
     info = load_model_info(model)
     if chat_template is None and model == DEFAULT_MODEL and GEMMA_TEMPLATE.is_file():
@@ -81,7 +81,7 @@ def cmd_bench_windows(args: argparse.Namespace) -> int:
     from kvreuse.bench.commands import write_report
     from kvreuse.config import CacheConfig
     from kvreuse.kvcache.layout import KVLayout
-    from kvreuse.model.chat_template import NoChatTemplate
+    from kvreuse.weights.chat_template import NoChatTemplate
 
     check_plots(None if args.no_plot else args.out)
     model_args, tokenizer, fingerprint = load(args.model, args.chat_template)

@@ -13,8 +13,8 @@ from pydantic import BaseModel
 
 from kvreuse.config import CacheConfig, Config, ConfigError, ModelConfig, load_config
 from kvreuse.extras import PLOTS, MissingExtraError, explain, require
-from kvreuse.model.loader import ModelLoadError
 from kvreuse.prompts_file import PromptsFileError
+from kvreuse.weights.loader import ModelLoadError
 
 EXIT_USAGE = 2
 

@@ -30,8 +30,8 @@ def add_tokenizer(sub) -> None:
 def cmd_tokenizer_export(args: argparse.Namespace) -> int:
     """Write the tokenizer files into DIR, with the context limit the server would report."""
     from kvreuse.config.chat_template import load_chat_template
-    from kvreuse.model.loader import load_model_info
-    from kvreuse.model.tokenizer import Tokenizer
+    from kvreuse.weights.loader import load_model_info
+    from kvreuse.weights.tokenizer import Tokenizer
 
     if args.chat_template:
         try:

@@ -1,5 +1,5 @@
 """The model names `model.path` (`--model`) accepts beside a file or a directory, and the Python package that ships
-each one's GGUF; `kvreuse.model.named_models` assembles the file from its package."""
+each one's GGUF; `kvreuse.weights.named_models` assembles the file from its package."""
 
 from __future__ import annotations
 

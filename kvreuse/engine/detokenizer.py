@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvreuse.model.tokenizer import Tokenizer
+    from kvreuse.weights.tokenizer import Tokenizer
 
 PARTIAL = "\ufffd"  # what a character cut between tokens decodes to
 

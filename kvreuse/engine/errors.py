@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from kvreuse.model.tokenizer import check_unicode
+from kvreuse.weights.tokenizer import check_unicode
 
 
 class RequestError(ValueError):

@@ -24,13 +24,13 @@ from kvreuse.engine.resolved_model import ResolvedModel, resolve_model
 from kvreuse.engine.sequence import Sequence
 from kvreuse.kvcache.normalize import normalize_text
 from kvreuse.kvcache.request import new_cache_request
-from kvreuse.model import validate
-from kvreuse.model.chat_render import ChatTemplateFailed, ChatTemplateLimit
-from kvreuse.model.chat_template import NoChatTemplate
-from kvreuse.model.tokenizer import ChatText, Tokenizer, check_unicode
 from kvreuse.sampling_params import SamplingParams
 from kvreuse.tools.parsers import ToolParser, detect_format, get_parser
 from kvreuse.tools.turns import TurnStore
+from kvreuse.weights import validate
+from kvreuse.weights.chat_render import ChatTemplateFailed, ChatTemplateLimit
+from kvreuse.weights.chat_template import NoChatTemplate
+from kvreuse.weights.tokenizer import ChatText, Tokenizer, check_unicode
 
 if TYPE_CHECKING:
     from kvreuse.structured import CheckedFormat, FormatSpec, GrammarCompiler

@@ -18,10 +18,10 @@ import torch
 from kvreuse.config import Config, ModelConfig
 from kvreuse.kvcache.layout import KVLayout, resolve_layout
 from kvreuse.layers.kv_format import KVFormat, resolve_kv_format
-from kvreuse.model.gguf_weights import resolve_weights, weights_tag
-from kvreuse.model.loader import ModelArgs, ModelInfo, load_model_info
-from kvreuse.model.quantize import quantization_tag
 from kvreuse.tuning import dtype_probe
+from kvreuse.weights.gguf_weights import resolve_weights, weights_tag
+from kvreuse.weights.loader import ModelArgs, ModelInfo, load_model_info
+from kvreuse.weights.quantize import quantization_tag
 
 logger = logging.getLogger(__name__)
 

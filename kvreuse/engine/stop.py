@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kvreuse.engine.detokenizer import detokenize, find_stop, stop_search_start
 from kvreuse.engine.sequence import Sequence
-from kvreuse.model.tokenizer import Tokenizer
+from kvreuse.weights.tokenizer import Tokenizer
 
 
 class StopCheck:

@@ -27,7 +27,6 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from kvreuse.engine.engine import LLMEngine
-from kvreuse.model.chat_render import RenderLimits
 from kvreuse.server import routes_admin, routes_cache, routes_models, routes_openai, routes_tokenize
 from kvreuse.server.async_engine import AsyncEngine
 from kvreuse.server.auth import load_admin_keys
@@ -36,6 +35,7 @@ from kvreuse.server.errors import add_error_handlers
 from kvreuse.server.gates import AuthGate, BodyLimitGate, DrainingGate
 from kvreuse.server.metrics import Metrics
 from kvreuse.server.state import ServerState
+from kvreuse.weights.chat_render import RenderLimits
 
 
 def create_app(engine: LLMEngine, model_name: str, api_keys: dict[str, str] | None = None) -> FastAPI:
@@ -71,7 +71,7 @@ def client_app(client: EngineClient, metrics: Metrics, model_name: str,
 @asynccontextmanager
 async def _run_engine(app: FastAPI):
     state: ServerState = app.state.kvreuse
-    # Requests' conversations render in a worker process with a deadline and a memory cap (model/chat_render.py).
+    # Requests' conversations render in a worker process with a deadline and a memory cap (weights/chat_render.py).
     tokenizer, limits = state.engine.front_end.tokenizer, state.engine.front_end.config.server
     tokenizer.render_in_worker(RenderLimits(limits.chat_template_timeout_s, limits.chat_template_max_mb))
     # The grammar compiler (xgrammar's import, the tokenizer's vocabulary) takes ~0.5 s holding the GIL: built now,

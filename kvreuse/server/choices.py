@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvreuse.layers.sampler import TokenLogprob
-from kvreuse.model.tokenizer import Tokenizer
+from kvreuse.weights.tokenizer import Tokenizer
 
 
 @dataclass

@@ -24,8 +24,8 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvreuse.config import MAX_PIN_TTL_S
-from kvreuse.model.tokenizer import check_unicode
 from kvreuse.sampling_params import MAX_CHOICES, MAX_LOGPROBS, SEED_RANGE
+from kvreuse.weights.tokenizer import check_unicode
 
 MAX_BATCHED_PROMPTS = 64  # prompts in one /v1/completions request (each is a sequence, admitted together)
 

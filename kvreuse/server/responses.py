@@ -19,7 +19,6 @@ from fastapi.responses import Response, StreamingResponse
 
 from kvreuse.engine.output import RequestOutput
 from kvreuse.engine.sequence import Sequence
-from kvreuse.model.tokenizer import Tokenizer
 from kvreuse.server.admission import Admission, Reservation, admit_all, shutting_down
 from kvreuse.server.choices import (
     TextOffsets,
@@ -37,6 +36,7 @@ from kvreuse.server.protocol import SamplingFields, error_body, make_id, now
 from kvreuse.server.state import ServerState
 from kvreuse.server.tool_answers import ToolAnswers
 from kvreuse.server.usage import usage
+from kvreuse.weights.tokenizer import Tokenizer
 
 DISCONNECT_POLL_S = 0.25
 DONE = "data: [DONE]\n\n"

@@ -18,7 +18,6 @@ import xgrammar as xgr
 
 from kvreuse.background import lower_priority
 from kvreuse.config import StructuredConfig
-from kvreuse.model.tokenizer import Tokenizer
 from kvreuse.structured.check_process import CompileCheck, Verdict
 from kvreuse.structured.compile_call import compile_format, new_compiler
 from kvreuse.structured.errors import UnsupportedFormat, engine_message
@@ -26,6 +25,7 @@ from kvreuse.structured.formats import CheckedFormat, FormatSpec
 from kvreuse.structured.grammar import CompiledGrammar
 from kvreuse.structured.grammar_cache import GrammarCache
 from kvreuse.structured.limits import check_limits
+from kvreuse.weights.tokenizer import Tokenizer
 
 VERDICTS_KEPT = 4096  # formats whose check outcome is remembered (a digest and a number each)
 COMPILE_JOBS = 4  # compiles for use at once (each on a thread of low priority, see background.py)

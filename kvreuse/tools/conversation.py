@@ -16,10 +16,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kvreuse.model.tokenizer import TokenSplice
 from kvreuse.tools.parsers.base import ToolCall, ToolParser
 from kvreuse.tools.request import ToolError, ToolRequest
 from kvreuse.tools.turns import TurnStore
+from kvreuse.weights.tokenizer import TokenSplice
 
 PREAMBLE = ("You can call these tools (each line is a tool, with the JSON schema of its arguments):\n{tools}\n"
             'To call tools, answer with only a JSON object: {{"tool_calls": [{{"name": "<tool name>", "arguments": '

@@ -272,6 +272,6 @@ def _gguf_version() -> str:
 
 
 def _error(message: str) -> Exception:
-    from kvreuse.model.loader import ModelLoadError  # the loader reads GGUF headers through this module
+    from kvreuse.weights.loader import ModelLoadError  # the loader reads GGUF headers through this module
 
     return ModelLoadError(message)

@@ -23,12 +23,12 @@ from torch import nn
 
 from kvreuse.kernels import build as kernels
 from kvreuse.model.decoder import FUSED_LINEARS, fused_parts
-from kvreuse.model.gguf_blocks import PANEL_ROWS, QuantizedBlocks, concat
 from kvreuse.tuning import kernel_rows
+from kvreuse.weights.gguf_blocks import PANEL_ROWS, QuantizedBlocks, concat
 
 if TYPE_CHECKING:
     from kvreuse.model.decoder import CausalLM
-    from kvreuse.model.loader import LoadedWeights
+    from kvreuse.weights.loader import LoadedWeights
 
 
 def resolve_weights(mode: str, quantization: str, path: Path, device: torch.device) -> str:

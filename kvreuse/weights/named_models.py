@@ -56,6 +56,6 @@ def _import(name: str, model: NamedModel):
 
 
 def _error(message: str) -> Exception:
-    from kvreuse.model.loader import ModelLoadError  # loader resolves names through this module
+    from kvreuse.weights.loader import ModelLoadError  # loader resolves names through this module
 
     return ModelLoadError(message)

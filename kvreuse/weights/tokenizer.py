@@ -20,9 +20,9 @@ from tokenizers import Tokenizer as RustTokenizer
 
 from kvreuse.cache_dir import write_json_atomically
 from kvreuse.config.chat_template import check_self_contained, load_chat_template
-from kvreuse.model.chat_render import ChatRenderer, InProcessRenderer, RenderLimits, WorkerRenderer
-from kvreuse.model.chat_template import NoChatTemplate
-from kvreuse.model.gguf_tokenizer import cache_dir, load_gguf_tokenizer
+from kvreuse.weights.chat_render import ChatRenderer, InProcessRenderer, RenderLimits, WorkerRenderer
+from kvreuse.weights.chat_template import NoChatTemplate
+from kvreuse.weights.gguf_tokenizer import cache_dir, load_gguf_tokenizer
 
 _FACTS_FILE = "facts.json"  # beside a converted GGUF tokenizer: what Tokenizer computes from its whole vocabulary
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")

@@ -131,7 +131,7 @@ class WorkerRenderer:
 
     def _start(self) -> None:
         self._kill()
-        self._process = subprocess.Popen([sys.executable, "-m", "kvreuse.model.chat_render"], stdin=subprocess.PIPE,
+        self._process = subprocess.Popen([sys.executable, "-m", "kvreuse.weights.chat_render"], stdin=subprocess.PIPE,
                                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         _write(self._process.stdin, (self._tokenizer, self.limits))
         kind, value = _read(self._process.stdout, time.monotonic() + START_TIMEOUT_S)

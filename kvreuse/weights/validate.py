@@ -30,7 +30,7 @@ BOUNDS = {
 
 
 def error(message: str) -> Exception:
-    from kvreuse.model.loader import ModelLoadError  # the loader checks its metadata through this module
+    from kvreuse.weights.loader import ModelLoadError  # the loader checks its metadata through this module
 
     return ModelLoadError(message)
 

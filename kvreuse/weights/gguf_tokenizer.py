@@ -16,7 +16,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 from kvreuse.cache_dir import cache_root
-from kvreuse.model.gguf_metadata import GGUFFields, read_gguf
+from kvreuse.weights.gguf_metadata import GGUFFields, read_gguf
 
 logger = logging.getLogger(__name__)
 

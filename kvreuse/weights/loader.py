@@ -10,13 +10,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvreuse.model import validate
 from kvreuse.model.architectures import ARCHITECTURES, SUPPORTED, Architecture, by_gguf_name, by_hf_model_type
 from kvreuse.model.args import ROPE_KINDS, ModelArgs, Rope
-from kvreuse.model.fingerprint import cached_sha256
-from kvreuse.model.gguf_blocks import QuantizedBlocks, from_gguf
-from kvreuse.model.gguf_metadata import GGUFFile, read_gguf
-from kvreuse.model.named_models import NAMED_MODELS, resolve_named_model
+from kvreuse.weights import validate
+from kvreuse.weights.fingerprint import cached_sha256
+from kvreuse.weights.gguf_blocks import QuantizedBlocks, from_gguf
+from kvreuse.weights.gguf_metadata import GGUFFile, read_gguf
+from kvreuse.weights.named_models import NAMED_MODELS, resolve_named_model
 
 __all__ = ["LoadedWeights", "ModelArgs", "ModelInfo", "ModelLoadError", "load_model_info", "load_weights"]
 
