@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from kvreuse.engine.engine import LLMEngine, resolve_dtype
-from kvreuse.model.args import ModelArgs, Rope
+from kvreuse.layers.rotary import Rope
+from kvreuse.model.args import ModelArgs
 from kvreuse.tuning import dtype_probe
 
 from .conftest import TINY

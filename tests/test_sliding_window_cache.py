@@ -13,7 +13,8 @@ import torch
 
 from kvreuse.config import ConfigError
 from kvreuse.kvcache.layout import KVLayout
-from kvreuse.model.args import ModelArgs, Rope
+from kvreuse.layers.rotary import Rope
+from kvreuse.model.args import ModelArgs
 from kvreuse.sampling_params import SamplingParams
 
 from .conftest import GROUPED_GEMMA_WINDOW

@@ -95,10 +95,9 @@ def test_the_ground_floor_imports_nothing_above_it(name):
 
 # Arrows that close a circle between rooms today. The list only shrinks: remove an arrow here when its import goes.
 KNOWN_CIRCLE_ARROWS = {
-    # layers/rotary.py reads model/args.py's Rope (the model's rope settings); goes when Rope moves below layers/.
-    ("layers", "model"): "kvreuse/layers/rotary.py",
-    # layers/logits_processors.py applies a grammar's mask (a lazy import), and structured/compiler.py takes the
-    # model's Tokenizer: model/ -> layers/ -> structured/ -> model/.
+    # layers/logits_processors.py applies a grammar's mask (a lazy import), structured/compiler.py takes the model's
+    # Tokenizer (weights/tokenizer.py) and the loader builds the architectures: layers/ -> structured/ -> weights/ ->
+    # model/ -> layers/.
     ("layers", "structured"): "kvreuse/layers/logits_processors.py",
 }
 

@@ -13,7 +13,8 @@ from kvreuse.bench import window_retention as wr
 from kvreuse.cli import main
 from kvreuse.config import CacheConfig
 from kvreuse.kvcache.layout import KVLayout
-from kvreuse.model.args import ModelArgs, Rope
+from kvreuse.layers.rotary import Rope
+from kvreuse.model.args import ModelArgs
 
 WINDOW, BLOCK = 64, 16
 CACHE = CacheConfig(block_size=BLOCK)

@@ -1,13 +1,30 @@
 """Rotary position embedding (rotate-half layout), with a table indexed by absolute position, and the frequency
-scalings of `Rope` (linear, llama3, a GGUF's per-frequency factors)."""
+scalings of `Rope`, a model's rotary settings (linear, llama3, a GGUF's per-frequency factors)."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
-from kvreuse.model.args import Rope
+ROPE_KINDS = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class Rope:
+    """One rotary embedding: its base and how its frequencies are scaled (`kind`, one of ROPE_KINDS)."""
+    theta: float
+    kind: str = "default"
+    factor: float = 1.0                   # linear and llama3: positions (or low frequencies) slowed by this much
+    low_freq_factor: float = 1.0          # llama3
+    high_freq_factor: float = 4.0         # llama3
+    original_max_position: int = 8192     # llama3: the context length the model was trained at
+    freq_factors: tuple[float, ...] | None = None  # a GGUF's `rope_freqs`: frequency i divided by freq_factors[i]
+
+    def __post_init__(self):
+        if self.kind not in ROPE_KINDS:
+            raise ValueError(f"rope type {self.kind!r} is not supported (supported: {', '.join(ROPE_KINDS)})")
 
 
 def inv_frequencies(head_dim: int, rope: Rope) -> torch.Tensor:

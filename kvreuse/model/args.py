@@ -4,24 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ROPE_KINDS = ("default", "linear", "llama3")
+from kvreuse.layers.rotary import Rope
+
 LAYER_KINDS = ("full", "sliding")
-
-
-@dataclass(frozen=True)
-class Rope:
-    """One rotary embedding: its base and how its frequencies are scaled (`kind`, one of ROPE_KINDS)."""
-    theta: float
-    kind: str = "default"
-    factor: float = 1.0                   # linear and llama3: positions (or low frequencies) slowed by this much
-    low_freq_factor: float = 1.0          # llama3
-    high_freq_factor: float = 4.0         # llama3
-    original_max_position: int = 8192     # llama3: the context length the model was trained at
-    freq_factors: tuple[float, ...] | None = None  # a GGUF's `rope_freqs`: frequency i divided by freq_factors[i]
-
-    def __post_init__(self):
-        if self.kind not in ROPE_KINDS:
-            raise ValueError(f"rope type {self.kind!r} is not supported (supported: {', '.join(ROPE_KINDS)})")
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvreuse.layers.rotary import ROPE_KINDS, Rope
 from kvreuse.model.architectures import ARCHITECTURES, SUPPORTED, Architecture, by_gguf_name, by_hf_model_type
-from kvreuse.model.args import ROPE_KINDS, ModelArgs, Rope
+from kvreuse.model.args import ModelArgs
 from kvreuse.weights import validate
 from kvreuse.weights.fingerprint import cached_sha256
 from kvreuse.weights.gguf_blocks import QuantizedBlocks, from_gguf
