@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from kvreuse.engine.heap import trim_heap
 from kvreuse.engine.resolved_model import ResolvedModel
 from kvreuse.kernels import build as kernels
 from kvreuse.model.architectures import ARCHITECTURES
@@ -26,6 +27,12 @@ class BuiltModel:
 def build_model(resolved: ResolvedModel) -> BuiltModel:
     """The weights at `resolved.path`, as `resolved` says (dtype, device, weights mode, quantization). ModelLoadError
     where they are not the model `resolved` read the metadata of (the files changed in between)."""
+    built = _build(resolved)
+    trim_heap()  # the loader's tensors, and the dense copies a GGUF model's linears dropped, leave the process
+    return built
+
+
+def _build(resolved: ResolvedModel) -> BuiltModel:
     config, mode = resolved.given, resolved.weights
     # The blocks are parsed only where the kernel runs; otherwise `gguf` is the dense path (use_gguf_blocks).
     weights = load_weights(resolved.path, keep_blocks=mode == "gguf" and kernels.load().isa > 0)
