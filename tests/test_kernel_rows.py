@@ -147,15 +147,30 @@ def test_the_embedded_models_linears_carry_the_measured_limit_and_its_products_m
 
 @pytest.mark.slow
 @needs_kernel
-def test_an_fp32_model_reads_every_row_from_the_blocks_and_keeps_no_dense_copy(cache_dir):
+def test_an_fp32_model_reads_every_row_from_the_blocks_where_the_kernel_keeps_up_at_prefill(cache_dir):
     from kvreuse.config import load_config
     from kvreuse.engine.engine import LLMEngine
     from kvreuse.weights.gguf_weights import GGUFLinear, SplitGGUFLinear
 
     engine = LLMEngine(load_config(None, ["model.dtype=fp32", "engine.compile=off"]))
     linears = [m for m in engine.runner.model.modules() if isinstance(m, GGUFLinear)]
-    assert linears and not any(isinstance(m, SplitGGUFLinear) for m in linears)
-    assert not any(hasattr(m, "weight") for m in linears)
-    assert "every row through the kernel" in engine.weights_description
-    assert not cache_dir.exists()  # nothing measured: no row limit
+    [path] = cache_dir.iterdir()
+    times = [RowTimes(**t) for t in json.loads(path.read_text())["value"]["times"]]
+    [prefill] = [t for t in times if t.rows == kernel_rows.PREFILL_ROWS]
+    every_row = prefill.kernel_s <= kernel_rows.MAX_PREFILL_COST * prefill.dense_s
+    assert ("every row through the kernel" in engine.weights_description) == every_row
+    # One copy of the weights where every row reads the blocks; the dense copy where prefill takes it.
+    assert all(isinstance(m, SplitGGUFLinear) != every_row for m in linears)
+    assert all(hasattr(m, "weight") != every_row for m in linears)
     engine.close()
+
+
+@pytest.mark.parametrize(("kernel_s", "dense_s", "every_row"), [
+    (0.9, 1.0, True),                                   # faster at prefill: every row
+    (kernel_rows.MAX_PREFILL_COST * 0.99, 1.0, True),   # within the price of invariance
+    (kernel_rows.MAX_PREFILL_COST * 1.01, 1.0, False),  # past it: the dense GEMM takes prefill
+])
+def test_every_row_takes_the_kernel_only_where_it_keeps_up_at_prefill(kernel_s, dense_s, every_row):
+    times = [RowTimes(32, 0.5, 1.0), RowTimes(64, 0.5, 1.0), RowTimes(kernel_rows.PREFILL_ROWS, kernel_s, dense_s)]
+    assert kernel_rows.choose_every_row(times) is every_row
+    assert kernel_rows.choose_limit(times) == 64  # the prefill row count is not a limit

@@ -61,7 +61,8 @@ constexpr int64_t record_bytes(int64_t bits, int64_t groups, bool half) {
 
 // ---- AVX-512: a panel's 16 rows are one vector ----
 
-constexpr int kPassRows512 = 8;   // rows that dequantize in registers (2 x 8 accumulators)
+constexpr int kPassRows512 = 8;   // rows that dequantize in registers at once (2 x 8 accumulators)
+constexpr int kRegisterRows512 = 16;  // rows that take passes in registers, not the dequantized panel
 constexpr int kTileRows512 = 12;  // rows per tile over a dequantized panel (2 x 12 accumulators of 32 registers)
 
 template <bool Half>
@@ -170,7 +171,8 @@ __attribute__((target("avx512f,fma"))) void buffered512(const Problem& p, const 
 
 // ---- AVX2: a panel's 16 rows are two 8-lane halves, each its own pass (16 registers) ----
 
-constexpr int kPassRows256 = 4;  // rows that dequantize in registers (2 x 4 accumulators)
+constexpr int kPassRows256 = 4;  // rows that dequantize in registers at once (2 x 4 accumulators)
+constexpr int kRegisterRows256 = 8;  // rows that take passes in registers, not the dequantized panel
 constexpr int kTileRows256 = 5;  // rows per tile over a dequantized panel (2 x 5 accumulators of 16 registers)
 
 template <bool Half>
@@ -288,11 +290,13 @@ __attribute__((target("avx2,fma"))) void buffered256(const Problem& p, const flo
   store256<TR>(p, panel, t0, half, acc);
 }
 
-// Up to kPassRows rows of x are one pass, which dequantizes in registers (one instance per row count, so that the
-// accumulators stay in registers). More rows take tiles of kTileRows, then fewer, over the panel dequantized once.
+// Up to kRegisterRows rows of x take passes of kPassRows rows, which dequantize in registers (one instance per row
+// count, so that the accumulators stay in registers). More rows take tiles of kTileRows, then fewer, over the panel
+// dequantized once.
 template <int Bits, int G, bool Half, int... I>
-void one_pass512(const Problem& p, int64_t panel, std::integer_sequence<int, I...>) {
-  ((p.T == I + 1 ? panel512<Bits, G, Half, I + 1>(p, panel, 0) : void()), ...);
+void one_pass512(const Problem& p, int64_t panel, int64_t t0, std::integer_sequence<int, I...>) {
+  const int64_t rows = std::min<int64_t>(kPassRows512, p.T - t0);
+  ((rows == I + 1 ? panel512<Bits, G, Half, I + 1>(p, panel, t0) : void()), ...);
 }
 
 template <int... I>
@@ -301,8 +305,9 @@ void rest512(const Problem& p, const float* w, int64_t panel, int64_t t0, std::i
 }
 
 template <int Bits, int G, bool Half, int... I>
-void one_pass256(const Problem& p, int64_t panel, int half, std::integer_sequence<int, I...>) {
-  ((p.T == I + 1 ? panel256<Bits, G, Half, I + 1>(p, panel, 0, half) : void()), ...);
+void one_pass256(const Problem& p, int64_t panel, int64_t t0, int half, std::integer_sequence<int, I...>) {
+  const int64_t rows = std::min<int64_t>(kPassRows256, p.T - t0);
+  ((rows == I + 1 ? panel256<Bits, G, Half, I + 1>(p, panel, t0, half) : void()), ...);
 }
 
 template <int... I>
@@ -312,8 +317,9 @@ void rest256(const Problem& p, const float* w, int64_t panel, int64_t t0, int ha
 
 template <int Bits, int G, bool Half>
 void panel_rows512(const Problem& p, int64_t panel, float* w) {
-  if (p.T <= kPassRows512) {
-    one_pass512<Bits, G, Half>(p, panel, std::make_integer_sequence<int, kPassRows512>{});
+  if (p.T <= kRegisterRows512) {
+    for (int64_t t0 = 0; t0 < p.T; t0 += kPassRows512)
+      one_pass512<Bits, G, Half>(p, panel, t0, std::make_integer_sequence<int, kPassRows512>{});
     return;
   }
   dequantize512<Bits, G, Half>(p, panel, w);
@@ -324,9 +330,10 @@ void panel_rows512(const Problem& p, int64_t panel, float* w) {
 
 template <int Bits, int G, bool Half>
 void panel_rows256(const Problem& p, int64_t panel, float* w) {
-  if (p.T <= kPassRows256) {
+  if (p.T <= kRegisterRows256) {
     for (int half = 0; half < 2; ++half)
-      one_pass256<Bits, G, Half>(p, panel, half, std::make_integer_sequence<int, kPassRows256>{});
+      for (int64_t t0 = 0; t0 < p.T; t0 += kPassRows256)
+        one_pass256<Bits, G, Half>(p, panel, t0, half, std::make_integer_sequence<int, kPassRows256>{});
     return;
   }
   dequantize256<Bits, G, Half>(p, panel, w);
@@ -341,7 +348,7 @@ template <int Bits, int G, bool Half>
 void run(const Problem& p, Isa isa) {
   const int64_t num_panels = (p.N + kPanel - 1) / kPanel;
   at::parallel_for(0, num_panels, 2, [&](int64_t begin, int64_t end) {
-    std::vector<float> w(p.T > kPassRows256 ? p.K * kPanel : 0);  // the dequantized panel, when tiles read it
+    std::vector<float> w(p.T > kRegisterRows256 ? p.K * kPanel : 0);  // the dequantized panel, when tiles read it
     for (int64_t panel = begin; panel < end; ++panel) {
       if (isa == Isa::kAvx512) panel_rows512<Bits, G, Half>(p, panel, w.data());
       else panel_rows256<Bits, G, Half>(p, panel, w.data());

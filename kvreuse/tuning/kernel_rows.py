@@ -1,7 +1,8 @@
 """Up to how many rows a step's linears read the GGUF blocks (the kernel) rather than the dense weight, measured once
 per CPU on the model's own linears and kept on disk, as the dtype probe is. The kernel streams a fifth to a third of
-the dense bytes but dequantizes every weight again for each 16 rows, and past some row count the dense GEMM's
-blocking wins; where depends on the CPU (docs/benchmarks.md)."""
+the dense bytes, and past some row count the dense GEMM's blocking may win; where depends on the CPU
+(docs/benchmarks.md). Where the kernel keeps up at a prefill's row count too, every row takes it: one summation order
+per row whatever the batch (docs/design/batch-invariance.md), and one copy of the weights."""
 
 from __future__ import annotations
 
@@ -16,12 +17,14 @@ from kvreuse.cache_dir import keyed_path, read_keyed, write_json_atomically
 from kvreuse.kernels import build as kernels
 from kvreuse.tuning.dtype_probe import cpu_identity
 
-PROBE_VERSION = 3  # 3: passes from evicted caches
+PROBE_VERSION = 4  # 3: passes from evicted caches; 4: PREFILL_ROWS
 # The row limits to choose from: the compiled graphs' row boundaries (decode_graph.BRANCHING_ROW_GRID), so that no
 # graph straddles the linears' branch. The first is not measured: up to 16 rows the kernel was faster in fp32 on
 # every CPU measured (docs/benchmarks.md).
 ROW_LIMITS = (16, 32, 64)
 MIN_GAIN = 1.1         # the kernel takes a limit's rows only if it is this much faster there: a tie is noise
+PREFILL_ROWS = 256     # a prefill chunk's rows, where the kernel must keep up to take every row
+MAX_PREFILL_COST = 1.1  # ... at most this many times the dense GEMM's time there (batch invariance's price)
 MEASURED_LAYERS = 6    # layers sampled evenly: their linears at 64 rows take ~10-15 ms a pass on a 2-core Xeon
 REPEATS = 5
 EVICT_BYTES = 64 << 20
@@ -53,24 +56,36 @@ class RowTimes:
 @dataclass(frozen=True)
 class KernelRows:
     limit: int
+    every_row: bool  # every row takes the kernel (then `limit` is moot)
     times: tuple[RowTimes, ...]
     from_cache: bool
 
     @property
     def summary(self) -> str:
-        """For the weights line: `kernel up to 32 rows (kernel/dense 0.80 at 32; cached)`."""
+        """For the weights line: `kernel up to 32 rows (kernel/dense 0.80 at 32, ...; cached)` or `every row through
+        the kernel (...)`."""
         ratios = ", ".join(f"{t.kernel_s / t.dense_s:.2f} at {t.rows}" for t in self.times)
-        return f"kernel up to {self.limit} rows (kernel/dense {ratios}; {'cached' if self.from_cache else 'measured'})"
+        rows = "every row through the kernel" if self.every_row else f"kernel up to {self.limit} rows"
+        return f"{rows} (kernel/dense {ratios}; {'cached' if self.from_cache else 'measured'})"
 
 
 def choose_limit(times: Sequence[RowTimes]) -> int:
     """The largest of ROW_LIMITS up to which the kernel was MIN_GAIN times faster at every measured row count."""
     limit = ROW_LIMITS[0]
-    for t in sorted(times, key=lambda t: t.rows):
+    for t in sorted((t for t in times if t.rows in ROW_LIMITS), key=lambda t: t.rows):
         if t.kernel_s * MIN_GAIN > t.dense_s:
             break
         limit = t.rows
     return limit
+
+
+def choose_every_row(times: Sequence[RowTimes]) -> bool:
+    """Whether the kernel took at most MAX_PREFILL_COST times the dense GEMM's time at PREFILL_ROWS rows."""
+    return any(t.rows == PREFILL_ROWS and t.kernel_s <= MAX_PREFILL_COST * t.dense_s for t in times)
+
+
+def chosen(times: tuple[RowTimes, ...], from_cache: bool) -> KernelRows:
+    return KernelRows(choose_limit(times), choose_every_row(times), times, from_cache)
 
 
 def sampled(layers: Sequence[Sequence[BlockLinear]]) -> list[BlockLinear]:
@@ -84,7 +99,7 @@ def measure(linears: Sequence[BlockLinear]) -> tuple[RowTimes, ...]:
     one warm-up, then the fastest of REPEATS (another process's load only ever adds time). Each pass starts from
     caches that hold none of its weights, as in a step, where every linear's weights were evicted by the others'."""
     g = torch.Generator().manual_seed(0)
-    counts = ROW_LIMITS[1:]
+    counts = (*ROW_LIMITS[1:], PREFILL_ROWS)
     inputs = {(rows, lin.in_features): torch.randn(rows, lin.in_features, generator=g).to(lin.weight.dtype)
               for rows in counts for lin in linears}
     dense_bytes = sum(lin.weight.numel() * lin.weight.element_size() for lin in linears)
@@ -113,7 +128,8 @@ def measure(linears: Sequence[BlockLinear]) -> tuple[RowTimes, ...]:
 def probe_key(linears: Sequence[BlockLinear]) -> dict:
     """Everything the answer depends on; a change in any of it measures again."""
     return {"version": PROBE_VERSION, **cpu_identity(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "limits": list(ROW_LIMITS), "kernel": kernels.build_dir().name,  # keyed by the kernel's source
+            "limits": list(ROW_LIMITS), "prefill_rows": PREFILL_ROWS,
+            "kernel": kernels.build_dir().name,  # keyed by the kernel's source
             "linears": [[lin.out_features, lin.in_features, lin.bits, lin.group, lin.isa, str(lin.weight.dtype)]
                         for lin in linears]}
 
@@ -136,8 +152,8 @@ def probe(layers: Sequence[Sequence[BlockLinear]]) -> KernelRows:
     key = probe_key(linears)
     times = load_cached(key)
     if times is not None:
-        return KernelRows(choose_limit(times), times, from_cache=True)
+        return chosen(times, from_cache=True)
     times = measure(linears)
     write_json_atomically(keyed_path("kernel_rows", key), {"key": key, "value": {"times": [asdict(t) for t in times]}},
                           "cache the kernel's row limit")
-    return KernelRows(choose_limit(times), times, from_cache=False)
+    return chosen(times, from_cache=False)

@@ -3,12 +3,13 @@
 Each decoder linear and the LM head of a model loaded from a GGUF keep the file's blocks (gguf_blocks.py); the kernel
 (kvreuse/kernels) dequantizes them in registers to exactly the dense weight's values and multiplies in fp32, at a
 fifth (4-bit codes) to a third (8-bit) of the dense bytes, summing every row in one order whatever the row count.
-- In an fp32 model every product takes the kernel (`GGUFLinear`), so a row's numbers never depend on what else is in
-  its forward: prefix reuse gives the bits a cold run gives (docs/design/batch-invariance.md), and the model holds one
-  copy of its weights, the blocks.
-- In a model of another dtype (bf16), up to `kernel_max_rows` rows take the kernel (decode steps, short chunks, the
-  head's sampled rows) and more take the dense weight, whose GEMM runs in that dtype (`SplitGGUFLinear`;
-  kernel_rows.py measures the limit per CPU).
+- Where the kernel keeps up with the dense GEMM at a prefill's row count (measured per CPU: tuning/kernel_rows.py;
+  an fp32 model on AVX-512), every product takes it (`GGUFLinear`), so a row's numbers never depend on what else is
+  in its forward: prefix reuse gives the bits a cold run gives (docs/design/batch-invariance.md), and the model holds
+  one copy of its weights, the blocks.
+- Elsewhere (a bf16 model, whose GEMM runs in bf16; the AVX2 variant against MKL), up to `kernel_max_rows` rows take
+  the kernel (decode steps, short chunks, the head's sampled rows) and more take the dense weight
+  (`SplitGGUFLinear`).
 Where the kernel is not built or the CPU lacks AVX2 the dense weight is used: the same numbers as `dense`, so no tag.
 """
 
@@ -24,7 +25,7 @@ from torch import nn
 from kvreuse.kernels import build as kernels
 from kvreuse.model.decoder import FUSED_LINEARS, fused_parts
 from kvreuse.tuning import kernel_rows
-from kvreuse.weights.gguf_blocks import PANEL_ROWS, QuantizedBlocks, concat
+from kvreuse.weights.gguf_blocks import PANEL_ROWS, PackedBlocks, QuantizedBlocks, concat
 
 if TYPE_CHECKING:
     from kvreuse.model.decoder import CausalLM
@@ -54,12 +55,12 @@ def weights_tag(mode: str) -> str:
 class GGUFLinear(nn.Module):
     """A bias-free linear whose every product reads the GGUF blocks: one summation order per row for any row count."""
 
-    def __init__(self, blocks: QuantizedBlocks, isa: int):
+    def __init__(self, packed: PackedBlocks, in_features: int, source: str, isa: int):
         super().__init__()
-        self.out_features, self.in_features = blocks.shape
-        packed = blocks.pack()
+        self.out_features, self.in_features = packed.out_features, in_features
+        self.records = packed
         self.bits, self.group, self.half_scales = packed.bits, packed.group, packed.half_scales
-        self.isa, self.source = isa, blocks.source
+        self.isa, self.source = isa, source
         self.register_buffer("packed", packed.data, persistent=False)   # uint8, the kernel's records
 
     def extra_repr(self) -> str:
@@ -82,16 +83,20 @@ class GGUFLinear(nn.Module):
 
 
 class SplitGGUFLinear(GGUFLinear):
-    """A GGUF linear that also keeps the dense weight (a dtype other than fp32), for more than `kernel_max_rows` rows:
-    prefill at that dtype's GEMM speed, decode from the blocks. A row's numbers then depend on its forward's size."""
+    """A GGUF linear that also keeps the dense weight, for more than `kernel_max_rows` rows: prefill at the dense
+    GEMM's speed, decode from the blocks. A row's numbers then depend on its forward's size."""
 
     # Where forward branches: one of kernel_rows.ROW_LIMITS, set by the probe (the compiled graphs split there); more
     # rows (prefill) are compute-bound, where the dense GEMM's blocking wins.
     kernel_max_rows = kernel_rows.ROW_LIMITS[0]
 
-    def __init__(self, weight: torch.Tensor, blocks: QuantizedBlocks, isa: int):
-        super().__init__(blocks, isa)
+    def __init__(self, weight: torch.Tensor, packed: PackedBlocks, source: str, isa: int):
+        super().__init__(packed, weight.shape[1], source, isa)
         self.weight = weight                                             # [out, in], the model dtype
+
+    def blocks_only(self) -> GGUFLinear:
+        """The same linear without its dense weight: every row through the kernel."""
+        return GGUFLinear(self.records, self.in_features, self.source, self.isa)
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
         """rows: [T, in] -> [T, out]: the kernel's up to kernel_max_rows rows, else the dense weight's."""
@@ -130,22 +135,22 @@ def use_gguf_blocks(model: CausalLM, weights: LoadedWeights) -> str:
     targets = [(i, layer, name, f"layers.{i}.{name}") for i, layer in enumerate(model.layers)
                for name in FUSED_LINEARS]
     targets.append((None, model, "lm_head", "lm_head"))
-    made: list[tuple[int | None, GGUFLinear]] = []  # (layer index, or None for the head; the linear)
+    made: list[tuple[int | None, object, str, GGUFLinear]] = []  # (layer index or None for the head, owner, name)
     for i, owner, attr, key in targets:
         linear = getattr(owner, attr)
         if key in blocks and blocks[key].shape == tuple(linear.weight.shape):
-            gguf = (GGUFLinear(blocks[key], status.isa) if linear.weight.dtype == torch.float32 else
-                    SplitGGUFLinear(linear.weight, blocks[key], status.isa))
-            setattr(owner, attr, gguf)
-            made.append((i, gguf))
-    per_layer = [[lin for j, lin in made if j == i and isinstance(lin, SplitGGUFLinear)]
-                 for i in range(len(model.layers))]
-    limit = "; every row through the kernel" if made and not any(per_layer) else ""
+            gguf = SplitGGUFLinear(linear.weight, blocks[key].pack(), blocks[key].source, status.isa)
+            made.append((i, owner, attr, gguf))
+    per_layer = [[lin for j, _, _, lin in made if j == i] for i in range(len(model.layers))]
+    limit = ""
     if any(per_layer):
         rows = kernel_rows.probe([linears for linears in per_layer if linears])
-        for _, lin in made:
-            if isinstance(lin, SplitGGUFLinear):
-                lin.kernel_max_rows = rows.limit
+        for _, _, _, lin in made:
+            lin.kernel_max_rows = rows.limit
         limit = f"; {rows.summary}"
-    kinds = ", ".join(sorted({lin.source for _, lin in made}))
+        if rows.every_row:
+            made = [(i, owner, attr, lin.blocks_only()) for i, owner, attr, lin in made]
+    for _, owner, attr, lin in made:
+        setattr(owner, attr, lin)
+    kinds = ", ".join(sorted({lin.source for *_, lin in made}))
     return f"gguf: {len(made)} of {len(targets)} linears read {kinds} blocks ({status.reason}){limit}"
