@@ -162,6 +162,14 @@ def test_an_fp32_model_reads_every_row_from_the_blocks_where_the_kernel_keeps_up
     # One copy of the weights where every row reads the blocks; the dense copy where prefill takes it.
     assert all(isinstance(m, SplitGGUFLinear) != every_row for m in linears)
     assert all(hasattr(m, "weight") != every_row for m in linears)
+    assert all(hasattr(m, "kernel_max_rows") != every_row for m in linears)  # the compiled graphs' branch
+    # The kernel's product is the fp32 dense product up to summation order, at a prefill's row count too.
+    dense = LLMEngine(load_config(None, ["model.dtype=fp32", "engine.compile=off", "model.weights=dense"]))
+    lin, weight = engine.runner.model.layers[0].qkv_proj, dense.runner.model.layers[0].qkv_proj.weight
+    x = torch.randn(kernel_rows.PREFILL_ROWS, lin.in_features, generator=torch.Generator().manual_seed(0))
+    expected = torch.nn.functional.linear(x, weight)
+    torch.testing.assert_close(lin.kernel_product(x), expected, rtol=0, atol=1e-5 * expected.abs().max().item())
+    dense.close()
     engine.close()
 
 

@@ -95,9 +95,10 @@ def sampled(layers: Sequence[Sequence[BlockLinear]]) -> list[BlockLinear]:
 
 
 def measure(linears: Sequence[BlockLinear]) -> tuple[RowTimes, ...]:
-    """Time `linears` at each measured limit's rows, kernel and dense interleaved (alternating which goes first):
-    one warm-up, then the fastest of REPEATS (another process's load only ever adds time). Each pass starts from
-    caches that hold none of its weights, as in a step, where every linear's weights were evicted by the others'."""
+    """Time `linears` at each measured limit's rows and at PREFILL_ROWS, kernel and dense interleaved (alternating
+    which goes first): one warm-up, then the fastest of REPEATS (another process's load only ever adds time). Each
+    pass starts from caches that hold none of its weights, as in a step, where every linear's weights were evicted by
+    the others'."""
     g = torch.Generator().manual_seed(0)
     counts = (*ROW_LIMITS[1:], PREFILL_ROWS)
     inputs = {(rows, lin.in_features): torch.randn(rows, lin.in_features, generator=g).to(lin.weight.dtype)

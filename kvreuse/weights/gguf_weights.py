@@ -145,11 +145,12 @@ def use_gguf_blocks(model: CausalLM, weights: LoadedWeights) -> str:
     limit = ""
     if any(per_layer):
         rows = kernel_rows.probe([linears for linears in per_layer if linears])
-        for _, _, _, lin in made:
-            lin.kernel_max_rows = rows.limit
         limit = f"; {rows.summary}"
         if rows.every_row:
             made = [(i, owner, attr, lin.blocks_only()) for i, owner, attr, lin in made]
+        else:
+            for _, _, _, lin in made:
+                lin.kernel_max_rows = rows.limit
     for _, owner, attr, lin in made:
         setattr(owner, attr, lin)
     kinds = ", ".join(sorted({lin.source for *_, lin in made}))
