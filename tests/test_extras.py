@@ -57,7 +57,7 @@ def test_a_missing_extra_is_named_with_its_install_command():
         errors = {}
         for module, extra, feature in [("redis", "redis", "cache.redis.url"), ("ray.serve", "cluster", "replicas"),
                                        ("zmq", "events", "events.endpoint"), ("matplotlib", "bench", "plots"),
-                                       ("xgrammar", "xgrammar", "structured output")]:
+                                       ("xgrammar", "structured", "structured output")]:
             try:
                 require(module, extra, feature)
             except MissingExtraError as exc:
@@ -69,7 +69,7 @@ def test_a_missing_extra_is_named_with_its_install_command():
     assert errors["redis"] == ("cache.redis.url needs the redis extra, which is not installed (no module named "
                                "'redis'): pip install 'kvreuse[redis]'")
     assert errors["cluster"].startswith("replicas needs the cluster extra")
-    assert "pip install --no-deps xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2" in errors["xgrammar"]
+    assert "pip install --no-deps xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2" in errors["structured"]
 
 
 def test_each_feature_fails_at_its_start_naming_its_extra():

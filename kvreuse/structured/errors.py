@@ -27,7 +27,7 @@ class UnsupportedFormat(ValueError):
 def grammar_engine():
     """xgrammar, the grammar engine (imported on first use: ~0.5 s), or MissingExtraError naming the command that
     installs it."""
-    return require("xgrammar", "xgrammar", STRUCTURED_OUTPUT)
+    return require("xgrammar", "structured", STRUCTURED_OUTPUT)
 
 
 def engine_missing() -> str | None:

