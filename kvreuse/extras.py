@@ -2,9 +2,9 @@
 
 `pip install kvreuse` serves one model; each extra adds a feature (pyproject.toml's optional-dependencies):
 `cluster` (Ray Serve, `cluster.replicas > 1`), `redis` (the Redis tier, `cache.redis.url`), `events` (ZeroMQ, KV
-events at `events.endpoint`), `bench` (matplotlib, the benches' --out plots), `structured` (xgrammar: structured output and tool
-grammars). xgrammar's metadata requires triton (1 GB, used only by its CUDA kernels), so `make run` installs it
-without its dependencies instead, and the message names both commands.
+events at `events.endpoint`), `bench` (matplotlib, the benches' --out plots), `structured` (xgrammar: structured
+output and tool grammars). xgrammar's metadata requires triton (1 GB, used only by its CUDA kernels), so `make run`
+installs it without its dependencies instead, and the message names both commands.
 
 A feature imports what it needs through `require`, which names the extra and its install command when it is missing.
 """
@@ -33,8 +33,8 @@ EXTRAS = {
     "bench": Extra("the bench extra", "pip install 'kvreuse[bench]'", ("matplotlib",), "the benches' plots"),
     "structured": Extra("the structured extra", "pip install 'kvreuse[structured]' (it brings triton, 1 GB, which "
                                                 "xgrammar uses only on CUDA; without it: pip install --no-deps "
-                                                "xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2)", ("xgrammar", "tvm_ffi"),
-                        "structured output"),
+                                                "xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2)",
+                        ("xgrammar", "tvm_ffi"), "structured output"),
 }
 
 PLOTS = "writing --out's PNG plots"  # the feature of every bench plot (kvreuse/bench/plots.py)

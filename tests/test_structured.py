@@ -16,11 +16,11 @@ import jsonschema
 import pytest
 import torch
 
+from kvreuse.layers.grammar_mask import apply_mask
 from kvreuse.structured import (
     FormatSpec,
     GrammarCompiler,
     UnsupportedFormat,
-    apply_mask,
     parse_format,
 )
 
@@ -317,8 +317,7 @@ def test_greedy_decoding_under_a_regex_and_a_choice_matches(hf_model, real_token
 
 def test_the_gpu_masking_path_agrees_with_the_cpu_path(compiler, real_tokenizer):
     """The path for logits on an accelerator is plain torch: run here on CPU tensors to check it masks the same."""
-    from kvreuse.structured.grammar import bitmask_words
-    from kvreuse.structured.masking import _apply_device
+    from kvreuse.layers.grammar_mask import _apply_device, bitmask_words
 
     matcher = compiler.compile(parse_format({"type": "json_object"})).matcher()
     accept_text(matcher, real_tokenizer, '{"a": ')
@@ -335,7 +334,7 @@ def test_the_http_app_imports_no_grammar_library_until_a_format_is_asked_for():
     # xgrammar imports transformers (~0.5 s of a server's start); the structured names load on first use.
     script = ("import sys; import kvreuse.server.app; import kvreuse.structured.errors; "
               "print(sorted(m for m in ('xgrammar', 'transformers') if m in sys.modules)); "
-              "from kvreuse.structured import GrammarCompiler, apply_mask; print('xgrammar' in sys.modules)")
+              "from kvreuse.structured import GrammarCompiler; print('xgrammar' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split("\n")[:2] == ["[]", "True"]

@@ -10,18 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 
+from kvreuse.layers.grammar_mask import TokenMask, apply_mask
 from kvreuse.sampling_params import SamplingParams
-
-
-class TokenMask(Protocol):
-    """A grammar's per-sequence state (kvreuse.structured.GrammarMatcher): which tokens may come next."""
-
-    def accept(self, token_id: int) -> None: ...
-    def is_finished(self) -> bool: ...
 
 
 @dataclass
@@ -60,6 +53,4 @@ def process_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
             counts = torch.bincount(torch.tensor(row.output_token_ids, device=out.device), minlength=vocab)[:vocab]
             out -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
     if any(row.grammar is not None for row in rows):
-        from kvreuse.structured import apply_mask  # xgrammar, only when a request asks for a format
-
         apply_mask(logits, [row.grammar for row in rows])

@@ -8,7 +8,7 @@ import importlib
 
 _HOMES = {"GrammarCompiler": "compiler", "CheckedFormat": "formats", "FormatSpec": "formats",
           "UnsupportedFormat": "formats", "parse_format": "formats", "CompiledGrammar": "grammar",
-          "GrammarMatcher": "grammar", "apply_mask": "masking"}
+          "GrammarMatcher": "grammar"}
 
 __all__ = sorted(_HOMES)
 

@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import xgrammar as xgr
 
+from kvreuse.layers.grammar_mask import bitmask_words, unpack_bits
 from kvreuse.structured.formats import FormatSpec
-
-
-def bitmask_words(vocab_size: int) -> int:
-    """int32 words in one row of a token bitmask: bit k of word w is token 32 * w + k."""
-    return (vocab_size + 31) // 32
 
 
 class GrammarMatcher:
@@ -35,7 +30,8 @@ class GrammarMatcher:
 
     def fill_mask(self, mask: torch.Tensor) -> None:
         """mask: [vocab_size] bool on CPU; set True where the next token is allowed, False elsewhere. For one row at a
-        time (tests, debugging): `apply_mask` masks a batch of logits through the engine's bitmask, which is faster."""
+        time (tests, debugging): `layers.grammar_mask.apply_mask` masks a batch of logits through the engine's
+        bitmask, which is faster."""
         if mask.shape != (self.vocab_size,) or mask.dtype != torch.bool:
             raise ValueError(f"mask must be [{self.vocab_size}] bool, not {list(mask.shape)} {mask.dtype}")
         bitmask = torch.empty((1, bitmask_words(self.vocab_size)), dtype=torch.int32)
@@ -80,11 +76,6 @@ class CompiledGrammar:
     def matcher(self) -> GrammarMatcher:
         """A fresh matcher at the start of the grammar, for one sequence."""
         return GrammarMatcher(self._compiled, self._eos, self.vocab_size)
-
-
-def unpack_bits(words: np.ndarray, vocab_size: int) -> np.ndarray:
-    """words: [bitmask_words] int32 -> [vocab_size] bool, True where the bit is set (little-endian hosts)."""
-    return np.unpackbits(words.view(np.uint8), bitorder="little")[:vocab_size].view(np.bool_)
 
 
 def _bit(k: int) -> int:

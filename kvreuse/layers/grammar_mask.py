@@ -1,29 +1,57 @@
-"""Mask a batch of logits by each row's grammar, on the engine thread, every decode step."""
+"""A batch of logits masked by each row's grammar, on the engine thread, every decode step.
+
+The grammar itself (structured/grammar.py's `GrammarMatcher`, over xgrammar) is a `TokenMask`: the layers see only
+this protocol, so they need neither the structured package nor xgrammar."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 import torch
 
-from kvreuse.structured.grammar import GrammarMatcher, bitmask_words, unpack_bits
+
+class TokenMask(Protocol):
+    """A grammar's per-sequence state: which tokens may come next."""
+    vocab_size: int
+
+    def accept(self, token_id: int) -> None: ...
+    def is_finished(self) -> bool: ...
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> bool:
+        """bitmask: [rows, bitmask_words(vocab_size)] int32 on CPU; row `row` gets the allowed tokens as bits.
+        Returns False when every token is allowed (nothing to mask)."""
+        ...
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """int32 words in one row of a token bitmask: bit k of word w is token 32 * w + k."""
+    return (vocab_size + 31) // 32
+
+
+def unpack_bits(words: np.ndarray, vocab_size: int) -> np.ndarray:
+    """words: [bitmask_words] int32 -> [vocab_size] bool, True where the bit is set (little-endian hosts)."""
+    return np.unpackbits(words.view(np.uint8), bitorder="little")[:vocab_size].view(np.bool_)
+
 
 _SHIFTS: dict[torch.device, torch.Tensor] = {}   # arange(32) int32 per device, for unpacking bits there
 
 
-def apply_mask(logits: torch.Tensor, matchers: list[GrammarMatcher | None]) -> None:
-    """logits: [S, vocab_size] fp32, masked in place: -inf where row i's matcher disallows the token; rows whose
-    matcher is None are left alone. The engine fills one int32 bitmask for all rows (~5 us a row); on CPU each row
+def apply_mask(logits: torch.Tensor, masks: Sequence[TokenMask | None]) -> None:
+    """logits: [S, vocab_size] fp32, masked in place: -inf where row i's mask disallows the token; rows whose
+    mask is None are left alone. The engine fills one int32 bitmask for all rows (~5 us a row); on CPU each row
     is then masked through numpy (~30 us a row for a 49k vocabulary, whatever the mask), on a GPU all rows at once."""
-    if len(matchers) != logits.shape[0]:
-        raise ValueError(f"{logits.shape[0]} logits rows, {len(matchers)} matchers")
-    rows = [i for i, matcher in enumerate(matchers) if matcher is not None]
+    if len(masks) != logits.shape[0]:
+        raise ValueError(f"{logits.shape[0]} logits rows, {len(masks)} masks")
+    rows = [i for i, mask in enumerate(masks) if mask is not None]
     if not rows:
         return
-    vocab_size = matchers[rows[0]].vocab_size
+    vocab_size = masks[rows[0]].vocab_size
     if logits.dim() != 2 or logits.shape[1] != vocab_size:
         raise ValueError(f"logits must be [S, {vocab_size}], not {list(logits.shape)}")
     bitmask = torch.empty((len(rows), bitmask_words(vocab_size)), dtype=torch.int32)   # [R, words]
-    masked = [j for j, i in enumerate(rows) if matchers[i].fill_bitmask(bitmask, j)]    # all-allowed rows skipped
+    masked = [j for j, i in enumerate(rows) if masks[i].fill_bitmask(bitmask, j)]    # all-allowed rows skipped
     if not masked:
         return
     if logits.device.type == "cpu":
