@@ -16,7 +16,8 @@ from kvreuse.bench.random_models import randomize_
 from kvreuse.layers.attention import AttentionMetadata
 from kvreuse.model.architectures import ARCHITECTURES
 from kvreuse.model.decoder import ForwardKV
-from kvreuse.weights.loader import ModelLoadError, load_model_info, load_weights
+from kvreuse.weights.errors import ModelLoadError
+from kvreuse.weights.loader import load_model_info, load_weights
 
 from .helpers import greedy, tiny_llm
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from kvreuse.model.architectures import ARCHITECTURES
-from kvreuse.weights.loader import ModelLoadError, load_weights
+from kvreuse.weights.errors import ModelLoadError
+from kvreuse.weights.loader import load_weights
 
 from .test_architectures import SHAPE, build, our_model_logits, prompts
 

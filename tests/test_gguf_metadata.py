@@ -10,8 +10,9 @@ import pytest
 from gguf import GGMLQuantizationType, GGUFEndian, GGUFReader, GGUFValueType, GGUFWriter
 from gguf.quants import dequantize, quantize
 
+from kvreuse.weights.errors import ModelLoadError
 from kvreuse.weights.gguf_metadata import read_gguf
-from kvreuse.weights.loader import ModelLoadError, embedded_model_path
+from kvreuse.weights.loader import embedded_model_path
 from kvreuse.weights.named_models import resolve_named_model
 
 VOCAB = ["<unk>", "<s>", "</s>", "héllo", "日本語", "zzzz", " ", "  ", "▁the", "a b"]

@@ -21,7 +21,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvreuse.weights.loader import ModelLoadError, load_model_info, load_weights
+from kvreuse.weights.errors import ModelLoadError
+from kvreuse.weights.loader import load_model_info, load_weights
 
 from .test_gguf_architectures import write_gguf
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from kvreuse.cli import main
-from kvreuse.weights.loader import ModelLoadError, load_model_info, load_weights
+from kvreuse.weights.errors import ModelLoadError
+from kvreuse.weights.loader import load_model_info, load_weights
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"

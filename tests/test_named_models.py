@@ -8,7 +8,7 @@ import importlib
 import pytest
 
 from kvreuse.weights import named_models
-from kvreuse.weights.loader import ModelLoadError
+from kvreuse.weights.errors import ModelLoadError
 from kvreuse.weights.named_models import NamedModel, resolve_named_model
 
 GEMMA = named_models.NAMED_MODELS["gemma3-270m"]

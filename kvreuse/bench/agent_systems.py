@@ -92,7 +92,8 @@ def started_systems(names: list[str], shared_args: list[str], *, sessions: int =
 
 def _llama_server_for(model: str | None, template: str, sessions: int, binary: str | None) -> list[str]:
     from kvreuse.server.lifecycle import model_name_of
-    from kvreuse.weights.loader import ModelLoadError, resolve_model_path
+    from kvreuse.weights.errors import ModelLoadError
+    from kvreuse.weights.loader import resolve_model_path
 
     try:
         gguf = resolve_model_path(model)

@@ -24,7 +24,8 @@ from kvreuse.bench.workloads import LiveReplies
 from kvreuse.engine.stats import peak_rss_bytes
 from kvreuse.kvcache.accounting import ReuseRecord
 from kvreuse.kvcache.tokens import common_prefix_length
-from kvreuse.weights.loader import ModelLoadError, resolve_model_path
+from kvreuse.weights.errors import ModelLoadError
+from kvreuse.weights.loader import resolve_model_path
 
 SYSTEM = "hf-transformers"
 

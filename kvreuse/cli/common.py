@@ -14,7 +14,7 @@ from pydantic import BaseModel
 from kvreuse.config import CacheConfig, Config, ConfigError, ModelConfig, load_config
 from kvreuse.extras import PLOTS, MissingExtraError, explain, require
 from kvreuse.prompts_file import PromptsFileError
-from kvreuse.weights.loader import ModelLoadError
+from kvreuse.weights.errors import ModelLoadError
 
 EXIT_USAGE = 2
 

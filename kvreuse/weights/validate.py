@@ -12,6 +12,7 @@ import re
 import numpy as np
 
 from kvreuse.model.args import ModelArgs
+from kvreuse.weights.errors import ModelLoadError
 
 # The largest value allowed for each integer of a model's shape (the largest models served today use a tenth or less).
 BOUNDS = {
@@ -29,17 +30,12 @@ BOUNDS = {
 }
 
 
-def error(message: str) -> Exception:
-    from kvreuse.weights.loader import ModelLoadError  # the loader checks its metadata through this module
-
-    return ModelLoadError(message)
-
-
 def integer(where, key: str, value, field: str) -> int:
     """`value`, read from `key`, as an int from 1 to BOUNDS[field]; an integral float (JSON's 4096.0) is taken."""
     whole = isinstance(value, int | np.integer) or isinstance(value, float | np.floating) and float(value).is_integer()
     if isinstance(value, bool) or not whole or not 1 <= int(value) <= BOUNDS[field]:
-        raise error(f"{where}: {key} = {value!r} is not allowed (allowed: an integer from 1 to {BOUNDS[field]})")
+        raise ModelLoadError(f"{where}: {key} = {value!r} is not allowed (allowed: an integer from 1 to "
+                             f"{BOUNDS[field]})")
     return int(value)
 
 
@@ -47,15 +43,15 @@ def positive(where, key: str, value) -> float:
     """`value`, read from `key`, as a finite float above 0 (a rope base or factor, a norm epsilon)."""
     number = float(value) if isinstance(value, int | float | np.integer | np.floating) else math.nan
     if isinstance(value, bool) or not math.isfinite(number) or number <= 0:
-        raise error(f"{where}: {key} = {value!r} is not allowed (allowed: a finite number above 0)")
+        raise ModelLoadError(f"{where}: {key} = {value!r} is not allowed (allowed: a finite number above 0)")
     return number
 
 
 def head_dim_of(where, heads_key: str, hidden_size: int, num_heads: int) -> int:
     """A head's width where the file names none: the hidden size split evenly among the query heads."""
     if hidden_size % num_heads:
-        raise error(f"{where}: {heads_key} = {num_heads} does not divide the hidden size {hidden_size} (allowed: "
-                    f"a divisor of it, where the file names no head dimension)")
+        raise ModelLoadError(f"{where}: {heads_key} = {num_heads} does not divide the hidden size {hidden_size} "
+                             f"(allowed: a divisor of it, where the file names no head dimension)")
     return hidden_size // num_heads
 
 
@@ -63,29 +59,30 @@ def check_tokenizer(where, num_tokens: int, vocab_size: int) -> None:
     """A tokenizer of `num_tokens` tokens (added ones included) must fit the embedding's `vocab_size` rows: a larger
     one encodes ids the model has no row for."""
     if num_tokens > vocab_size:
-        raise error(f"{where}: the tokenizer has {num_tokens} tokens, more than the model's vocab_size = {vocab_size} "
-                    f"embedding rows (allowed: at most {vocab_size})")
+        raise ModelLoadError(f"{where}: the tokenizer has {num_tokens} tokens, more than the model's vocab_size = "
+                             f"{vocab_size} embedding rows (allowed: at most {vocab_size})")
 
 
 def check_args(args: ModelArgs, where, keys: dict[str, str]) -> None:
     """What no single value says: KV heads dividing the query heads, a head dimension RoPE can rotate, and the
     rope scalings' numbers; `keys` names each field's key in the file."""
     if args.num_heads % args.num_kv_heads:
-        raise error(f"{where}: {keys['num_kv_heads']} = {args.num_kv_heads} does not divide "
-                    f"{keys['num_heads']} = {args.num_heads} (allowed: a divisor of it)")
+        raise ModelLoadError(f"{where}: {keys['num_kv_heads']} = {args.num_kv_heads} does not divide "
+                             f"{keys['num_heads']} = {args.num_heads} (allowed: a divisor of it)")
     if args.head_dim % 2:
-        raise error(f"{where}: {keys['head_dim']} = {args.head_dim} is odd (allowed: an even number, which RoPE "
-                    f"rotates in pairs)")
+        raise ModelLoadError(f"{where}: {keys['head_dim']} = {args.head_dim} is odd (allowed: an even number, which "
+                             f"RoPE rotates in pairs)")
     for rope in filter(None, (args.rope, args.sliding_rope)):
         factors = rope.freq_factors or ()
         if not all(math.isfinite(f) and f > 0 for f in factors):
-            raise error(f"{where}: rope_freqs.weight holds {sorted(factors)[0]!r} (allowed: finite numbers above 0)")
+            raise ModelLoadError(f"{where}: rope_freqs.weight holds {sorted(factors)[0]!r} (allowed: finite numbers "
+                                 f"above 0)")
         if len(factors) not in (0, args.head_dim // 2):
-            raise error(f"{where}: rope_freqs.weight has {len(factors)} values (allowed: {args.head_dim // 2}, "
-                        f"half of {keys['head_dim']} = {args.head_dim})")
+            raise ModelLoadError(f"{where}: rope_freqs.weight has {len(factors)} values (allowed: "
+                                 f"{args.head_dim // 2}, half of {keys['head_dim']} = {args.head_dim})")
         if rope.kind == "llama3" and rope.high_freq_factor <= rope.low_freq_factor:
-            raise error(f"{where}: rope high_freq_factor = {rope.high_freq_factor} is not above low_freq_factor = "
-                        f"{rope.low_freq_factor} (allowed: above it)")
+            raise ModelLoadError(f"{where}: rope high_freq_factor = {rope.high_freq_factor} is not above "
+                                 f"low_freq_factor = {rope.low_freq_factor} (allowed: above it)")
 
 
 _LAYER = re.compile(r"(?:model\.layers|blk)\.(\d+)\.")
@@ -112,21 +109,21 @@ def check_tensors(args: ModelArgs, where, keys: dict[str, str], shapes: dict[str
     file's tensors (rows first), `names`: our name -> theirs for those present (loader._our_names)."""
     layers = {int(m.group(1)) for name in shapes if (m := _LAYER.match(name))}
     if layers != set(range(args.num_layers)):
-        raise error(f"{where}: {keys['num_layers']} = {args.num_layers}, but the file holds tensors of "
-                    f"{len(layers)} layer(s) (allowed: the layers it holds, numbered from 0)")
+        raise ModelLoadError(f"{where}: {keys['num_layers']} = {args.num_layers}, but the file holds tensors of "
+                             f"{len(layers)} layer(s) (allowed: the layers it holds, numbered from 0)")
     optional = {"q_bias", "k_bias", "v_bias"} if not args.attention_bias else set()
     optional |= {"q_norm", "k_norm"} if not args.qk_norm else set()
     needed = {"embed_tokens", "norm", *(() if args.tie_word_embeddings else ("lm_head",))}
     needed |= {f"layers.{i}.{ours}" for i in range(args.num_layers) for ours in layer_names.values()
                if ours not in optional}
     for name in sorted(needed - set(names), key=lambda n: (n.count("."), n)):
-        raise error(f"{where}: the file has no tensor {_theirs(name, layer_names, names)} (allowed: a file with "
-                    f"every tensor of the architecture)")
+        raise ModelLoadError(f"{where}: the file has no tensor {_theirs(name, layer_names, names)} (allowed: a file "
+                             f"with every tensor of the architecture)")
     for name, shape in expected_shapes(args, set(names)).items():
         if tuple(shapes[names[name]]) != shape:
             why = f"{keys['vocab_size']} = {args.vocab_size}, " if name in ("embed_tokens", "lm_head") else ""
-            raise error(f"{where}: tensor {names[name]} has shape {list(shapes[names[name]])} (allowed: "
-                        f"{list(shape)}, from {why}the model's other metadata)")
+            raise ModelLoadError(f"{where}: tensor {names[name]} has shape {list(shapes[names[name]])} (allowed: "
+                                 f"{list(shape)}, from {why}the model's other metadata)")
 
 
 def _theirs(ours: str, layer_names: dict[str, str], names: dict[str, str]) -> str:
