@@ -31,7 +31,8 @@ from kvreuse.cache_dir import cache_root
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("gguf_linear.cpp", "decode_attention.cpp"))
-HEADERS = (Path(__file__).with_name("isa.h"),)  # included by the sources: kept beside their copies, and keyed
+# Included by the sources: kept beside their copies, and keyed with them.
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("isa.h", "gguf_linear_body.h"))
 CFLAGS = ("-O3", "-fopenmp")  # at::parallel_for is OpenMP in the headers: without it, one thread
 
 

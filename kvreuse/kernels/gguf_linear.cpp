@@ -14,8 +14,10 @@
 // input of every row of x (an outer product): a dequantized weight serves up to 16 rows of x, and no sum is reduced
 // across lanes. One thread streams its panels' records from one place in memory.
 //
-// One source, compiled once for the baseline x86-64 target: the AVX-512 and AVX2 variants carry their own target
-// attributes and `best_isa()` says which one this CPU runs (0: neither; the caller then dequantizes in torch).
+// One source, compiled once for the baseline x86-64 target: the body (gguf_linear_body.h) is written once over a
+// vector type and included twice, each time in a target region of its own (AVX-512, AVX2; GCC's target pragmas, as
+// g++ builds torch's extensions on Linux) with that set's vector type, and `best_isa()` says which one this CPU runs
+// (0: neither; the caller then dequantizes in torch).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -53,305 +55,100 @@ constexpr int64_t record_bytes(int64_t bits, int64_t groups, bool half) {
 
 #if defined(__x86_64__)
 
-// Every row of x takes one summation order whatever the row count T, so that a row's output never depends on what
-// else is in its batch (prefix reuse computes a prompt's rows after a cached prefix, a cold run computes them all in
-// one product; docs/design/batch-invariance.md): two sums per output, one over inputs 0-15 of every block and one
-// over inputs 16-31, each in input order, added at the end. Few rows dequantize in registers; more rows dequantize
-// the panel once into a buffer [K, 16] that tiles of rows read in the same order.
-
 // ---- AVX-512: a panel's 16 rows are one vector ----
 
-constexpr int kPassRows512 = 8;   // rows that dequantize in registers at once (2 x 8 accumulators)
-constexpr int kRegisterRows512 = 16;  // rows that take passes in registers, not the dequantized panel
-constexpr int kTileRows512 = 12;  // rows per tile over a dequantized panel (2 x 12 accumulators of 32 registers)
+#pragma GCC push_options
+#pragma GCC target("avx512f,fma,avx2,f16c")
+namespace avx512 {
 
-template <bool Half>
-__attribute__((target("avx512f,f16c"))) inline __m512 scales512(const uint8_t* p, int i) {
-  if constexpr (Half) return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p) + i));
-  else return _mm512_loadu_ps(reinterpret_cast<const float*>(p) + kPanel * i);
-}
+struct V {
+  using Vec = __m512;
+  using IVec = __m512i;
+  static constexpr int kLanes = 16;
+  static constexpr int kPassRows = 8;       // 2 x 8 accumulators
+  static constexpr int kRegisterRows = 16;
+  static constexpr int kTileRows = 12;      // 2 x 12 accumulators of 32 registers
+  static constexpr int kPassUnroll = 4, kTileUnroll = 2;
 
-// A block's scales and mins for inputs 0-15 (d0, m0) and 16-31 (d1, m1), across a panel's 16 rows.
-struct Scales512 {
-  __m512 d0, m0, d1, m1;
+  static Vec zero() { return _mm512_setzero_ps(); }
+  static Vec load(const float* p) { return _mm512_loadu_ps(p); }
+  static Vec load_half(const uint8_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  static void store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+  static void store_first(float* p, Vec v, int64_t n) {
+    _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << n) - 1), v);
+  }
+  static Vec broadcast(const float* p) { return _mm512_set1_ps(*p); }
+  static Vec fmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+  static Vec add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+  // 16 bytes of codes, one per lane.
+  static IVec widen_codes(const uint8_t* p) {
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static IVec low_nibbles(IVec q) { return _mm512_and_si512(q, _mm512_set1_epi32(15)); }
+  static IVec high_nibbles(IVec q) { return _mm512_srli_epi32(q, 4); }
+  static Vec to_float(IVec q) { return _mm512_cvtepi32_ps(q); }
 };
 
-template <int G, bool Half>
-__attribute__((target("avx512f,f16c"))) inline Scales512 block_scales512(const uint8_t* record) {
-  const __m512 d0 = scales512<Half>(record, 0), m0 = scales512<Half>(record, G);
-  return {d0, m0, G == 1 ? d0 : scales512<Half>(record, 1), G == 1 ? m0 : scales512<Half>(record, G + 1)};
-}
+#include "gguf_linear_body.h"
 
-// The weights of a panel's 16 rows at inputs j (lo) and j + 16 (hi) of the block at `record`.
-template <int Bits, int G, bool Half>
-__attribute__((target("avx512f,fma,avx2,f16c"))) inline void weights512(const uint8_t* record, const Scales512& s,
-                                                                       int j, __m512& lo, __m512& hi) {
-  const auto [d0, m0, d1, m1] = s;
-  const uint8_t* codes = record + 2 * G * kPanel * (Half ? 2 : 4);
-  const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * j)));
-  if constexpr (Bits == 4) {
-    lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(15))), d0, m0);
-    hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), d1, m1);
-  } else {
-    const __m512i q1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * (j + 16))));
-    lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), d0, m0);
-    hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q1), d1, m1);
-  }
-}
-
-template <int TR>
-__attribute__((target("avx512f"))) inline void store512(const Problem& p, int64_t panel, int64_t t0,
-                                                        const __m512 (&acc)[2][TR]) {
-  const int64_t n0 = panel * kPanel, valid = std::min(kPanel, p.N - n0);
-  const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
-  for (int t = 0; t < TR; ++t) _mm512_mask_storeu_ps(p.y + (t0 + t) * p.N + n0, mask, _mm512_add_ps(acc[0][t], acc[1][t]));
-}
-
-// One panel against TR rows of x from t0, dequantizing in registers.
-template <int Bits, int G, bool Half, int TR>
-__attribute__((target("avx512f,fma,avx2,f16c"))) void panel512(const Problem& p, int64_t panel, int64_t t0) {
-  constexpr int64_t kRecord = record_bytes(Bits, G, Half);
-  const int64_t num_blocks = p.K / kBlock;
-  const uint8_t* record = p.packed + panel * num_blocks * kRecord;
-  const float* x = p.x + t0 * p.K;
-  __m512 acc[2][TR];
-  for (int t = 0; t < TR; ++t) acc[0][t] = acc[1][t] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < num_blocks; ++b, record += kRecord) {
-    for (int64_t line = 0; line < kRecord; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(record + 4 * kRecord + line), _MM_HINT_T0);
-    const float* xb = x + b * kBlock;
-    const Scales512 scales = block_scales512<G, Half>(record);
-#pragma GCC unroll 4
-    for (int j = 0; j < 16; ++j) {
-      __m512 lo, hi;
-      weights512<Bits, G, Half>(record, scales, j, lo, hi);
-      for (int t = 0; t < TR; ++t) {
-        acc[0][t] = _mm512_fmadd_ps(lo, _mm512_set1_ps(xb[t * p.K + j]), acc[0][t]);
-        acc[1][t] = _mm512_fmadd_ps(hi, _mm512_set1_ps(xb[t * p.K + j + 16]), acc[1][t]);
-      }
-    }
-  }
-  store512<TR>(p, panel, t0, acc);
-}
-
-// The panel's weights, dequantized once: w[k * 16 + r] is W[panel * 16 + r, k].
-template <int Bits, int G, bool Half>
-__attribute__((target("avx512f,fma,avx2,f16c"))) void dequantize512(const Problem& p, int64_t panel, float* w) {
-  constexpr int64_t kRecord = record_bytes(Bits, G, Half);
-  const uint8_t* record = p.packed + panel * (p.K / kBlock) * kRecord;
-  for (int64_t b = 0; b < p.K / kBlock; ++b, record += kRecord, w += kBlock * kPanel) {
-    const Scales512 scales = block_scales512<G, Half>(record);
-    for (int j = 0; j < 16; ++j) {
-      __m512 lo, hi;
-      weights512<Bits, G, Half>(record, scales, j, lo, hi);
-      _mm512_storeu_ps(w + kPanel * j, lo);
-      _mm512_storeu_ps(w + kPanel * (j + 16), hi);
-    }
-  }
-}
-
-// TR rows of x from t0 against a dequantized panel, in panel512's order.
-template <int TR>
-__attribute__((target("avx512f,fma"))) void buffered512(const Problem& p, const float* w, int64_t panel, int64_t t0) {
-  const float* x = p.x + t0 * p.K;
-  __m512 acc[2][TR];
-  for (int t = 0; t < TR; ++t) acc[0][t] = acc[1][t] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < p.K; k += kBlock) {
-#pragma GCC unroll 2
-    for (int64_t j = k; j < k + 16; ++j) {
-      const __m512 w0 = _mm512_loadu_ps(w + kPanel * j), w1 = _mm512_loadu_ps(w + kPanel * (j + 16));
-      for (int t = 0; t < TR; ++t) {
-        acc[0][t] = _mm512_fmadd_ps(w0, _mm512_set1_ps(x[t * p.K + j]), acc[0][t]);
-        acc[1][t] = _mm512_fmadd_ps(w1, _mm512_set1_ps(x[t * p.K + j + 16]), acc[1][t]);
-      }
-    }
-  }
-  store512<TR>(p, panel, t0, acc);
-}
+}  // namespace avx512
+#pragma GCC pop_options
 
 // ---- AVX2: a panel's 16 rows are two 8-lane halves, each its own pass (16 registers) ----
 
-constexpr int kPassRows256 = 4;  // rows that dequantize in registers at once (2 x 4 accumulators)
-constexpr int kRegisterRows256 = 8;  // rows that take passes in registers, not the dequantized panel
-constexpr int kTileRows256 = 5;  // rows per tile over a dequantized panel (2 x 5 accumulators of 16 registers)
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace avx2 {
 
-template <bool Half>
-__attribute__((target("avx2,f16c"))) inline __m256 scales256(const uint8_t* p, int i, int half) {
-  if constexpr (Half)
-    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * (kPanel * i + 8 * half))));
-  else return _mm256_loadu_ps(reinterpret_cast<const float*>(p) + kPanel * i + 8 * half);
-}
+struct V {
+  using Vec = __m256;
+  using IVec = __m256i;
+  static constexpr int kLanes = 8;
+  static constexpr int kPassRows = 4;       // 2 x 4 accumulators
+  static constexpr int kRegisterRows = 8;
+  static constexpr int kTileRows = 5;       // 2 x 5 accumulators of 16 registers
+  static constexpr int kPassUnroll = 2, kTileUnroll = 1;
 
-struct Scales256 {
-  __m256 d0, m0, d1, m1;
+  static Vec zero() { return _mm256_setzero_ps(); }
+  static Vec load(const float* p) { return _mm256_loadu_ps(p); }
+  static Vec load_half(const uint8_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static void store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+  static void store_first(float* p, Vec v, int64_t n) {
+    if (n == kLanes) return _mm256_storeu_ps(p, v);
+    alignas(32) float lanes[kLanes];
+    _mm256_store_ps(lanes, v);
+    std::copy(lanes, lanes + n, p);
+  }
+  static Vec broadcast(const float* p) { return _mm256_broadcast_ss(p); }
+  static Vec fmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+  static Vec add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+  // 8 bytes of codes, one per lane.
+  static IVec widen_codes(const uint8_t* p) {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  }
+  static IVec low_nibbles(IVec q) { return _mm256_and_si256(q, _mm256_set1_epi32(15)); }
+  static IVec high_nibbles(IVec q) { return _mm256_srli_epi32(q, 4); }
+  static Vec to_float(IVec q) { return _mm256_cvtepi32_ps(q); }
 };
 
-template <int G, bool Half>
-__attribute__((target("avx2,f16c"))) inline Scales256 block_scales256(const uint8_t* record, int half) {
-  const __m256 d0 = scales256<Half>(record, 0, half), m0 = scales256<Half>(record, G, half);
-  return {d0, m0, G == 1 ? d0 : scales256<Half>(record, 1, half), G == 1 ? m0 : scales256<Half>(record, G + 1, half)};
-}
+#include "gguf_linear_body.h"
 
-// The weights of a panel's 8 rows of `half` at inputs j (lo) and j + 16 (hi) of the block at `record`.
-template <int Bits, int G, bool Half>
-__attribute__((target("avx2,fma,f16c"))) inline void weights256(const uint8_t* record, const Scales256& s, int j,
-                                                               int half, __m256& lo, __m256& hi) {
-  const auto [d0, m0, d1, m1] = s;
-  const uint8_t* codes = record + 2 * G * kPanel * (Half ? 2 : 4) + 8 * half;
-  const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 16 * j)));
-  if constexpr (Bits == 4) {
-    lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q, _mm256_set1_epi32(15))), d0, m0);
-    hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4)), d1, m1);
-  } else {
-    const __m256i q1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 16 * (j + 16))));
-    lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d0, m0);
-    hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q1), d1, m1);
-  }
-}
-
-template <int TR>
-__attribute__((target("avx2"))) inline void store256(const Problem& p, int64_t panel, int64_t t0, int half,
-                                                     const __m256 (&acc)[2][TR]) {
-  const int64_t n0 = panel * kPanel + 8 * half, valid = std::min<int64_t>(8, p.N - n0);
-  for (int t = 0; t < TR; ++t) {
-    const __m256 v = _mm256_add_ps(acc[0][t], acc[1][t]);
-    float* out = p.y + (t0 + t) * p.N + n0;
-    if (valid == 8) {
-      _mm256_storeu_ps(out, v);
-    } else {
-      alignas(32) float lanes[8];
-      _mm256_store_ps(lanes, v);
-      std::copy(lanes, lanes + valid, out);
-    }
-  }
-}
-
-template <int Bits, int G, bool Half, int TR>
-__attribute__((target("avx2,fma,f16c"))) void panel256(const Problem& p, int64_t panel, int64_t t0, int half) {
-  constexpr int64_t kRecord = record_bytes(Bits, G, Half);
-  const int64_t num_blocks = p.K / kBlock;
-  if (panel * kPanel + 8 * half >= p.N) return;
-  const uint8_t* record = p.packed + panel * num_blocks * kRecord;
-  const float* x = p.x + t0 * p.K;
-  __m256 acc[2][TR];
-  for (int t = 0; t < TR; ++t) acc[0][t] = acc[1][t] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < num_blocks; ++b, record += kRecord) {
-    for (int64_t line = 0; line < kRecord; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(record + 4 * kRecord + line), _MM_HINT_T0);
-    const float* xb = x + b * kBlock;
-    const Scales256 scales = block_scales256<G, Half>(record, half);
-#pragma GCC unroll 2
-    for (int j = 0; j < 16; ++j) {
-      __m256 lo, hi;
-      weights256<Bits, G, Half>(record, scales, j, half, lo, hi);
-      for (int t = 0; t < TR; ++t) {
-        acc[0][t] = _mm256_fmadd_ps(lo, _mm256_broadcast_ss(xb + t * p.K + j), acc[0][t]);
-        acc[1][t] = _mm256_fmadd_ps(hi, _mm256_broadcast_ss(xb + t * p.K + j + 16), acc[1][t]);
-      }
-    }
-  }
-  store256<TR>(p, panel, t0, half, acc);
-}
-
-template <int Bits, int G, bool Half>
-__attribute__((target("avx2,fma,f16c"))) void dequantize256(const Problem& p, int64_t panel, float* w) {
-  constexpr int64_t kRecord = record_bytes(Bits, G, Half);
-  const uint8_t* record = p.packed + panel * (p.K / kBlock) * kRecord;
-  for (int64_t b = 0; b < p.K / kBlock; ++b, record += kRecord, w += kBlock * kPanel) {
-    for (int half = 0; half < 2; ++half) {
-      const Scales256 scales = block_scales256<G, Half>(record, half);
-      for (int j = 0; j < 16; ++j) {
-        __m256 lo, hi;
-        weights256<Bits, G, Half>(record, scales, j, half, lo, hi);
-        _mm256_storeu_ps(w + kPanel * j + 8 * half, lo);
-        _mm256_storeu_ps(w + kPanel * (j + 16) + 8 * half, hi);
-      }
-    }
-  }
-}
-
-template <int TR>
-__attribute__((target("avx2,fma"))) void buffered256(const Problem& p, const float* w, int64_t panel, int64_t t0,
-                                                     int half) {
-  if (panel * kPanel + 8 * half >= p.N) return;
-  const float* x = p.x + t0 * p.K;
-  __m256 acc[2][TR];
-  for (int t = 0; t < TR; ++t) acc[0][t] = acc[1][t] = _mm256_setzero_ps();
-  w += 8 * half;
-  for (int64_t k = 0; k < p.K; k += kBlock) {
-    for (int64_t j = k; j < k + 16; ++j) {
-      const __m256 w0 = _mm256_loadu_ps(w + kPanel * j), w1 = _mm256_loadu_ps(w + kPanel * (j + 16));
-      for (int t = 0; t < TR; ++t) {
-        acc[0][t] = _mm256_fmadd_ps(w0, _mm256_broadcast_ss(x + t * p.K + j), acc[0][t]);
-        acc[1][t] = _mm256_fmadd_ps(w1, _mm256_broadcast_ss(x + t * p.K + j + 16), acc[1][t]);
-      }
-    }
-  }
-  store256<TR>(p, panel, t0, half, acc);
-}
-
-// Up to kRegisterRows rows of x take passes of kPassRows rows, which dequantize in registers (one instance per row
-// count, so that the accumulators stay in registers). More rows take tiles of kTileRows, then fewer, over the panel
-// dequantized once.
-template <int Bits, int G, bool Half, int... I>
-void one_pass512(const Problem& p, int64_t panel, int64_t t0, std::integer_sequence<int, I...>) {
-  const int64_t rows = std::min<int64_t>(kPassRows512, p.T - t0);
-  ((rows == I + 1 ? panel512<Bits, G, Half, I + 1>(p, panel, t0) : void()), ...);
-}
-
-template <int... I>
-void rest512(const Problem& p, const float* w, int64_t panel, int64_t t0, std::integer_sequence<int, I...>) {
-  ((p.T - t0 == I + 1 ? buffered512<I + 1>(p, w, panel, t0) : void()), ...);
-}
-
-template <int Bits, int G, bool Half, int... I>
-void one_pass256(const Problem& p, int64_t panel, int64_t t0, int half, std::integer_sequence<int, I...>) {
-  const int64_t rows = std::min<int64_t>(kPassRows256, p.T - t0);
-  ((rows == I + 1 ? panel256<Bits, G, Half, I + 1>(p, panel, t0, half) : void()), ...);
-}
-
-template <int... I>
-void rest256(const Problem& p, const float* w, int64_t panel, int64_t t0, int half, std::integer_sequence<int, I...>) {
-  ((p.T - t0 == I + 1 ? buffered256<I + 1>(p, w, panel, t0, half) : void()), ...);
-}
-
-template <int Bits, int G, bool Half>
-void panel_rows512(const Problem& p, int64_t panel, float* w) {
-  if (p.T <= kRegisterRows512) {
-    for (int64_t t0 = 0; t0 < p.T; t0 += kPassRows512)
-      one_pass512<Bits, G, Half>(p, panel, t0, std::make_integer_sequence<int, kPassRows512>{});
-    return;
-  }
-  dequantize512<Bits, G, Half>(p, panel, w);
-  int64_t t0 = 0;
-  for (; t0 + kTileRows512 <= p.T; t0 += kTileRows512) buffered512<kTileRows512>(p, w, panel, t0);
-  rest512(p, w, panel, t0, std::make_integer_sequence<int, kTileRows512 - 1>{});
-}
-
-template <int Bits, int G, bool Half>
-void panel_rows256(const Problem& p, int64_t panel, float* w) {
-  if (p.T <= kRegisterRows256) {
-    for (int half = 0; half < 2; ++half)
-      for (int64_t t0 = 0; t0 < p.T; t0 += kPassRows256)
-        one_pass256<Bits, G, Half>(p, panel, t0, half, std::make_integer_sequence<int, kPassRows256>{});
-    return;
-  }
-  dequantize256<Bits, G, Half>(p, panel, w);
-  for (int half = 0; half < 2; ++half) {
-    int64_t t0 = 0;
-    for (; t0 + kTileRows256 <= p.T; t0 += kTileRows256) buffered256<kTileRows256>(p, w, panel, t0, half);
-    rest256(p, w, panel, t0, half, std::make_integer_sequence<int, kTileRows256 - 1>{});
-  }
-}
+}  // namespace avx2
+#pragma GCC pop_options
 
 template <int Bits, int G, bool Half>
 void run(const Problem& p, Isa isa) {
   const int64_t num_panels = (p.N + kPanel - 1) / kPanel;
   at::parallel_for(0, num_panels, 2, [&](int64_t begin, int64_t end) {
-    std::vector<float> w(p.T > kRegisterRows256 ? p.K * kPanel : 0);  // the dequantized panel, when tiles read it
+    const int register_rows = isa == Isa::kAvx512 ? avx512::V::kRegisterRows : avx2::V::kRegisterRows;
+    std::vector<float> w(p.T > register_rows ? p.K * kPanel : 0);  // the dequantized panel, when tiles read it
     for (int64_t panel = begin; panel < end; ++panel) {
-      if (isa == Isa::kAvx512) panel_rows512<Bits, G, Half>(p, panel, w.data());
-      else panel_rows256<Bits, G, Half>(p, panel, w.data());
+      if (isa == Isa::kAvx512) avx512::panel_rows<Bits, G, Half>(p, panel, w.data());
+      else avx2::panel_rows<Bits, G, Half>(p, panel, w.data());
     }
   });
 }
