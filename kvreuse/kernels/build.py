@@ -1,11 +1,12 @@
-"""kvreuse's CPU extension (`torch.ops.kvreuse_cpu`): the GGUF block product (gguf_linear.cpp) and the fused decode
-attention (decode_attention.cpp), built, loaded and chosen.
+"""kvreuse's CPU extension (`torch.ops.kvreuse_cpu`): the GGUF block product (gguf_linear.cpp), the fused decode
+attention (decode_attention.cpp) and the row-by-row prefill attention (prefill_attention.cpp; both attention kernels
+compute a query row through attention_rows.h), built, loaded and chosen.
 
 `load()` builds the extension with torch's C++ extension builder (ninja and a C++ compiler; ~20 s, once: the result
 is kept under the cache directory, keyed by the sources, torch's version and place, and the flags). The GGUF product
 runs the widest instruction set both this CPU and torch's dispatch allow: torch's `ATEN_CPU_CAPABILITY` lowers it as
-it lowers torch's own kernels (`avx2` runs the AVX2 variant on an AVX-512 CPU, `default` none). The attention kernel
-is plain C++ and runs on any CPU. `KVREUSE_CPU_KERNELS=0` loads nothing: every op then runs in pure torch, the
+it lowers torch's own kernels (`avx2` runs the AVX2 variant on an AVX-512 CPU, `default` none). The attention kernels
+are plain C++ and run on any CPU. `KVREUSE_CPU_KERNELS=0` loads nothing: every op then runs in pure torch, the
 reference the kernels are tested against. A build failure is a `KernelStatus` with its reason, never an exception.
 Builders take an OS lock on the build directory (`builder_lock`), which dies with its process: torch's own lock file,
 which a killed build leaves behind and every later build then waits on forever, is cleared under it. They build from
@@ -30,9 +31,10 @@ from kvreuse.cache_dir import cache_root
 
 logger = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("gguf_linear.cpp", "decode_attention.cpp"))
+SOURCES = tuple(Path(__file__).with_name(name)
+                for name in ("gguf_linear.cpp", "decode_attention.cpp", "prefill_attention.cpp"))
 # Included by the sources: kept beside their copies, and keyed with them.
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("isa.h", "gguf_linear_body.h"))
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("isa.h", "attention_rows.h", "gguf_linear_body.h"))
 CFLAGS = ("-O3", "-fopenmp")  # at::parallel_for is OpenMP in the headers: without it, one thread
 
 
@@ -51,7 +53,7 @@ _status: KernelStatus | None = None  # load()'s answer
 
 @dataclass(frozen=True)
 class KernelStatus:
-    loaded: bool    # the extension is loaded: the decode attention kernel runs
+    loaded: bool    # the extension is loaded: the attention kernels run
     isa: Isa        # the GGUF product's variant: NONE (dense weights in torch), AVX2, AVX512
     reason: str     # why: the instruction set, or what kept the extension from loading
 
@@ -133,6 +135,10 @@ def _build() -> None:
 
     @torch.library.register_fake("kvreuse_cpu::decode_attention")
     def _(q, k, v, k_cache, v_cache, slot_mapping, context_slots, context_lens, scale):
+        return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+
+    @torch.library.register_fake("kvreuse_cpu::prefill_attention")
+    def _(q, k_cache, v_cache, context_slots, row_seq, row_pos, window, scale):
         return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
 

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from kvreuse.kernels import build as kernels
 from kvreuse.layers.kv_format import format_of
+from kvreuse.layers.row_attention import attend_rows
 
 # The KV pool's null block (kvreuse/kvcache/block.py's NULL_BLOCK; tests/test_attention.py keeps them equal): no
 # request holds it, so it pads ragged block tables and stands where a sliding window has passed a block. Whatever it
@@ -38,6 +39,7 @@ class AttentionMetadata:
     # A long prompt's sliding-window attention, query rows [start, end) at a time over the keys they can see
     chunks: list[tuple[int, int, AttentionMetadata]] | None = None
     _windowed: dict[int, AttentionMetadata] = field(default_factory=dict, repr=False)
+    _rows: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     @classmethod
     def build(
@@ -133,6 +135,14 @@ class AttentionMetadata:
             query_positions=query_pos.to(device),
         )
 
+    def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sequence and the position of each query row, in batch order: ([T], [T]). Built once per forward."""
+        if self._rows is None:
+            num_queries = self.query_index.shape[1]
+            self._rows = (torch.div(self.output_index, num_queries, rounding_mode="floor"),
+                          self.query_positions.flatten()[self.output_index])
+        return self._rows
+
     def windowed(self, window: int | None) -> AttentionMetadata:
         """This forward's metadata for a sliding-window layer: each query sees the keys at positions
         (p - window, p], itself included. A decode keeps only each sequence's last `window` keys (the fused kernel
@@ -210,22 +220,33 @@ def store_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
     of its dtype or of 8-bit rows, runs as one fused call where kvreuse's kernels are loaded: it encodes the new rows
     as `store_kv` does, bit for bit, and attends over the values `read_kv` gives in fp32 (the same numbers up to
     summation order, and the torch path's rounding of 8-bit values to bf16; tests/test_attention.py)."""
-    meta = meta.windowed(window)
     if meta.decode and meta.context_lens is not None and fused_decode_takes(q.dtype, k_cache) \
             and q.device.type == "cpu" and kernels.load().loaded:
+        meta = meta.windowed(window)
         return torch.ops.kvreuse_cpu.decode_attention(q.contiguous(), k.contiguous(), v.contiguous(), k_cache,
                                                       v_cache, meta.slot_mapping, meta.context_slots,
                                                       meta.context_lens, scale)
     store_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-    return paged_attention(q, k_cache, v_cache, meta, scale)
+    return paged_attention(q, k_cache, v_cache, meta, scale, window)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
-    """q: [T, H, D] (already rotated); returns [T, H * D]. The new tokens' K/V must already be stored."""
+    """q: [T, H, D] (already rotated); returns [T, H * D]. The new tokens' K/V must already be stored. On a CPU, a
+    step with prompt rows attends one query row at a time (row_attention.py: a row's bits do not depend on its
+    neighbours); decode steps and CUDA take SDPA over the padded batch."""
+    if not meta.decode and q.device.type == "cpu":
+        row_seq, row_pos = meta.rows()
+        return attend_rows(q, k_cache, v_cache, meta.context_slots, row_seq, row_pos, scale, window or 0)
+    return padded_attention(q, k_cache, v_cache, meta, scale, window)
+
+
+def padded_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
+    """`paged_attention` as one SDPA call over the padded batch: q [T, H, D] -> [T, H * D]."""
     meta = meta.windowed(window)
     if meta.chunks is not None:
-        return torch.cat([paged_attention(q[start:end], k_cache, v_cache, chunk, scale)
+        return torch.cat([padded_attention(q[start:end], k_cache, v_cache, chunk, scale)
                           for start, end, chunk in meta.chunks])
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[2]
