@@ -1,9 +1,10 @@
 """Prompt attention on a CPU: the row-by-row op (layers/row_attention.py, kernels/prefill_attention.cpp) against one
 SDPA call over the padded batch (`padded_attention`, what ran before), interleaved (rows, sdpa, rows, sdpa, ...).
 
-- One layer's attention for a 2,048-token prompt from position 0 (SDPA's causal path), and for its last 1,024 rows
-  after 1,024 cached (SDPA's masked path), on SmolLM2's shapes (9 heads, 3 KV heads, head_dim 64) and Gemma 3 270M's
-  (4, 1, 256; a global layer, and a local one with a 512-key window), fp32 pool; SmolLM2's in bf16 too.
+- One layer's attention for a 2,048-token prompt from position 0 (SDPA's causal path), and for its last 1,024 or 64
+  rows after 1,024 or 1,984 cached (a hit's suffix: SDPA's masked path), on SmolLM2's shapes (9 heads, 3 KV heads,
+  head_dim 64) and Gemma 3 270M's (4, 1, 256; a global layer, and a local one with a 512-key window), fp32 pool;
+  SmolLM2's in bf16 too.
 - A whole 2,048-token prefill (one token generated, no cache) of the embedded SmolLM2 and of gemma3-270m, fp32, the
   default GGUF weights, each path in turn on one engine.
 
@@ -44,7 +45,7 @@ def layer_case(shape: tuple[int, int, int, int], cached: int, length: int, dtype
 
 
 def time_layers(rounds: int) -> None:
-    cases = [(name, cached, torch.float32) for name in SHAPES for cached in (0, 1024)]
+    cases = [(name, cached, torch.float32) for name in SHAPES for cached in (0, 1024, 1984)]
     cases.append(("smollm2", 0, torch.bfloat16))
     for name, cached, dtype in cases:
         q, (k_cache, v_cache), meta, scale, window = layer_case(SHAPES[name], cached, 2048, dtype)
@@ -67,7 +68,8 @@ def time_models(rounds: int) -> None:
 
     for model in ("", "gemma3-270m"):
         sets = [f"model.path={model}"] if model else []
-        with LLM(load_config(None, [*sets, "model.dtype=fp32", "engine.compile=off"])) as llm:
+        with LLM(load_config(None, [*sets, "model.dtype=fp32", "engine.compile=off", "server.max_tokens=4096"])) \
+                as llm:
             prompt = (llm.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 300))[:2048]
             params = SamplingParams(max_tokens=1, ignore_eos=True)
             llm.generate(prompt[:64], params, use_cache=False)  # warm
