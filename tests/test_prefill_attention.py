@@ -159,3 +159,17 @@ def test_the_op_refuses_a_position_outside_its_context():
     with pytest.raises(RuntimeError, match="outside context_slots"):
         torch.ops.kvreuse_cpu.prefill_attention(pool.q[0], pool.k_cache, pool.v_cache, meta.context_slots, row_seq,
                                                 row_pos + 1, 0, pool.scale)
+
+
+@needs_kernels
+@pytest.mark.parametrize("heads", list(HEADS.values()), ids=list(HEADS))
+def test_in_bf16_a_row_is_as_invariant_and_rounds_the_fp32_rows_once(heads):
+    """bf16 queries over a bf16 pool: the row is computed in fp32 and its output rounded once."""
+    pool = Pool(heads, [90, 60], "bf16")
+    pool.q = [q.bfloat16() for q in pool.q]
+    step = {1: range(0, 60), 0: range(40, 90)}
+    whole = pool.attend(step, 24)                                                     # [110, H * D]
+    for position in (40, 77, 89):
+        assert torch.equal(pool.attend({0: range(position, position + 1)}, 24)[0], whole[60 + position - 40])
+    pool.k_cache, pool.v_cache, pool.q = pool.k_cache.float(), pool.v_cache.float(), [q.float() for q in pool.q]
+    assert torch.equal(whole, pool.attend(step, 24).bfloat16())
