@@ -229,8 +229,15 @@ class DecodeGraph:
 
     def start(self, build: bool = True) -> None:
         """In a daemon thread, build the graphs in a child process at the lowest CPU priority unless they are built
-        (`build`), then load them (the outcome is logged). The engine decodes eagerly until `state == "compiled"`."""
+        (`build`), then load them (the outcome is logged). The engine decodes eagerly until `state == "compiled"`.
+        Where inductor has no compiler here, the state is "failed" at once, with the reason."""
         assert self.can_start(build), "nothing to load, and no build to start"
+        # Here, not in the thread: asking inductor for its compiler imports it (~1 s of Python), which, in a thread
+        # beside a served step, took the GIL from it (a first start's first answer took 2.7x its eager time).
+        missing = compiler_missing(next(self.model.parameters()).device)
+        if missing is not None:
+            self._fail(missing)
+            return
         self.state = "compiling"
         self._thread = threading.Thread(target=self._prepare_thread, name="kvreuse-decode-compile", daemon=True)
         _compiling.add(self)
@@ -287,10 +294,6 @@ class DecodeGraph:
     def _prepare(self) -> None:
         start = time.perf_counter()
         lower_priority()  # this thread's share of the cores, and that of the g++ runs a load may need
-        missing = compiler_missing(next(self.model.parameters()).device)
-        if missing is not None:
-            self._fail(missing)
-            return
         try:
             if not self.is_built:
                 logger.info("decode step: eager while its graphs are built at the lowest CPU priority (a few "
