@@ -18,6 +18,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "isa.h"
+
 namespace kvreuse_attention {
 
 // exp(x) for x <= 0 (Cephes' expf: n = round(x / ln 2), a degree-7 polynomial on the rest, times 2^n), inline so
@@ -409,17 +411,18 @@ __attribute__((always_inline)) inline void attend_row(const T* q, const Pool<R>&
   for (int64_t e = 0; e < G * D; ++e) out[e] = static_cast<T>(s.out[e]);
 }
 
-// The widest variant this CPU and torch's dispatch allow: 2 AVX-512, 1 AVX2, 0 none.
-inline int attend_isa() {
-  static const int isa = [] {
+// The widest variant this CPU and torch's dispatch allow.
+inline kvreuse::Isa attend_isa() {
+  using kvreuse::Isa;
+  static const Isa isa = [] {
     const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                       __builtin_cpu_supports("f16c");
     const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
     const char* env = std::getenv("ATEN_CPU_CAPABILITY");  // torch's own setting, read as torch reads it
     const std::string capability = env ? env : "";
-    const int allowed = capability == "avx2" ? 1 : capability == "default" ? 0 : 2;
-    return std::min(avx512 ? 2 : avx2 ? 1 : 0, allowed);
+    const Isa allowed = capability == "avx2" ? Isa::kAvx2 : capability == "default" ? Isa::kNone : Isa::kAvx512;
+    return std::min(avx512 ? Isa::kAvx512 : avx2 ? Isa::kAvx2 : Isa::kNone, allowed);
   }();
   return isa;
 }

@@ -168,7 +168,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const int64_t grain = std::max<int64_t>(1, (B * Hkv) * 1024 / std::max<int64_t>(1, total_keys * Hkv));
   using BF16 = c10::BFloat16;
   const bool fp32 = dtype == at::kFloat;
-  const int isa = attend_isa();
+  const auto isa = static_cast<int>(attend_isa());  // an index into each kernel's variants
 #define KVREUSE_RUN(FN, T, R) \
   store_and_attend<T, R>(FN[isa], q, k, v, k_cache, v_cache, slots, context, lens, max_len, s, out, grain)
   if (pool_dtype == at::kChar) {

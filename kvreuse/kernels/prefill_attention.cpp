@@ -129,7 +129,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
   // ~1,024 keys of work per task at least: one thread for a short step, an even split of a long one.
   const int64_t grain = std::max<int64_t>(1, T * 1024 / std::max<int64_t>(1, total_keys));
   const float s = static_cast<float>(scale);
-  const int isa = attend_isa();
+  const auto isa = static_cast<int>(attend_isa());  // an index into each kernel's variants
   using BF16 = c10::BFloat16;
   const bool fp32 = dtype == at::kFloat;
 #define KVREUSE_RUN(FN, T_, R) \
