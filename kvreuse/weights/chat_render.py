@@ -83,6 +83,10 @@ class WorkerRenderer:
         self._starting = threading.Thread(target=self._start_quietly, name="kvreuse-template-worker", daemon=True)
         self._starting.start()
 
+    def wait_started(self) -> None:
+        """Block until the worker's start (begun when this renderer was made) is over, however it went."""
+        self._starting.join()
+
     def render(self, messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool) -> str:
         self._starting.join()  # a worker starting (a first, or the replacement of one killed at the deadline)
         with self._lock:

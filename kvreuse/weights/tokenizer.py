@@ -96,10 +96,12 @@ class Tokenizer:
             hf_tokenizer.chat_template = load_chat_template(chat_template_file)
         return cls(hf_tokenizer, facts_file)
 
-    def render_in_worker(self, limits: RenderLimits) -> None:
-        """Render conversations in a worker process within `limits` from now on (a server's requests)."""
+    def render_in_worker(self, limits: RenderLimits) -> WorkerRenderer:
+        """Render conversations in a worker process within `limits` from now on (a server's requests); the renderer,
+        whose worker is starting."""
         self.render_in_process()
         self.renderer = WorkerRenderer(self.hf, limits)
+        return self.renderer
 
     def render_in_process(self) -> None:
         """Render conversations on the calling thread again; a worker is stopped."""
