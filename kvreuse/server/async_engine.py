@@ -14,6 +14,7 @@ import gc
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -34,6 +35,10 @@ from kvreuse.warm import warm_up
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.5
+# How often the step observer (the gauges) runs while the engine steps; it runs again whenever the engine runs out of
+# work. Run after every step, its snapshot (getrusage included) took 0.16 ms of each 9 ms token of a streamed answer,
+# the engine thread's largest cost outside the step.
+OBSERVE_EVERY_S = 0.2
 LOAD_BUILT_GRAPHS_S = 120.0  # how long a start waits for the load of decode graphs built before (a few seconds)
 T = TypeVar("T")
 
@@ -72,8 +77,10 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine, on_step: Callable[[LLMEngine], None] | None = None,
                  on_finish: Callable[[RequestOutput], None] | None = None):
         self.engine = engine
-        # Called on the engine thread: after every step (gauges) and for every finished or aborted request.
+        # Called on the engine thread: `on_step` (gauges) every OBSERVE_EVERY_S while it steps, when it runs out of work
+        # and after an abort; `on_finish` for every finished or aborted request.
         self.on_step, self.on_finish = on_step, on_finish
+        self._next_observation = 0.0  # time.monotonic() of the next step observation
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._thread = threading.Thread(target=self._run, name="kvreuse-engine", daemon=True)
@@ -167,7 +174,9 @@ class AsyncEngine:
                 self._drain_commands(block=not self.engine.has_unfinished())
                 if self.engine.has_unfinished():
                     self._deliver(self.engine.step())
-                    self._notify(self.on_step, self.engine)
+                    if not self.engine.has_unfinished() or time.monotonic() >= self._next_observation:
+                        self._next_observation = time.monotonic() + OBSERVE_EVERY_S
+                        self._notify(self.on_step, self.engine)
         except BaseException as exc:
             self.error = exc
             logger.exception("engine loop died")

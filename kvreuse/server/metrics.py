@@ -134,7 +134,8 @@ class Metrics:
                                      replica_labels, registry=r)
 
     def observe_step(self, engine: LLMEngine) -> None:
-        """Gauges, from the engine thread after each step (and after an abort frees blocks)."""
+        """Gauges, from the engine thread: while it steps every `async_engine.OBSERVE_EVERY_S`, when it runs out of work
+        and after an abort frees blocks."""
         snapshot = engine.stats_snapshot()
         self._set_gauges(GaugeValues.of(snapshot))
         if snapshot.tiers is not None:

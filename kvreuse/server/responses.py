@@ -292,7 +292,13 @@ async def stream(state: ServerState, prompts: list[Prompt], admissions: list[Adm
 
 
 async def _merged(queues: list[asyncio.Queue]) -> AsyncIterator[tuple[int, Delta | EngineDied | Cut]]:
-    """The deltas of several requests as they come, each with its request's position, until every one has ended."""
+    """The deltas of several requests as they come, each with its request's position, until every one has ended.
+    One request's (every chat's) are read from its own queue: a relay would cost each token a task wake-up more."""
+    if len(queues) == 1:
+        while not is_last(delta := await queues[0].get()):
+            yield 0, delta
+        yield 0, delta
+        return
     merged: asyncio.Queue = asyncio.Queue()
 
     async def forward(j: int, deltas: asyncio.Queue) -> None:
