@@ -74,12 +74,13 @@ async def _run_engine(app: FastAPI):
     # Requests' conversations render in a worker process with a deadline and a memory cap (weights/chat_render.py).
     tokenizer, limits = state.engine.front_end.tokenizer, state.engine.front_end.config.server
     renderer = tokenizer.render_in_worker(RenderLimits(limits.chat_template_timeout_s, limits.chat_template_max_mb))
-    # Its start (~1 s of another process's CPU: python, transformers, the tokenizer) ends before the ready line, not
-    # beside the first request (every server's first 64-token answer took ~1.5x its eager time).
-    await asyncio.to_thread(renderer.wait_started)
     # The grammar compiler (xgrammar's import, the tokenizer's vocabulary) takes ~0.5 s holding the GIL: built now,
     # not while the first request with a format or tools makes every other request wait on it.
     await asyncio.to_thread(lambda: state.engine.front_end.grammars)
+    # The worker's start (~1 s of another process's CPU: python, transformers, the tokenizer), which overlapped the
+    # grammars, ends before the ready line, not beside the first request (every server's first 64-token answer took
+    # ~1.5x its eager time).
+    await asyncio.to_thread(renderer.wait_started)
     state.engine.start()
     state.ready = True
     yield
