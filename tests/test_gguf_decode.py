@@ -18,7 +18,6 @@ import sys
 import pytest
 
 from kvreuse.kernels import build as kernels
-from kvreuse.model.decode_graph import COMPILED_ROWS
 
 from .test_parity import long_text
 
@@ -32,7 +31,6 @@ import json, sys
 from torch.profiler import ProfilerActivity, profile
 from kvreuse.config import load_config
 from kvreuse.kernels import build as kernels
-from kvreuse.model.decode_graph import COMPILED_ROWS
 from kvreuse.llm import LLM
 from kvreuse.weights.gguf_weights import GGUFLinear
 from kvreuse.sampling_params import SamplingParams
@@ -97,11 +95,9 @@ def decode_steps(report: dict, batch: str) -> int:
 
 
 def compiled_steps(report: dict, batch: str) -> int:
-    """The steps the compiled graphs run in a phase: every decode step, and each prompt step of at most
-    COMPILED_ROWS rows (each batch-1 prompt is one step; batch 8's prompts are too long to fit one)."""
-    lengths = report[batch]["prompt_tokens"]
-    prompt_steps = sum(n <= COMPILED_ROWS for n in lengths) if batch == "b1" else int(sum(lengths) <= COMPILED_ROWS)
-    return decode_steps(report, batch) + prompt_steps
+    """The steps the compiled graphs run in a phase: every decode step, and no prompt step (prompt rows run eagerly,
+    so that a cache hit's suffix gets the cold prompt's bits: docs/design/batch-invariance.md)."""
+    return decode_steps(report, batch)
 
 
 needs_kernel = pytest.mark.skipif(not kernels.load().isa, reason=f"no GGUF kernel here: {kernels.load().reason}")

@@ -20,6 +20,7 @@ from kvreuse.kvcache.pool_memory import zeroed
 from kvreuse.layers.attention import AttentionMetadata
 from kvreuse.layers.kv_format import KVFormat
 from kvreuse.layers.logits_processors import SamplingRow
+from kvreuse.layers.row_kinds import PROMPT, RowKinds, row_kinds
 from kvreuse.layers.sampler import TokenLogprob, sample_rows
 from kvreuse.model.decode_graph import DecodeGraph
 from kvreuse.model.decoder import CausalLM, ForwardKV, layer_caches
@@ -38,6 +39,16 @@ class StepOutput:
     # Per request id that scores its prompt: (first position, the records of the positions this step computed).
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
     outcomes: dict[str, RepairOutcome] = field(default_factory=dict)  # of sequences that reused segments
+
+    @staticmethod
+    def merged(seqs: list[Sequence], parts: list[tuple[list[Sequence], StepOutput]]) -> StepOutput:
+        """One step's output for `seqs` from the outputs of forwards over parts of them."""
+        draws = {id(seq): draw for part, out in parts for seq, draw in zip(part, out.draws, strict=True)}
+        merged = StepOutput([draws[id(seq)] for seq in seqs])
+        for _, out in parts:
+            merged.prompt_logprobs.update(out.prompt_logprobs)
+            merged.outcomes.update(out.outcomes)
+        return merged
 
 
 class ModelRunner:
@@ -61,6 +72,21 @@ class ModelRunner:
         """Compute each sequence's `num_scheduled_tokens` tokens from `num_computed_tokens` on. A sequence with a
         segment plan is scheduled whole and reuses the plan's K/V, repaired per `segments` (see repair.py). A sequence
         whose step reaches its last token draws the next one (and one per unforked choice)."""
+        decoding = [s for s in seqs if s.num_computed_tokens >= s.num_prompt_tokens]
+        if 0 < len(decoding) < len(seqs) and self._graph_runs(decoding):
+            # Decode rows riding along with prompt chunks get a forward of their own through the compiled step: the
+            # bits a decode step gives them, whatever else the step holds (docs/design/batch-invariance.md).
+            prompting = [s for s in seqs if s.num_computed_tokens < s.num_prompt_tokens]
+            return StepOutput.merged(seqs, [(decoding, self._run(decoding, segments)),
+                                            (prompting, self._run(prompting, segments))])
+        return self._run(seqs, segments)
+
+    def _graph_runs(self, decoding: list[Sequence]) -> bool:
+        """Whether the compiled step takes a step of these decoding sequences."""
+        return self.decode_graph is not None and self.decode_graph.can_run(sum(s.num_scheduled_tokens
+                                                                                for s in decoding))
+
+    def _run(self, seqs: list[Sequence], segments: SegmentConfig) -> StepOutput:
         starts = [s.num_computed_tokens for s in seqs]
         lens = [s.num_scheduled_tokens for s in seqs]
         input_ids = torch.tensor([t for s, a, n in zip(seqs, starts, lens, strict=True) for t in s.token_ids[a:a + n]],
@@ -77,18 +103,23 @@ class ModelRunner:
         metas = [AttentionMetadata.build(starts, lens, [s.kv.block_tables[g] for s in seqs], self.block_size,
                                          self.device) for g in range(len(self.layout.groups))]
         kv = ForwardKV(self.layer_caches, [metas[g] for g in self.layout.group_of])
+        # A row that computes a prompt token runs eagerly, and takes the products prompt rows take, whatever else its
+        # step holds: the cold prompt's rows and a cache hit's suffix rows then get the same bits
+        # (docs/design/batch-invariance.md). The compiled step runs generated rows only.
+        is_prompt = [a + j < s.num_prompt_tokens for s, a, n in zip(seqs, starts, lens, strict=True) for j in range(n)]
         out = StepOutput([None] * len(seqs))
-        if any(s.kv.segment_plan is not None for s in seqs):
-            assert not self.layout.is_grouped, "segment reuse runs on a pool of one group"
-            hidden, out.outcomes = forward_reusing(self.model, self.kv_cache, seqs, input_ids, positions, metas[0],
-                                                   rows_t, segments)
-        elif not prompt_rows and self.decode_graph is not None and self.decode_graph.can_run(len(input_ids)):
-            hidden = self.decode_graph.run(input_ids, positions.to(self.device), kv)  # [T, hidden]
-            if len(rows) < len(input_ids):
-                hidden = hidden[rows_t.to(self.device)]                                # [R, hidden]
-        else:
-            hidden = self.model.hidden_states(input_ids, positions.to(self.device), kv,
-                                              rows_t.to(self.device))                  # [R, hidden]
+        with row_kinds(RowKinds.of(is_prompt, self.device)):
+            if any(s.kv.segment_plan is not None for s in seqs):
+                assert not self.layout.is_grouped, "segment reuse runs on a pool of one group"
+                hidden, out.outcomes = forward_reusing(self.model, self.kv_cache, seqs, input_ids, positions,
+                                                       metas[0], rows_t, segments)
+            elif not any(is_prompt) and self.decode_graph is not None and self.decode_graph.can_run(len(input_ids)):
+                hidden = self.decode_graph.run(input_ids, positions.to(self.device), kv)  # [T, hidden]
+                if len(rows) < len(input_ids):
+                    hidden = hidden[rows_t.to(self.device)]                            # [R, hidden]
+            else:
+                hidden = self.model.hidden_states(input_ids, positions.to(self.device), kv,
+                                                  rows_t.to(self.device))              # [R, hidden]
         index_of = {row: k for k, row in enumerate(rows)}
         for i, scored in prompt_rows.items():
             h = hidden[[index_of[offsets[i] + r - starts[i]] for r in scored]]
@@ -130,7 +161,8 @@ class ModelRunner:
         next_ids = torch.tensor(seq.token_ids[scored.start + 1:scored.stop + 1], device=hidden.device)  # [R]
         records: list[TokenLogprob] = []
         for a in range(0, len(scored), PROMPT_LOGITS_ROWS):
-            logits = self.model.compute_logits(hidden[a:a + PROMPT_LOGITS_ROWS])     # [r, V]
+            with row_kinds(PROMPT):
+                logits = self.model.compute_logits(hidden[a:a + PROMPT_LOGITS_ROWS])  # [r, V]
             norm = logits.logsumexp(dim=1, keepdim=True)                               # [r, 1]: log-softmax's shift
             ids = next_ids[a:a + PROMPT_LOGITS_ROWS]
             chosen = (logits.gather(1, ids[:, None]) - norm)[:, 0].tolist()           # [r]

@@ -1,5 +1,5 @@
-"""The model's step compiled by torch.compile (inductor): decode batches and short prompt chunks (up to
-COMPILED_ROWS rows), without Python overhead between the ~40 small ops of each of the model's layers.
+"""The model's step compiled by torch.compile (inductor): decode batches (up to COMPILED_ROWS rows), without Python
+overhead between the ~40 small ops of each of the model's layers.
 
 What is compiled is `CausalLM.run_layers` itself, with attention behind one opaque op (`kvreuse::decode_attention`)
 that reads the K/V pool and the step's attention metadata from a per-thread context. So the graph depends only on
@@ -55,7 +55,7 @@ logger = logging.getLogger(__name__)
 
 ROW_GRID = (1, 16, 64)  # the top row count of each compiled graph (row_buckets)
 BRANCHING_ROW_GRID = (1, 16, 32, 64)  # the same for a model whose linears branch on the row count
-COMPILED_ROWS = ROW_GRID[-1]  # steps of up to this many rows run compiled: decode batches, a chat turn's new tokens
+COMPILED_ROWS = ROW_GRID[-1]  # decode steps of up to this many rows run compiled
 BUILD_NICENESS = 19  # the build process's: Linux's weight at nice 19 is 1.5% of nice 0's
 PR_SET_PDEATHSIG = 1
 _current = threading.local()  # .value: the ForwardKV of the forward this thread runs
@@ -195,8 +195,8 @@ def build_graphs(model: CausalLM, buckets: list[Bucket], key: dict) -> Path:
 
 
 class DecodeGraph:
-    """The compiled step of one model, for steps of up to `max_rows` rows that score no prompt and reuse no segment:
-    decode batches and short prompt chunks (a warm chat turn's new tokens). `start()` loads its graphs in a background
+    """The compiled step of one model, for decode steps of up to `max_rows` rows (the runner keeps prompt rows eager:
+    docs/design/batch-invariance.md). `start()` loads its graphs in a background
     thread, once a child process (`build_command`) has built them where they are not built yet; `can_run(num_rows)`
     says whether a step of that many rows runs compiled; `run(...)` gives the final hidden states of all its rows."""
 

@@ -7,9 +7,9 @@ fifth (4-bit codes) to a third (8-bit) of the dense bytes, summing every row in 
   an fp32 model on AVX-512), every product takes it (`GGUFLinear`), so a row's numbers never depend on what else is
   in its forward: prefix reuse gives the bits a cold run gives (docs/design/batch-invariance.md), and the model holds
   one copy of its weights, the blocks.
-- Elsewhere (a bf16 model, whose GEMM runs in bf16; the AVX2 variant against MKL), up to `kernel_max_rows` rows take
-  the kernel (decode steps, short chunks, the head's sampled rows) and more take the dense weight
-  (`SplitGGUFLinear`).
+- Elsewhere (a bf16 model, whose GEMM runs in bf16; the AVX2 variant against MKL), prompt rows take the dense weight
+  whatever their count, and generated rows (decode steps, the head's sampled rows) the kernel up to
+  `kernel_max_rows` rows, the dense weight beyond (`SplitGGUFLinear`, routed by layers/row_kinds.py).
 Where the kernel is not built or the CPU lacks AVX2 the dense weight is used: the same numbers as `dense`, so no tag.
 """
 
@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvreuse.kernels import build as kernels
+from kvreuse.layers import row_kinds
 from kvreuse.model.decoder import FUSED_LINEARS, fused_parts
 from kvreuse.tuning import kernel_rows
 from kvreuse.weights.gguf_blocks import PANEL_ROWS, PackedBlocks, QuantizedBlocks, concat
@@ -83,11 +84,12 @@ class GGUFLinear(nn.Module):
 
 
 class SplitGGUFLinear(GGUFLinear):
-    """A GGUF linear that also keeps the dense weight, for more than `kernel_max_rows` rows: prefill at the dense
-    GEMM's speed, decode from the blocks. A row's numbers then depend on its forward's size."""
+    """A GGUF linear that also keeps the dense weight: prompt rows at the dense GEMM's speed, generated rows from the
+    blocks up to `kernel_max_rows` of them. A prompt row's numbers do not depend on its step; a generated row's
+    depend on how many generated rows its step holds, across `kernel_max_rows`."""
 
-    # Where forward branches: one of kernel_rows.ROW_LIMITS, set by the probe (the compiled graphs split there); more
-    # rows (prefill) are compute-bound, where the dense GEMM's blocking wins.
+    # Where generated rows branch: one of kernel_rows.ROW_LIMITS, set by the probe (the compiled graphs split there);
+    # more rows are compute-bound, where the dense GEMM's blocking wins.
     kernel_max_rows = kernel_rows.ROW_LIMITS[0]
 
     def __init__(self, weight: torch.Tensor, packed: PackedBlocks, source: str, isa: int):
@@ -99,8 +101,20 @@ class SplitGGUFLinear(GGUFLinear):
         return GGUFLinear(self.records, self.in_features, self.source, self.isa)
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows: [T, in] -> [T, out], each row by its kind in the current forward (layers/row_kinds.py)."""
+        return row_kinds.current().split(rows, self.prompt_product, self.generated_product)
+
+    def generated_product(self, rows: torch.Tensor) -> torch.Tensor:
         """rows: [T, in] -> [T, out]: the kernel's up to kernel_max_rows rows, else the dense weight's."""
         return self.kernel_product(rows) if rows.shape[0] <= self.kernel_max_rows else self.dense_product(rows)
+
+    def prompt_product(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows: [T, in] -> [T, out] from the dense weight. A single row goes in twice: GEMM libraries multiply one
+        row another way (a GEMV), which summed a row of Gemma 3's down_proj in bf16 otherwise than a GEMM of any
+        other row count (docs/design/batch-invariance.md)."""
+        if rows.shape[0] == 1:
+            return self.dense_product(rows.repeat(2, 1))[:1]
+        return self.dense_product(rows)
 
     def dense_product(self, rows: torch.Tensor) -> torch.Tensor:
         """rows: [T, in] -> [T, out] from the dense weight."""
