@@ -542,7 +542,7 @@ def admit_and_compute(mgr: KVCacheManager, seq: CacheRequest, running: list[Cach
     assert reuse.cached_tokens == match.num_cached_tokens
     if not match.last_blocks:
         assert reuse.cached_tokens == len(match.hits) * mgr.block_size
-    assert len(seq.block_table) == -(-seq.num_tokens // mgr.block_size)
+    assert len(seq.tables.block_table) == -(-seq.num_tokens // mgr.block_size)
     mgr.update(seq, seq.num_tokens)
     mgr.check_integrity([*running, seq])
     return list(match.hits)
@@ -564,18 +564,18 @@ def test_colliding_hash_never_serves_wrong_blocks():
         seq = make_seq(mgr, tokens)
         hits = mgr.match_prefix(seq)
         assert_hits_are_exact(mgr, seq, hits)
-        assert hits == ([first.block_table[0]] if tokens[:BS] == [1, 2, 3, 4] else [])
+        assert hits == ([first.tables.block_table[0]] if tokens[:BS] == [1, 2, 3, 4] else [])
 
     # a second sequence computed under the colliding key stays private: an identical third one gets
     # no hits from it, and the first's block (other tokens) is never served
     second = make_seq(mgr, range(101, 114))
     assert admit_and_compute(mgr, second) == []
-    assert mgr.pool.blocks[second.block_table[0]].block_key is None
+    assert mgr.pool.blocks[second.tables.block_table[0]].block_key is None
     third = make_seq(mgr, range(101, 114))
     assert mgr.match_prefix(third) == []
 
     same = make_seq(mgr, range(1, 14))
-    first_block = first.block_table[0]
+    first_block = first.tables.block_table[0]
     hits = mgr.match_prefix(same)
     assert hits[:1] == [first_block]
     assert_hits_are_exact(mgr, same, hits)
@@ -597,10 +597,10 @@ def test_shared_prefix_matches_exactly_the_shared_blocks():
 
     seq = make_seq(mgr, base[:8] + [999] + base[9:])   # differs in block 2
     hits = mgr.match_prefix(seq)
-    assert hits == first.block_table[:2]
+    assert hits == first.tables.block_table[:2]
     assert_hits_are_exact(mgr, seq, hits)
-    assert admit_and_compute(mgr, seq, [first]) == first.block_table[:2]
-    assert [mgr.pool.blocks[b].ref_cnt for b in first.block_table[:3]] == [2, 2, 1]
+    assert admit_and_compute(mgr, seq, [first]) == first.tables.block_table[:2]
+    assert [mgr.pool.blocks[b].ref_cnt for b in first.tables.block_table[:3]] == [2, 2, 1]
     mgr.check_integrity([first, seq])
 
     strict = KVCacheManager(32, BS, min_match_blocks=3)
@@ -615,8 +615,8 @@ def test_match_is_capped_so_the_last_token_is_computed():
     admit_and_compute(mgr, first)
     assert len(mgr.pool.key_to_block) == 3
     hits = mgr.match_prefix(make_seq(mgr, range(1, 13)))
-    assert hits == first.block_table[:2]
-    assert mgr.match_prefix(make_seq(mgr, list(range(1, 13)) + [77])) == first.block_table[:3]
+    assert hits == first.tables.block_table[:2]
+    assert mgr.match_prefix(make_seq(mgr, list(range(1, 13)) + [77])) == first.tables.block_table[:3]
     assert mgr.match_prefix(make_seq(mgr, range(1, 5))) == []       # one full block: nothing to reuse
 
 
@@ -646,7 +646,7 @@ def test_freed_sequence_stays_matchable_until_evicted():
     mgr = KVCacheManager(4, BS)
     first = make_seq(mgr, range(1, 14))                # 4 blocks: the whole pool
     admit_and_compute(mgr, first)
-    first_blocks = list(first.block_table)
+    first_blocks = list(first.tables.block_table)
     mgr.free(first)
     assert mgr.num_free_blocks == 4 and mgr.pool.num_cached_blocks == 3
     again = make_seq(mgr, range(1, 14))
@@ -670,8 +670,8 @@ def test_concurrent_twins_share_one_chain():
         mgr.update(seq, seq.num_tokens)
     mgr.check_integrity([s1, s2])
     assert len(mgr.pool.key_to_block) == 2
-    assert s2.block_uids == s1.block_uids and None not in s1.block_uids
-    assert all(mgr.pool.blocks[b].block_key is None for b in s2.block_table)
+    assert s2.tables.block_uids == s1.tables.block_uids and None not in s1.tables.block_uids
+    assert all(mgr.pool.blocks[b].block_key is None for b in s2.tables.block_table)
 
     s2.token_ids += [10, 11, 12]                                 # s2 decodes into its third block
     mgr.allocate(s2, s2.num_tokens)
@@ -679,9 +679,9 @@ def test_concurrent_twins_share_one_chain():
     mgr.check_integrity([s1, s2])
     assert len(mgr.pool.key_to_block) == 3
     s3 = make_seq(mgr, list(range(1, 13)) + [13])
-    assert mgr.match_prefix(s3) == s1.block_table[:2] + [s2.block_table[2]]
+    assert mgr.match_prefix(s3) == s1.tables.block_table[:2] + [s2.tables.block_table[2]]
 
-    s2_private = s2.block_table[:2]
+    s2_private = s2.tables.block_table[:2]
     mgr.free(s1)
     mgr.free(s2)
     mgr.check_integrity()

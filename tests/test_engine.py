@@ -129,7 +129,7 @@ def test_abort_frees_blocks(tiny_llm):
     engine.step()
     engine.step()
     assert seq.num_computed_tokens == seq.num_prompt_tokens + 1    # the prompt, then one decode
-    assert len(seq.kv.block_table) == -(-seq.num_computed_tokens // engine.block_size)
+    assert len(seq.kv.tables.block_table) == -(-seq.num_computed_tokens // engine.block_size)
     engine.abort(seq.request_id)
     assert seq.finish_reason == "abort" and not engine.has_unfinished()
     engine.check_integrity()

@@ -53,7 +53,7 @@ def test_a_forward_that_raises_fails_only_the_requests_of_that_step(tiny_model_d
     for seq in (first, second):
         out = engine.output(seq)
         assert out.finish_reason == "error" and "InjectedFault: injected fault in the forward" in out.error
-        assert not seq.kv.block_table and seq.request_id not in engine.sequences
+        assert not seq.kv.tables.block_table and seq.request_id not in engine.sequences
     engine.check_integrity()
     # the one waiting behind them was not part of that step: it runs as if alone
     drain(engine, MAX_STEPS, check_integrity=True)
@@ -87,7 +87,7 @@ def test_a_fault_in_a_reusing_forward_releases_the_segment_sources(tiny_model_di
     seq = engine.add_request("Question first, then the text: " + document, greedy(4))
     fail_next_forwards(engine)
     engine.step()
-    assert seq.finish_reason == "error" and seq.kv.segment_plan is None
+    assert seq.finish_reason == "error" and seq.kv.pending.segment_plan is None
     engine.check_integrity()
     assert engine.kv_manager.num_free_blocks == engine.num_kv_blocks
 

@@ -158,17 +158,17 @@ def test_manager_blocks_are_stored_chained_and_removed(make_publisher, zmq_conte
     sub.sync()
 
     first = admit_and_compute(mgr, range(1, 14))               # 13 tokens: 3 full blocks
-    k = first.block_keys
+    k = first.tables.block_keys
     assert sub.receive() == [stored([k[0]], None, [1, 2, 3, 4]), stored([k[1]], k[0], [5, 6, 7, 8]),
                              stored([k[2]], k[1], [9, 10, 11, 12])]
     second = admit_and_compute(mgr, list(range(1, 9)) + [50, 51, 52, 53, 54])  # shares 2 blocks, then its own
-    assert second.block_keys[:2] == k[:2]
-    assert sub.receive() == [stored([second.block_keys[2]], k[1], [50, 51, 52, 53])]
+    assert second.tables.block_keys[:2] == k[:2]
+    assert sub.receive() == [stored([second.tables.block_keys[2]], k[1], [50, 51, 52, 53])]
     assert sub.view == set(mgr.pool.key_to_block)
 
     # The raw layout, without any schema: [ts, [[tag, fields...], ...]].
     ts, raw = msgspec.msgpack.decode(sub.payloads[sub.last_seq])
-    assert isinstance(ts, float) and raw == [["BlockStored", [second.block_keys[2]], k[1], [50, 51, 52, 53], BS,
+    assert isinstance(ts, float) and raw == [["BlockStored", [second.tables.block_keys[2]], k[1], [50, 51, 52, 53], BS,
                                               None, "CPU"]]
 
     mgr.free(first)
@@ -177,17 +177,18 @@ def test_manager_blocks_are_stored_chained_and_removed(make_publisher, zmq_conte
     third = admit_and_compute(mgr, range(100, 130))            # 30 tokens: the whole pool, evicting all 4
     events = sub.receive()
     removed = [e for e in events if isinstance(e, BlockRemoved)]
-    assert sorted(h for e in removed for h in e.block_hashes) == sorted([*k[:3], second.block_keys[2]])
+    assert sorted(h for e in removed for h in e.block_hashes) == sorted([*k[:3], second.tables.block_keys[2]])
     assert all(e.medium == "CPU" and len(e.block_hashes) == 1 for e in removed)
+    third_keys = third.tables.block_keys
     assert [e for e in events if isinstance(e, BlockStored)] == [
-        stored([third.block_keys[i]], third.block_keys[i - 1] if i else None, list(range(100 + 4 * i, 104 + 4 * i)))
+        stored([third_keys[i]], third_keys[i - 1] if i else None, list(range(100 + 4 * i, 104 + 4 * i)))
         for i in range(7)]
-    assert sub.view == set(mgr.pool.key_to_block) == set(third.block_keys[:7])
+    assert sub.view == set(mgr.pool.key_to_block) == set(third.tables.block_keys[:7])
 
     mgr.free(third)
     assert mgr.pool.reset_cache() == 7
     events = sub.receive()
-    assert events == [BlockRemoved([key], "CPU") for key in reversed(third.block_keys[:7])]  # tail first
+    assert events == [BlockRemoved([key], "CPU") for key in reversed(third.tables.block_keys[:7])]  # tail first
     assert sub.view == set(mgr.pool.key_to_block) == set()
     assert publisher.num_dropped == 0
     assert publisher.snapshot() == {"batches_sent": sub.last_seq + 1, "events_sent": publisher.num_events,
@@ -214,7 +215,7 @@ def test_unreachable_blocks_are_not_announced(make_publisher, zmq_context):
     s2.token_ids += [10, 11, 12]
     mgr.allocate(s2, s2.num_tokens)
     mgr.update(s2, s2.num_tokens)
-    assert set(mgr.pool.key_to_block) == {s2.block_keys[2]}     # registered under a dead parent uid...
+    assert set(mgr.pool.key_to_block) == {s2.tables.block_keys[2]}     # registered under a dead parent uid...
     assert mgr.match_prefix(mgr.new_request(list(range(1, 14)))) == []  # ...so unreachable
     assert sub.receive() == [] and sub.view == set()
     mgr.free(s2)

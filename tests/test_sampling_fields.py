@@ -131,9 +131,9 @@ def test_forked_choices_hold_shared_blocks_once_each(tiny_llm):
     seq = engine.add_request(prompt, SamplingParams(n=3, max_tokens=6, temperature=1.0, seed=1, ignore_eos=True))
     while not any(c.num_completion_tokens for c in seq.choices):
         engine.step()
-    shared = seq.kv.block_table[:37 // 16]
+    shared = seq.kv.tables.block_table[:37 // 16]
     assert all(engine.kv_manager.pool.blocks[b].ref_cnt == 3 for b in shared)
-    last_blocks = {c.kv.block_table[2] for c in seq.choices}
+    last_blocks = {c.kv.tables.block_table[2] for c in seq.choices}
     assert len(last_blocks) == 3  # the partial block: one copy per choice
     engine.check_integrity()
     engine.abort(seq.request_id)

@@ -93,7 +93,7 @@ def test_when_the_pool_runs_out_the_youngest_running_sequence_is_preempted_and_r
     assert step(scheduler) == [("old", 1)]
     assert old.num_preemptions == 0 and old.status == SequenceStatus.RUNNING
     assert young.num_preemptions == 1 and young.status == SequenceStatus.WAITING and scheduler.waiting.head is young
-    assert young.num_computed_tokens == 0 and not young.kv.block_table
+    assert young.num_computed_tokens == 0 and not young.kv.tables.block_table
     assert scheduler.kv_manager.num_free_blocks == 5 - 3
     assert scheduler.num_preemptions == 1
 
@@ -105,7 +105,7 @@ def test_equal_prompts_arriving_together_compute_their_shared_blocks_once():
     second = add(scheduler, "second", shared + [30])
     assert step(scheduler) == [("first", 13)]               # second waits: first is publishing what it needs
     assert step(scheduler) == [("first", 1), ("second", 1)]
-    assert second.admitted.cached_tokens == 12 and second.kv.block_table[:3] == first.kv.block_table[:3]
+    assert second.admitted.cached_tokens == 12 and second.kv.tables.block_table[:3] == first.kv.tables.block_table[:3]
 
 
 def test_a_prompt_does_not_wait_for_blocks_of_another_tenant():
@@ -143,7 +143,7 @@ def test_a_prompt_whose_reuse_can_never_fit_the_pool_is_admitted_with_less_reuse
     batch = scheduler.schedule()
     assert [s.request_id for s in batch.seqs] == ["intro+doc"]
     # With less reuse: the one source block that fits beside its own 19, the document's last (tail first).
-    assert len(long.kv.segment_plan.source_block_ids) == 1 and long.kv.segment_plan.runs[0].start == 68
+    assert len(long.kv.pending.segment_plan.source_block_ids) == 1 and long.kv.pending.segment_plan.runs[0].start == 68
     finish_step(scheduler, batch)
     run_until_finished(scheduler, [long, short], max_steps=4)
     kv = scheduler.kv_manager
@@ -156,7 +156,7 @@ def test_reuse_that_fits_once_the_pool_drains_is_kept_rather_than_dropped():
     run_until_finished(scheduler, [add(scheduler, "doc", document, max_tokens=1)], max_steps=5)
     seq = add(scheduler, "intro+doc", list(range(500, 536)) + document, max_tokens=3)   # 19 + 9 <= 32 blocks
     scheduler.schedule()
-    assert len(seq.kv.segment_plan.source_block_ids) == 9 and seq.kv.segment_plan.runs[0].start == 36
+    assert len(seq.kv.pending.segment_plan.source_block_ids) == 9 and seq.kv.pending.segment_plan.runs[0].start == 36
 
 
 # --- tenants take turns, forks keep to max_num_seqs (issue 26, finding 11) ------------------------------------------

@@ -45,10 +45,11 @@ def test_layer0_kv_of_a_shifted_block_equals_fresh_after_rerotation(tiny_model_d
     def spy(model, kv_cache, req):
         copy(model, kv_cache, req)
         bs = kv_cache.shape[3]
-        positions = req.segment_plan.positions()
-        slots = torch.tensor([req.block_table[p // bs] * bs + p % bs for p in positions])
+        positions = req.pending.segment_plan.positions()
+        slots = torch.tensor([req.tables.block_table[p // bs] * bs + p % bs for p in positions])
         kv = kv_cache[0].view(2, -1, *kv_cache.shape[-2:])                           # layer 0: [2, slots, Hkv, D]
-        captured.update(positions=positions, k=kv[0, slots].clone(), v=kv[1, slots].clone(), plan=req.segment_plan)
+        captured.update(positions=positions, k=kv[0, slots].clone(), v=kv[1, slots].clone(),
+                        plan=req.pending.segment_plan)
     monkeypatch.setattr(repair, "copy_segments", spy)
     out = llm.generate(second, greedy(1))[0]
     assert out.usage.reused_tokens > 0 and out.usage.shifted_tokens > 0
@@ -184,7 +185,7 @@ def spy_batches(llm: LLM) -> list[tuple[int, int]]:
     run = runner.run
 
     def spy(seqs, segments):
-        seen.append((len(seqs), sum(s.kv.segment_plan is not None for s in seqs)))
+        seen.append((len(seqs), sum(s.kv.pending.segment_plan is not None for s in seqs)))
         return run(seqs, segments)
     runner.run = spy
     return seen

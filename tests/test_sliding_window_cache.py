@@ -350,14 +350,14 @@ def test_a_window_table_holds_the_null_block_where_its_window_has_passed():
     req = mgr.new_request(tokens(10 * BLOCK, 52))
     mgr.admit(req, mgr.match(req), req.num_tokens)
     mgr.update(req, req.num_tokens)
-    assert NULL_BLOCK not in req.block_table
-    for table, start in zip(req.window_tables, req.window_starts, strict=True):
+    assert NULL_BLOCK not in req.tables.block_table
+    for table, start in zip(req.tables.window_tables, req.tables.window_starts, strict=True):
         assert start > 0 and table[:start] == [NULL_BLOCK] * start and NULL_BLOCK not in table[start:]
     child = mgr.new_request(list(req.token_ids))
     mgr.fork(req, child, req.num_tokens)  # shares every table, the null block's entries included
-    assert child.window_tables == req.window_tables
+    assert child.tables.window_tables == req.tables.window_tables
     mgr.check_integrity([req, child])
-    num_window = 10 - req.window_starts[0]
+    num_window = 10 - req.tables.window_starts[0]
     assert mgr.num_blocks_in_use_by_group([req, child]) == (10, num_window, num_window)
     null = mgr.pool.blocks[NULL_BLOCK]
     assert null.ref_cnt == 0 and null.uid is None and NULL_BLOCK not in mgr.pool.free_block_ids
@@ -371,7 +371,7 @@ def test_a_request_whose_tables_a_failed_step_left_uneven_is_still_freed():
     mgr = manager()
     req = mgr.new_request(tokens(5 * BLOCK, 51))
     mgr.admit(req, mgr.match(req), req.num_tokens)
-    req.block_table += mgr.pool.allocate(1)  # group 0 grew, the window groups did not
+    req.tables.block_table += mgr.pool.allocate(1)  # group 0 grew, the window groups did not
     mgr.free(req)
     assert mgr.pool.num_used_blocks == 0
     mgr.check_integrity()

@@ -80,7 +80,7 @@ class RecordingForward:
         self.slots: list[int | None] = [None] * (len(engine.kv_manager.pool.blocks) * self.bs)  # the null block too
 
     def slot(self, seq: Sequence, position: int) -> int:
-        return seq.kv.block_table[position // self.bs] * self.bs + position % self.bs
+        return seq.kv.tables.block_table[position // self.bs] * self.bs + position % self.bs
 
     def run(self, seqs: list[Sequence], segments) -> StepOutput:
         tokens = [self.forward(seq) for seq in seqs]
@@ -88,10 +88,10 @@ class RecordingForward:
 
     def forward(self, seq: Sequence) -> int | None:
         start, end = seq.num_computed_tokens, seq.num_computed_tokens + seq.num_scheduled_tokens
-        assert len(seq.kv.block_table) * self.bs >= end, f"{seq.request_id}: table too short for {end} tokens"
+        assert len(seq.kv.tables.block_table) * self.bs >= end, f"{seq.request_id}: table too short for {end} tokens"
         if start and seq.admitted is not None and start == seq.admitted.cached_tokens and seq.reuse is None:
             self.check_hits(seq)
-        copied = self.copy_segments(seq) if seq.kv.segment_plan is not None else set()
+        copied = self.copy_segments(seq) if seq.kv.pending.segment_plan is not None else set()
         for position in range(start, end):
             if position not in copied:
                 self.slots[self.slot(seq, position)] = seq.token_ids[position]
@@ -105,7 +105,7 @@ class RecordingForward:
     def check_hits(self, seq: Sequence) -> None:
         self.coverage["prefix hits"] += 1
         pool = self.engine.kv_manager.pool
-        for block_id in seq.kv.block_table[:seq.admitted.cached_tokens // self.bs]:
+        for block_id in seq.kv.tables.block_table[:seq.admitted.cached_tokens // self.bs]:
             assert pool.blocks[block_id].extra_key == seq.kv.extra_key, "a hit crossed a salt"
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -118,7 +118,7 @@ class RecordingForward:
     def copy_segments(self, seq: Sequence) -> set[int]:
         self.coverage["segment reuse"] += 1
         copied = set()
-        for run in seq.kv.segment_plan.runs:
+        for run in seq.kv.pending.segment_plan.runs:
             for i, block in enumerate(run.blocks):
                 assert block.extra_key == seq.kv.extra_key, "a segment crossed a salt"
                 for j in range(self.bs):

@@ -157,7 +157,7 @@ class RecordingForward:
             self.read_back(seq, group, max(0, start - window + 1), end)
         if end < seq.num_tokens:
             self.coverage["chunked prefill steps"] += 1
-            self.coverage["chunks past the window"] += any(s > 0 for s in seq.kv.window_starts)
+            self.coverage["chunks past the window"] += any(s > 0 for s in seq.kv.tables.window_starts)
             return None
         return [(next_token(seq.token_ids, c.index), None) for c in [seq, *seq.unforked_choices]]
 

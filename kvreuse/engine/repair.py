@@ -108,14 +108,14 @@ def copy_segments(model: CausalLM, kv_cache: torch.Tensor, kv: CacheRequest) -> 
     bs = kv_cache.shape[3]
     slots = kv_cache.view(kv_cache.shape[0], 2, -1, *kv_cache.shape[-2:])            # [L, 2, slots, Hkv, D]
     src_slots, src_pos, dst_pos = [], [], []
-    for run in kv.segment_plan.runs:
+    for run in kv.pending.segment_plan.runs:
         for i, block in enumerate(run.blocks):
             src_slots.extend(range(block.block_id * bs, block.block_id * bs + bs))
             src_pos.extend(range(block.position, block.position + bs))
             dst_pos.extend(range(run.start + i * bs, run.start + (i + 1) * bs))
     device = kv_cache.device
     src = torch.tensor(src_slots, device=device)
-    dst = torch.tensor([kv.block_table[p // bs] * bs + p % bs for p in dst_pos], device=device)
+    dst = torch.tensor([kv.tables.block_table[p // bs] * bs + p % bs for p in dst_pos], device=device)
     deltas = torch.tensor(dst_pos, device=device) - torch.tensor(src_pos, device=device)
     kv_format = format_of(kv_cache)  # an 8-bit K is decoded, moved and encoded again (its V moves as it is)
     keys = kv_format.decode(slots[:, 0, src], kv_format.value_dtype)                 # [L, T, Hkv, D]
@@ -137,9 +137,9 @@ class BatchRepair:
         self.reused = torch.zeros(self.bounds[-1], dtype=torch.bool)                   # [T]
         self.heads = torch.zeros(self.bounds[-1], dtype=torch.bool)                    # [T]
         for seq, a, b in self.spans():
-            if seq.kv.segment_plan is not None:
-                self.reused[a:b] = reused_rows(seq.kv.segment_plan, seq.num_computed_tokens, b - a)
-                self.heads[a:b] = head_rows(seq.kv.segment_plan, seq.num_computed_tokens, b - a,
+            if seq.kv.pending.segment_plan is not None:
+                self.reused[a:b] = reused_rows(seq.kv.pending.segment_plan, seq.num_computed_tokens, b - a)
+                self.heads[a:b] = head_rows(seq.kv.pending.segment_plan, seq.num_computed_tokens, b - a,
                                             settings.head_tokens)
         self.kept: torch.Tensor | None = None                                           # [T'] rows computed
 
@@ -152,7 +152,7 @@ class BatchRepair:
         CPU, where the positions are)."""
         rows = rows.cpu()
         per_seq = [self.positions[rows][self.row_seq[rows] == i] for i in range(len(self.seqs))]
-        return AttentionMetadata.for_queries(per_seq, [s.kv.block_table for s in self.seqs],
+        return AttentionMetadata.for_queries(per_seq, [s.kv.tables.block_table for s in self.seqs],
                                              self.kv_cache.shape[3], self.kv_cache.device)
 
     def select(self, fresh_k: torch.Tensor, fresh_v: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
@@ -176,7 +176,7 @@ def forward_reusing(model: CausalLM, kv_cache: torch.Tensor, seqs: list[Sequence
     hidden states [S, hidden] and the outcome of each reusing sequence, by request id."""
     device = kv_cache.device
     for seq in seqs:
-        if seq.kv.segment_plan is not None:
+        if seq.kv.pending.segment_plan is not None:
             copy_segments(model, kv_cache, seq.kv)
     batch = BatchRepair(seqs, positions, kv_cache, settings)
     if settings.mode == "shift":
@@ -193,7 +193,7 @@ def forward_reusing(model: CausalLM, kv_cache: torch.Tensor, seqs: list[Sequence
     hidden_row_of = {row: i for i, row in enumerate(rows.tolist())}
     outcomes = {}
     for seq, a, b in batch.spans():
-        plan = seq.kv.segment_plan
+        plan = seq.kv.pending.segment_plan
         if plan is None:
             continue
         i = hidden_row_of[b - 1]
@@ -213,7 +213,7 @@ def _forward_exact(model: CausalLM, kv_cache: torch.Tensor, seq: Sequence, input
     """Compute one sequence's scheduled rows [n] exactly (overwriting the repaired K/V); its last row's final hidden
     state [hidden]."""
     n = len(input_ids)
-    meta = AttentionMetadata.build([seq.num_computed_tokens], [n], [seq.kv.block_table], kv_cache.shape[3],
+    meta = AttentionMetadata.build([seq.num_computed_tokens], [n], [seq.kv.tables.block_table], kv_cache.shape[3],
                                    kv_cache.device)
     return model.hidden_states(input_ids, positions.to(kv_cache.device), ForwardKV.uniform(kv_cache, meta),
                                torch.tensor([n - 1], device=kv_cache.device))[0]

@@ -301,6 +301,6 @@ class Scheduler:
         assert len(self.running) <= self.max_num_seqs, f"{len(self.running)} running > max_num_seqs {self.max_num_seqs}"
         bs = self.kv_manager.block_size
         for seq in self.running:
-            assert len(seq.kv.block_table) * bs >= seq.num_computed_tokens, f"{seq.request_id} has a short table"
+            assert len(seq.kv.tables.block_table) * bs >= seq.num_computed_tokens, f"{seq.request_id} has a short table"
         for seq in self.waiting:
-            assert not seq.kv.block_table, f"waiting {seq.request_id} holds blocks"
+            assert not seq.kv.tables.block_table, f"waiting {seq.request_id} holds blocks"

@@ -84,24 +84,24 @@ class KVCacheCoordinator:
         first = len(match.hits) - (len(match.windows[0]) if match.windows else 0)
         for group, blocks in zip(self.windows, match.windows or [()] * len(self.windows), strict=True):
             group.admit(req, first, blocks)
-        req.num_window_published = len(match.hits)
+        req.tables.num_window_published = len(match.hits)
 
     def fork(self, parent: CacheRequest, child: CacheRequest, num_full: int) -> None:
         """The child's empty window tables and its parent's window state for its first `num_full` blocks."""
         for group in self.windows:
             group.fork(parent, child)
-        child.num_window_published = min(parent.num_window_published, num_full)
+        child.tables.num_window_published = min(parent.tables.num_window_published, num_full)
 
     # --- after a forward -----------------------------------------------------------------------------
     def publish_windows(self, req: CacheRequest) -> None:
         """Register each window group's block at every position whose full-attention block got published since."""
-        for i in range(req.num_window_published, len(req.block_uids)):
-            anchor_uid = req.block_uids[i]
+        for i in range(req.tables.num_window_published, len(req.tables.block_uids)):
+            anchor_uid = req.tables.block_uids[i]
             if anchor_uid is None:
                 continue  # a private full-attention block: its window blocks stay private too
             for group in self.windows:
                 group.publish_block(req, i, anchor_uid)
-        req.num_window_published = len(req.block_uids)
+        req.tables.num_window_published = len(req.tables.block_uids)
 
     def release_passed(self, req: CacheRequest, num_computed_tokens: int) -> None:
         for group in self.groups:
@@ -111,15 +111,15 @@ class KVCacheCoordinator:
         """Every block `req` holds, in the order to free them: position by position, each window group's block after
         the full-attention one it is found through. So LRU evicts tail first and a position's window blocks before
         their anchor: a shorter hit stays whole."""
-        if not req.window_tables:
-            return req.block_table
-        starts = [0, *req.window_starts]
+        if not req.tables.window_tables:
+            return req.tables.block_table
+        starts = [0, *req.tables.window_starts]
         order = []
         for i in range(max(map(len, req.block_tables))):  # (a failed step may leave the tables uneven)
             order += [t[i] for t, start in zip(req.block_tables, starts, strict=True) if start <= i < len(t)]
         return order
 
     def held(self, req: CacheRequest) -> list[int]:
-        """Assert `req`'s tables are consistent; every block it holds in them."""
-        assert len(req.window_tables) == len(self.windows) == len(req.window_starts), "window tables missing"
+        """Assert `req` has a table in every group, each consistent with the pool; every block it holds in them."""
+        assert len(req.tables.window_tables) == len(self.windows), "window tables missing"
         return [b for group in self.groups for b in group.held(req)]

@@ -19,7 +19,7 @@ class FullAttentionGroup:
         self.pool, self.block_size, self.key = pool, block_size, key
 
     def table(self, req: CacheRequest) -> list[int]:
-        return req.block_table
+        return req.tables.block_table
 
     def first_block(self, num_computed_tokens: int) -> int:
         return 0
@@ -43,14 +43,15 @@ class FullAttentionGroup:
 
     def publish(self, req: CacheRequest, num_computed_tokens: int) -> list[int]:
         """Register the exact full blocks of `req` (of its first `num_computed_tokens`) not yet registered, extending
-        `req.block_uids`; the indexes of those that got a new identity (not a twin's), which the lower tiers lack."""
+        `req.tables.block_uids`; the indexes of those that got a new identity (not a twin's), which the lower tiers
+        lack."""
         bs, new = self.block_size, []
-        for i in range(len(req.block_uids), req.num_publishable_tokens(num_computed_tokens) // bs):
-            parent_uid = req.block_uids[i - 1] if i else None
+        for i in range(len(req.tables.block_uids), req.tables.num_publishable_tokens(num_computed_tokens) // bs):
+            parent_uid = req.tables.block_uids[i - 1] if i else None
             if i and parent_uid is None:
-                req.block_uids.append(None)  # the chain is broken before this block: it stays private
+                req.tables.block_uids.append(None)  # the chain is broken before this block: it stays private
                 continue
-            block_id, key, token_ids = req.block_table[i], self.key(req, i), req.token_ids[i * bs:(i + 1) * bs]
+            block_id, key, token_ids = req.tables.block_table[i], self.key(req, i), req.token_ids[i * bs:(i + 1) * bs]
             uid = self.pool.blocks[block_id].uid
             if uid is None:
                 # Computed here while an identical block got cached (a concurrent twin): same contents,
@@ -60,12 +61,11 @@ class FullAttentionGroup:
                                                                req.extra_key)
                 if twin is None and uid is not None:
                     new.append(i)
-            req.block_uids.append(uid)
+            req.tables.block_uids.append(uid)
         return new
 
     def release_passed(self, req: CacheRequest, num_computed_tokens: int) -> None:
         """Nothing passes: every later token reads every block."""
 
     def held(self, req: CacheRequest) -> list[int]:
-        assert len(req.block_uids) <= len(req.block_table), "more published blocks than blocks"
-        return list(req.block_table)
+        return list(req.tables.block_table)

@@ -29,10 +29,10 @@ def gains_by_waiting(req: CacheRequest, match: Match, publishing: Sequence[tuple
             continue
         if scored and not (_scored(other) and other.prompt_logprobs >= req.prompt_logprobs):
             continue  # it publishes K/V without the prompt logprobs req needs
-        end = other.num_publishable_tokens(num_computed) // bs
-        if end <= len(other.block_uids):
+        end = other.tables.num_publishable_tokens(num_computed) // bs
+        if end <= len(other.tables.block_uids):
             continue  # publishes nothing new this step (a decode, mostly): nothing to wait for
-        published.update(tuple(other.token_ids[i * bs:(i + 1) * bs]) for i in range(len(other.block_uids), end))
+        published.update(tuple(other.token_ids[i * bs:(i + 1) * bs]) for i in range(len(other.tables.block_uids), end))
         # Exact prefix: the blocks req shares from the start with one that publishes them (scoring a prompt, the
         # last of them would be computed again: see KVCacheManager.match_prefix).
         common = common_prefix_length(other.token_ids[:min(end, usable) * bs], req.token_ids)

@@ -104,7 +104,7 @@ A layout of one group has no window group: the same path, with nothing to cut a 
     # --- matching ------------------------------------------------------------------------------------
     def _key(self, req: CacheRequest, index: int) -> bytes:
         """Chain key of full block `index`, computing (and keeping) the keys before it."""
-        return extend_chain(req.block_keys, req.token_ids, self.block_size, req.extra_key, index + 1,
+        return extend_chain(req.tables.block_keys, req.token_ids, self.block_size, req.extra_key, index + 1,
                             self.hash_fn)[index]
 
     def match(self, req: CacheRequest) -> Match:
@@ -214,7 +214,7 @@ A layout of one group has no window group: the same path, with nothing to cut a 
     # --- admission and growth ------------------------------------------------------------------------
     def num_new_blocks(self, req: CacheRequest, num_tokens: int) -> int:
         """Blocks to allocate so that `req`'s table covers `num_tokens` tokens."""
-        return max(0, -(-num_tokens // self.block_size) - len(req.block_table))
+        return max(0, -(-num_tokens // self.block_size) - len(req.tables.block_table))
 
     def can_admit(self, match: Match, num_new_tokens: int) -> bool:
         """The pool has room for a waiting request that takes `match` and computes `num_new_tokens` beyond it."""
@@ -228,21 +228,21 @@ A layout of one group has no window group: the same path, with nothing to cut a 
         hits, takes the loaded blocks into its first new blocks and publishes them, and holds its segment sources,
         or its last block's cached copy, until the step after this one has copied them. Returns what it took: its
         reuse record, the copy jobs, the tiers' read time and, scoring its prompt, the hits' stored records."""
-        assert not req.block_table, "admission is for a request that holds no blocks"
+        assert not req.tables.block_table, "admission is for a request that holds no blocks"
         self.pool.hold(match.hits)
         self.pool.end_retention(req.session.key)  # its session is back: what it retained and did not take, cached
-        req.block_table = list(match.hits)
-        req.block_uids = [self.pool.blocks[b].uid for b in match.hits]
+        req.tables.block_table = list(match.hits)
+        req.tables.block_uids = [self.pool.blocks[b].uid for b in match.hits]
         records = ()
         if req.scope is ReuseScope.SCORED and match.hits:  # before allocating below can evict the block after them
             records = self.prompt_logprobs.take(req, [self._key(req, i) for i in range(len(match.hits) + 1)])
         if match.plan is not None:
             self.pool.hold(match.plan.source_block_ids)
-            req.segment_plan = match.plan
-            req.num_exact_tokens = match.plan.runs[0].start
+            req.pending.segment_plan = match.plan
+            req.tables.num_exact_tokens = match.plan.runs[0].start
         if match.last_blocks:
             self.pool.hold(match.last_blocks)
-            req.last_block_sources = list(match.last_blocks)
+            req.pending.last_block_sources = list(match.last_blocks)
         self.coordinator.admit(req, match)
         self.allocate(req, match.num_cached_tokens + num_new_tokens)
         jobs = CopyJobs()
@@ -250,9 +250,9 @@ A layout of one group has no window group: the same path, with nothing to cut a 
                         for source, table in zip(match.last_blocks, req.block_tables, strict=False)]
         load_seconds = None
         if match.loads:
-            load_seconds = req.tier_load.result().seconds
+            load_seconds = req.pending.tier_load.result().seconds
             self._fill(req, len(match.hits), match.loads, jobs)
-        req.tier_load = None
+        req.pending.tier_load = None
         return AdmissionOutcome(self._reuse_of(req, match), jobs, load_seconds, records)
 
     def _reuse_of(self, req: CacheRequest, match: Match) -> ReuseRecord:
@@ -292,7 +292,7 @@ A layout of one group has no window group: the same path, with nothing to cut a 
         from position 0, which has none) holds."""
         self._release_sources(req)
         if exact:
-            req.num_exact_tokens = None
+            req.tables.num_exact_tokens = None
         jobs = CopyJobs()
         if self.caches(req):
             self._publish(req, num_computed_tokens, self.tiers.tier_names if self.tiers else [], jobs)
@@ -304,12 +304,13 @@ A layout of one group has no window group: the same path, with nothing to cut a 
         return jobs
 
     def _release_sources(self, req: CacheRequest) -> None:
-        if req.segment_plan is not None:
-            self.pool.free(req.segment_plan.source_block_ids)
-            req.segment_plan = None
-        if req.last_block_sources:
-            self.pool.free(req.last_block_sources)
-            req.last_block_sources = []
+        pending = req.pending
+        if pending.segment_plan is not None:
+            self.pool.free(pending.segment_plan.source_block_ids)
+            pending.segment_plan = None
+        if pending.last_block_sources:
+            self.pool.free(pending.last_block_sources)
+            pending.last_block_sources = []
 
     def _publish(self, req: CacheRequest, num_computed_tokens: int, tiers: Sequence[str], jobs: CopyJobs) -> None:
         """Register the exact full blocks not yet registered, and queue those that got a new identity (not a twin's)
@@ -320,7 +321,7 @@ A layout of one group has no window group: the same path, with nothing to cut a 
         for i in self.coordinator.full.publish(req, num_computed_tokens):
             position = self._position(req, i)
             if NULL_BLOCK not in position:
-                stored.append(StoredBlock(req.block_keys[i], req.block_keys[i - 1] if i else None,
+                stored.append(StoredBlock(req.tables.block_keys[i], req.tables.block_keys[i - 1] if i else None,
                                           tuple(req.token_ids[i * bs:(i + 1) * bs])))
                 stored_ids.append(position)
         jobs.store(stored, stored_ids, tiers)
@@ -362,11 +363,12 @@ A layout of one group has no window group: the same path, with nothing to cut a 
         """Give `child` (a request with the parent's tokens and no blocks) the parent's K/V for its first
         `num_computed_tokens`: the full blocks shared (one more reference each), the partial last block copied on
         write (a job)."""
-        assert not child.block_table and child.token_ids[:num_computed_tokens] == parent.token_ids[:num_computed_tokens]
+        assert not child.tables.block_table
+        assert child.token_ids[:num_computed_tokens] == parent.token_ids[:num_computed_tokens]
         num_full = num_computed_tokens // self.block_size
         self.coordinator.fork(parent, child, num_full)
         jobs = CopyJobs()
-        starts = [0, *child.window_starts]  # each table's first block held; the null block before it
+        starts = [0, *child.tables.window_starts]  # each table's first block held; the null block before it
         for parent_table, child_table, start in zip(parent.block_tables, child.block_tables, starts, strict=True):
             shared = parent_table[:num_full]
             self.pool.hold(shared[start:])
@@ -374,9 +376,9 @@ A layout of one group has no window group: the same path, with nothing to cut a 
             if num_computed_tokens % self.block_size:
                 child_table += self.pool.allocate(1)
                 jobs.copies.append((parent_table[num_full], child_table[-1]))
-        child.block_keys = parent.block_keys[:num_full]
-        child.block_uids = parent.block_uids[:num_full]
-        child.num_exact_tokens = parent.num_exact_tokens
+        child.tables.block_keys = parent.tables.block_keys[:num_full]
+        child.tables.block_uids = parent.tables.block_uids[:num_full]
+        child.tables.num_exact_tokens = parent.tables.num_exact_tokens
         return jobs
 
     def free(self, req: CacheRequest, finished: bool = True, num_cached_tokens: int = 0) -> None:
@@ -384,7 +386,7 @@ A layout of one group has no window group: the same path, with nothing to cut a 
         prompt tokens its last admission took from the cache (`num_cached_tokens`; False: a preemption, which admits
         it again)."""
         self._release_sources(req)
-        req.tier_load = None
+        req.pending.tier_load = None
         release = self._release(req, num_cached_tokens) if finished else None
         block_ids = self.coordinator.release_order(req)
         if finished and self.pool.can_retain(req.session, block_ids):
@@ -392,16 +394,14 @@ A layout of one group has no window group: the same path, with nothing to cut a 
         elif finished:
             self.pool.end_retention(req.session.key)
         self.pool.free(block_ids, release=release)
-        req.block_table, req.window_tables, req.window_starts = [], [], []
-        req.block_uids = []
-        req.num_window_published = 0
-        req.num_exact_tokens = None
+        req.tables.release()
 
     @staticmethod
     def _release(req: CacheRequest, num_cached_tokens: int) -> Release:
-        num_published = next((i for i, uid in enumerate(req.block_uids) if uid is None), len(req.block_uids))
+        uids, keys = req.tables.block_uids, req.tables.block_keys
+        num_published = next((i for i, uid in enumerate(uids) if uid is None), len(uids))
         return Release(req.num_prompt_tokens, req.num_tokens - req.num_prompt_tokens, num_cached_tokens,
-                       req.block_keys[num_published - 1] if num_published else None)
+                       keys[num_published - 1] if num_published else None)
 
     # --- reporting -----------------------------------------------------------------------------------
     @property
@@ -426,9 +426,8 @@ A layout of one group has no window group: the same path, with nothing to cut a 
         for block_id in self.pins.held_block_ids():
             held[block_id] = held.get(block_id, 0) + 1
         for req in holders:
-            sources = req.segment_plan.source_block_ids if req.segment_plan else []
-            sources = sources + req.last_block_sources
-            for block_id in self.coordinator.held(req) + sources:
+            req.tables.check_integrity(req.num_tokens // self.block_size)
+            for block_id in self.coordinator.held(req) + req.pending.held_block_ids():
                 held[block_id] = held.get(block_id, 0) + 1
         for block_id, count in held.items():
             assert self.pool.blocks[block_id].ref_cnt == count, f"block {block_id} held {count}x, ref_cnt differs"

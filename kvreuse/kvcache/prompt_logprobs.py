@@ -47,20 +47,21 @@ class PromptLogprobStore:
         """At admission: the stored records of the blocks `keys` (`req`'s first blocks), every position in order."""
         entries = [self.get(key, req.prompt_logprobs) for key in keys]
         assert all(entries), "a matched block lost its prompt logprobs"
-        req.num_logprob_blocks_stored = len(keys)
+        req.tables.num_logprob_blocks_stored = len(keys)
         self.num_hits += len(keys)
         return tuple(r for entry in entries for r in entry.records)
 
     def store(self, req: CacheRequest, known: Sequence, publishes: bool) -> None:
         """After a step: if `publishes`, store the records of `req`'s published blocks whose every position `known`
         (its records so far, from position 0) holds."""
-        bs = self.block_size
-        for i in range(req.num_logprob_blocks_stored, min(len(known) // bs, len(req.block_uids)) if publishes else 0):
-            if req.block_uids[i] is None:
+        bs, tables = self.block_size, req.tables
+        end = min(len(known) // bs, len(tables.block_uids)) if publishes else 0
+        for i in range(tables.num_logprob_blocks_stored, end):
+            if tables.block_uids[i] is None:
                 return  # the chain broke: nothing after it is published
-            if self.can_put(req.block_keys[i], req.prompt_logprobs):
-                self.put(req.block_keys[i], req.prompt_logprobs, known[i * bs:(i + 1) * bs])
-            req.num_logprob_blocks_stored = i + 1
+            if self.can_put(tables.block_keys[i], req.prompt_logprobs):
+                self.put(tables.block_keys[i], req.prompt_logprobs, known[i * bs:(i + 1) * bs])
+            tables.num_logprob_blocks_stored = i + 1
 
     def _evicted(self, block: KVCacheBlock) -> None:
         self.entries.pop(block.block_key, None)

@@ -3,11 +3,12 @@ Every field below the identity is written by the KVCacheManager alone; the engin
 
 from __future__ import annotations
 
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import Enum
 
+from kvreuse.kvcache.block_tables import BlockTables
 from kvreuse.kvcache.hashing import extra_keys
+from kvreuse.kvcache.pending_sources import PendingSources
 from kvreuse.kvcache.retention import NO_SESSION, SessionHint
 from kvreuse.kvcache.segment import SegmentPlan
 
@@ -32,25 +33,8 @@ class CacheRequest:
     prompt_logprobs: int | None = None
     session: SessionHint = NO_SESSION  # whose blocks are retained when it ends (retention.py)
     num_prompt_tokens: int = 0        # set from `token_ids` when made
-    # Group tables, written by the KVCacheManager alone.
-    block_table: list[int] = field(default_factory=list)   # physical block of each logical block
-    block_keys: list[bytes] = field(default_factory=list)  # chain keys of the full blocks, computed as needed
-    # Identity (pool uid) of each published full block, in order; None: private (not published, or its chain broke).
-    block_uids: list[int | None] = field(default_factory=list)
-    # A grouped layout's sliding-window groups (kvcache/layout.py): each one's block table, as long as `block_table`,
-    # the null block (block.NULL_BLOCK) before its window (from `window_starts[g]` on, every block is held); and how
-    # many of the leading blocks were offered for publishing.
-    window_tables: list[list[int]] = field(default_factory=list)
-    window_starts: list[int] = field(default_factory=list)
-    num_window_published: int = 0
-    # K/V from this position on attended to reused (approximate) K/V and are never published; None: all exact.
-    num_exact_tokens: int | None = None
-    num_logprob_blocks_stored: int = 0  # scoring the prompt: leading blocks whose records are in the store
-    # Pending sources, held until the step after admission has copied them (or, the tiers' read, until admission).
-    segment_plan: SegmentPlan | None = None  # cached segments to copy in
-    last_block_sources: list[int] = field(default_factory=list)  # a fully cached aligned prompt's cached last
-    # block, in every group
-    tier_load: Future | None = None   # the lower tiers' read of its prefix chain (a TierLoad), until admission
+    tables: BlockTables = field(default_factory=BlockTables)         # every group's table, how far published
+    pending: PendingSources = field(default_factory=PendingSources)  # copy sources held until copied
 
     def __post_init__(self):
         self.num_prompt_tokens = self.num_prompt_tokens or len(self.token_ids)
@@ -62,17 +46,16 @@ class CacheRequest:
     @property
     def block_tables(self) -> list[list[int]]:
         """Every group's block table, group 0's (full attention) first."""
-        return [self.block_table, *self.window_tables]
+        return self.tables.groups
+
+    @property
+    def segment_plan(self) -> SegmentPlan | None:
+        """The cached segments still to copy in (`pending.segment_plan`), for the engine to read."""
+        return self.pending.segment_plan
 
     @property
     def use_cache(self) -> bool:
         return self.scope is not ReuseScope.NONE
-
-    def num_publishable_tokens(self, num_computed_tokens: int) -> int:
-        """Of the first `num_computed_tokens`, how many hold exact K/V."""
-        if self.num_exact_tokens is None:
-            return num_computed_tokens
-        return min(num_computed_tokens, self.num_exact_tokens)
 
 
 def new_cache_request(token_ids: list[int], fingerprint: str, block_size: int, *, cache_salt: str | None = None,

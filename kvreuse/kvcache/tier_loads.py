@@ -27,20 +27,21 @@ class TierLoads:
         if start >= end:
             return
         bs = self.block_size
-        keys = extend_chain(req.block_keys, req.token_ids, bs, req.extra_key, end, hash_fn)[:end]
+        keys = extend_chain(req.tables.block_keys, req.token_ids, bs, req.extra_key, end, hash_fn)[:end]
         token_blocks = [req.token_ids[i * bs:(i + 1) * bs] for i in range(start, end)]
-        req.tier_load = self.tiers.prefetch(keys[start:], token_blocks, start, keys[start - 1] if start else None)
+        parent_key = keys[start - 1] if start else None
+        req.pending.tier_load = self.tiers.prefetch(keys[start:], token_blocks, start, parent_key)
 
     @staticmethod
     def is_loading(req: CacheRequest) -> bool:
         """Its prefetch is still reading: admitting it now would compute what is about to arrive."""
-        return req.tier_load is not None and not req.tier_load.done()
+        return req.pending.tier_load is not None and not req.pending.tier_load.done()
 
     @classmethod
     def wait_for_load(cls, req: CacheRequest, timeout: float) -> None:
         if cls.is_loading(req):
             try:
-                req.tier_load.result(timeout)
+                req.pending.tier_load.result(timeout)
             except FutureTimeout:  # still loading: the caller asks again
                 pass
 
@@ -48,9 +49,9 @@ class TierLoads:
         """The prefetched blocks that continue `hits` (the pool's prefix hits at admission): empty if there are none,
         if the pool lost blocks before them since the prefetch, or if all together are fewer than
         `min_match_blocks`."""
-        if req.tier_load is None or not req.tier_load.done():
+        if req.pending.tier_load is None or not req.pending.tier_load.done():
             return []
-        load = req.tier_load.result()
+        load = req.pending.tier_load.result()
         offset = len(hits) - load.start
         loads = load.blocks[offset:] if offset >= 0 else []
         return loads if len(hits) + len(loads) >= self.need else []
