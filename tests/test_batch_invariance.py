@@ -68,10 +68,10 @@ def check_rows_by_kind(lin: torch.nn.Module, x: torch.Tensor) -> None:
 @pytest.mark.slow
 def test_prefix_caching_is_exact_with_the_defaults_compile_on(compiling):
     """The README's settings (compile on, the model dtype `auto` picks here, GGUF weights): cache on == cache off, bit
-    for bit, for prompt logprobs, greedy tokens and each first token's logprob at batch 8, with steps that mix
-    prompt chunks and decode rows; and for every decode logprob one request at a time. A hit's suffix once took the
-    compiled step (Inductor's norms round otherwise than eager ones), and decode rows beside a prompt chunk ran
-    eagerly: 20 of 24 decode logprobs moved."""
+    for bit, for greedy tokens, prompt logprobs and every decode logprob, at batch 8 with steps that mix prompt chunks
+    and decode rows, and one request at a time. A hit's suffix once took the compiled step (Inductor's norms round
+    otherwise than eager ones), decode rows beside a prompt chunk ran eagerly, and a request decoding alone took a
+    one-row graph that rounded otherwise than the 2-16-row one: 20 of 24 decode logprobs moved."""
     llm = LLM(make_config(engine__num_kv_blocks=512, engine__max_num_batched_tokens=256))
     try:
         assert llm.wait_compiled(COMPILE_TIMEOUT_S) == "compiled"
@@ -90,7 +90,7 @@ def test_prefix_caching_is_exact_with_the_defaults_compile_on(compiling):
         assert graph.num_steps > steps and all(o.usage.cached_tokens >= 64 for o in hit[1:])
         for a, b in zip(cold, hit, strict=True):
             assert a.token_ids == b.token_ids and logprobs(a.prompt_logprobs) == logprobs(b.prompt_logprobs)
-            assert a.logprobs[0].logprob == b.logprobs[0].logprob
+            assert logprobs(a.logprobs) == logprobs(b.logprobs)
         decoding = SamplingParams(max_tokens=16, ignore_eos=True, logprobs=1)  # a hit's suffix could take the graph
         for prompt in prompts[:3]:
             alone_cold = llm.generate(prompt, decoding, use_cache=False)[0]

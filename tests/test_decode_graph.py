@@ -85,8 +85,8 @@ def test_tiny_model_compiled_equals_eager_with_prompt_scoring_beside_it(compilin
 
 
 def test_several_engines_in_one_process_each_run_compiled(compiling, tiny_model_dir):
-    """Four models of different structure (fp32 and bf16, int8, int4: what a benchmark builds) compile 10 graphs.
-    dynamo keeps graphs per code object, and one shared list would pass its recompile limit (8) at the fourth
+    """Four models of different structure (fp32 and bf16, int8, int4: what a benchmark builds) compile 2 or 3 graphs
+    each. dynamo keeps graphs per code object, and one shared list would pass its recompile limit (8) at the fourth
     engine, whose compile would then fail."""
     for quantization, dtype in (("none", "fp32"), ("none", "bf16"), ("int8", "fp32"), ("int4", "fp32")):
         llm = compiled_llm(model__path=tiny_model_dir, model__dtype=dtype, engine__num_kv_blocks=64,

@@ -107,12 +107,13 @@ class Branching(nn.Module):
 
 
 @pytest.mark.parametrize(("children", "max_rows", "buckets"), [
-    ([], 64, [(1, 1), (2, 16), (17, 64)]),                               # a dense model
-    ([Branching(16)], 64, [(1, 1), (2, 16), (17, 32), (33, 64)]),       # one grid whatever the limit: 16 ...
-    ([Branching(32)], 64, [(1, 1), (2, 16), (17, 32), (33, 64)]),       # ... or 32
-    ([Branching(32), Branching(64)], 64, [(1, 1), (2, 16), (17, 32), (33, 64)]),
-    ([Branching(24)], 64, [(1, 1), (2, 16)]),                            # a limit inside a range: eager from there
-    ([Branching(32)], 32, [(1, 1), (2, 16), (17, 32)]),                  # a smaller batch budget
+    ([], 64, [(1, 16), (17, 64)]),                                       # a dense model
+    ([Branching(16)], 64, [(1, 16), (17, 32), (33, 64)]),               # one grid whatever the limit: 16 ...
+    ([Branching(32)], 64, [(1, 16), (17, 32), (33, 64)]),               # ... or 32
+    ([Branching(32), Branching(64)], 64, [(1, 16), (17, 32), (33, 64)]),
+    ([Branching(24)], 64, [(1, 16)]),                                    # a limit inside a range: eager from there
+    ([Branching(32)], 32, [(1, 16), (17, 32)]),                          # a smaller batch budget
+    ([], 8, [(1, 1)]),                                                   # a budget under the first range
 ])
 def test_the_compiled_graphs_split_where_the_linears_branch(children, max_rows, buckets):
     assert row_buckets(nn.Sequential(*children), max_rows) == buckets

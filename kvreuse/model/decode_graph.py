@@ -5,7 +5,7 @@ What is compiled is `CausalLM.run_layers` itself, with attention behind one opaq
 that reads the K/V pool and the step's attention metadata from a per-thread context. So the graph depends only on
 the number of rows, not on context lengths or block tables (no recompiles as contexts grow), and the pool is written
 in place (a pool passed into the graph would be copied by functionalization, once per layer). One graph per row
-bucket (`row_buckets`: 1, 2-16 and 17-64; 17-32 and 33-64 where the linears branch on the row count).
+bucket (`row_buckets`: 1-16 and 17-64; 17-32 and 33-64 where the linears branch on the row count).
 
 The graphs are built ahead of time, once per model, torch and CPU, by a child process at the lowest CPU priority
 (graph_store.py; ~3 minutes on 2 cores, docs/bench/first-run; longer while the server is busy, as it yields them), and
@@ -53,8 +53,8 @@ from kvreuse.model.graph_store import (
 logger = logging.getLogger(__name__)
 
 
-ROW_GRID = (1, 16, 64)  # the top row count of each compiled graph (row_buckets)
-BRANCHING_ROW_GRID = (1, 16, 32, 64)  # the same for a model whose linears branch on the row count
+ROW_GRID = (16, 64)  # the top row count of each compiled graph (row_buckets)
+BRANCHING_ROW_GRID = (16, 32, 64)  # the same for a model whose linears branch on the row count
 COMPILED_ROWS = ROW_GRID[-1]  # decode steps of up to this many rows run compiled
 BUILD_NICENESS = 19  # the build process's: Linux's weight at nice 19 is 1.5% of nice 0's
 PR_SET_PDEATHSIG = 1
@@ -122,20 +122,22 @@ def compiler_missing(device: torch.device) -> str | None:
 
 def _own_step() -> Callable:
     """`_step` under a code object of its own. dynamo keeps compiled graphs per code object, so without this every
-    engine of a process (a benchmark's several) would add its three graphs to one list and hit dynamo's recompile
-    limit (8) at the third."""
+    engine of a process (a benchmark's several) would add its graphs to one list and hit dynamo's recompile
+    limit (8) by the fourth."""
     code = _step.__code__.replace()  # equal, but a distinct object
     return types.FunctionType(code, _step.__globals__, _step.__name__, _step.__defaults__, _step.__closure__)
 
 
 def row_buckets(model: CausalLM, max_rows: int) -> list[tuple[int, int]]:
-    """The row ranges compiled into one graph each (up to `max_rows`): 1, 2-16, 17-64 (ROW_GRID), and for a model
-    whose linears branch on the row count (`kernel_max_rows`: the GGUF kernel's limit, measured per CPU at 16 or 32;
-    int8's 32) 1, 2-16, 17-32, 33-64, so that no graph straddles the branch. A range that a limit still falls inside
-    is left out with every larger one: those steps run eagerly. The grid is fixed per model, whatever the limit,
-    because inductor's on-disk cache keys a graph without its range: a graph cached for 2-16 that is loaded for 2-64
-    brings in its `<= 16` guard, and the compile fails. Ranges that never overlap partially never meet such an
-    entry."""
+    """The row ranges compiled into one graph each (up to `max_rows`): 1-16, 17-64 (ROW_GRID), and for a model whose
+    linears branch on the row count (`kernel_max_rows`: the GGUF kernel's limit, measured per CPU at 16 or 32; int8's
+    32) 1-16, 17-32, 33-64, so that no graph straddles the branch. A range that a limit still falls inside is left out
+    with every larger one: those steps run eagerly. One row shares its range's graph: a graph of its own (static
+    shapes) rounded a row's norms otherwise than the 2-16-row graph, so a request's decode logprobs changed when it
+    decoded alone (docs/design/batch-invariance.md). The grid is fixed per model, whatever the limit, because
+    inductor's on-disk cache keys a graph without its range: a graph cached for 2-16 that is loaded for 2-64 brings in
+    its `<= 16` guard, and the compile fails. Ranges that never overlap partially never meet such an entry; a budget
+    under the first range compiles one-row steps alone."""
     limits = {m.kernel_max_rows for m in model.modules() if hasattr(m, "kernel_max_rows")}
     buckets, low = [], 1
     for high in BRANCHING_ROW_GRID if limits else ROW_GRID:
@@ -143,7 +145,7 @@ def row_buckets(model: CausalLM, max_rows: int) -> list[tuple[int, int]]:
             break
         buckets.append((low, high))
         low = high + 1
-    return buckets
+    return buckets or [(1, 1)]
 
 
 def scratch_step(model: CausalLM, bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor, ForwardKV]:
@@ -204,7 +206,7 @@ class DecodeGraph:
         """`build_command`: starts the process that builds the graphs (engine/precompile.py), given the key (JSON) as
         its last argument."""
         self.model, self.buckets = model, row_buckets(model, max_rows)
-        self.max_rows = self.buckets[-1][1]  # (1, 1) is always there
+        self.max_rows = self.buckets[-1][1]  # there is always one, from 1 row
         self.key = graph_key(model, self.buckets)
         self.directory = graph_dir(self.key)
         self.build_command = build_command
