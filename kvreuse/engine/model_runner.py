@@ -109,7 +109,7 @@ class ModelRunner:
         is_prompt = [a + j < s.num_prompt_tokens for s, a, n in zip(seqs, starts, lens, strict=True) for j in range(n)]
         out = StepOutput([None] * len(seqs))
         with row_kinds(RowKinds.of(is_prompt, self.device)):
-            if any(s.kv.segment_plan is not None for s in seqs):
+            if any(s.kv.pending.segment_plan is not None for s in seqs):
                 assert not self.layout.is_grouped, "segment reuse runs on a pool of one group"
                 hidden, out.outcomes = forward_reusing(self.model, self.kv_cache, seqs, input_ids, positions,
                                                        metas[0], rows_t, segments)

@@ -10,7 +10,6 @@ from kvreuse.kvcache.block_tables import BlockTables
 from kvreuse.kvcache.hashing import extra_keys
 from kvreuse.kvcache.pending_sources import PendingSources
 from kvreuse.kvcache.retention import NO_SESSION, SessionHint
-from kvreuse.kvcache.segment import SegmentPlan
 
 
 class ReuseScope(Enum):
@@ -47,11 +46,6 @@ class CacheRequest:
     def block_tables(self) -> list[list[int]]:
         """Every group's block table, group 0's (full attention) first."""
         return self.tables.groups
-
-    @property
-    def segment_plan(self) -> SegmentPlan | None:
-        """The cached segments still to copy in (`pending.segment_plan`), for the engine to read."""
-        return self.pending.segment_plan
 
     @property
     def use_cache(self) -> bool:
