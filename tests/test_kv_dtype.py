@@ -132,7 +132,7 @@ EXACT_MODES = [*[("", "fp32", "dense", name) for name in ("fp32", "int8", "fp8")
                *[("", "fp32", "gguf", name) for name in ("fp32", "int8")],
                *[("gemma3-270m", "fp32", "gguf", name) for name in ("fp32", "int8")],
                *[("", "bf16", weights, name) for weights in ("dense", "gguf") for name in ("bf16", "int8")],
-               ("gemma3-270m", "bf16", "gguf", "bf16")]
+               *[("gemma3-270m", "bf16", "gguf", name) for name in ("bf16", "int8")]]
 
 
 @pytest.mark.slow
