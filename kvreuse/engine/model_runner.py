@@ -73,7 +73,7 @@ class ModelRunner:
         segment plan is scheduled whole and reuses the plan's K/V, repaired per `segments` (see repair.py). A sequence
         whose step reaches its last token draws the next one (and one per unforked choice)."""
         decoding = [s for s in seqs if s.num_computed_tokens >= s.num_prompt_tokens]
-        if 0 < len(decoding) < len(seqs) and self._graph_runs(decoding):
+        if 0 < len(decoding) < len(seqs) and self._graph_takes(sum(s.num_scheduled_tokens for s in decoding)):
             # Decode rows riding along with prompt chunks get a forward of their own through the compiled step: the
             # bits a decode step gives them, whatever else the step holds (docs/design/batch-invariance.md).
             prompting = [s for s in seqs if s.num_computed_tokens < s.num_prompt_tokens]
@@ -81,10 +81,9 @@ class ModelRunner:
                                             (prompting, self._run(prompting, segments))])
         return self._run(seqs, segments)
 
-    def _graph_runs(self, decoding: list[Sequence]) -> bool:
-        """Whether the compiled step takes a step of these decoding sequences."""
-        return self.decode_graph is not None and self.decode_graph.can_run(sum(s.num_scheduled_tokens
-                                                                                for s in decoding))
+    def _graph_takes(self, num_rows: int) -> bool:
+        """Whether the compiled step takes a decode step of `num_rows` rows."""
+        return self.decode_graph is not None and self.decode_graph.can_run(num_rows)
 
     def _run(self, seqs: list[Sequence], segments: SegmentConfig) -> StepOutput:
         starts = [s.num_computed_tokens for s in seqs]
@@ -113,7 +112,7 @@ class ModelRunner:
                 assert not self.layout.is_grouped, "segment reuse runs on a pool of one group"
                 hidden, out.outcomes = forward_reusing(self.model, self.kv_cache, seqs, input_ids, positions,
                                                        metas[0], rows_t, segments)
-            elif not any(is_prompt) and self.decode_graph is not None and self.decode_graph.can_run(len(input_ids)):
+            elif not any(is_prompt) and self._graph_takes(len(input_ids)):
                 hidden = self.decode_graph.run(input_ids, positions.to(self.device), kv)  # [T, hidden]
                 if len(rows) < len(input_ids):
                     hidden = hidden[rows_t.to(self.device)]                            # [R, hidden]
