@@ -10,7 +10,8 @@ SDPA call over the padded batch (`padded_attention`, what ran before), interleav
 
 Prints the CPU, every time and the medians.
 
-    .venv/bin/python scripts/prefill_attention_timing.py [--rounds 5] [--model-rounds 3] [--no-models] [--model-dtypes fp32 bf16]
+    .venv/bin/python scripts/prefill_attention_timing.py [--rounds 5] [--model-rounds 3] [--no-models]
+        [--model-dtypes fp32 bf16]
 """
 
 from __future__ import annotations
@@ -82,7 +83,8 @@ def time_models(rounds: int, dtypes: list[str]) -> None:
                     times[path].append(time.perf_counter() - began)
             attention.attend_in_basis = ROWS
         rows, sdpa = (statistics.median(times[p]) for p in ("rows", "sdpa"))
-        print(f"prefill {model or 'embedded SmolLM2'} {dtype} {len(prompt)} tokens: rows {rows:.2f} s, sdpa {sdpa:.2f} s, "
+        print(f"prefill {model or 'embedded SmolLM2'} {dtype} {len(prompt)} tokens: rows {rows:.2f} s, "
+              f"sdpa {sdpa:.2f} s, "
               f"rows/sdpa {rows / sdpa:.2f}x  (rows {[round(t, 2) for t in times['rows']]}, "
               f"sdpa {[round(t, 2) for t in times['sdpa']]})", flush=True)
 

@@ -12,7 +12,15 @@ from hypothesis import strategies as st
 
 from kvreuse.kernels import build as kernels
 from kvreuse.kvcache.block import NULL_BLOCK as POOL_NULL_BLOCK
-from kvreuse.layers.attention import NULL_BLOCK, NULL_SLOT, AttentionMetadata, paged_attention, store_kv
+from kvreuse.layers.attention import (
+    NULL_BLOCK,
+    NULL_SLOT,
+    AttentionMetadata,
+    attend_in_basis,
+    paged_attention,
+    store_kv,
+    store_rows,
+)
 from kvreuse.layers.kv_format import FORMATS, MODEL_DTYPE_FORMAT, KVFormat, group_size
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 6, 2, 8
@@ -355,8 +363,9 @@ def test_fused_decode_attention_equals_the_torch_ops(context_lens, heads, dtype,
 
     out = torch.ops.kvreuse_cpu.decode_attention(q, k, v, k_cache, v_cache, meta.slot_mapping, meta.context_slots,
                                                  meta.context_lens, SCALE)
-    store_kv(k_ref, v_ref, k, v, meta.slot_mapping)
-    expected = paged_attention(q, k_ref, v_ref, meta, SCALE)
+    # the kernel works in the pool's basis (q, k and v come into it before the call, in store_and_attend)
+    store_rows(k_ref, v_ref, k, v, meta.slot_mapping)
+    expected = attend_in_basis(q, k_ref, v_ref, meta, SCALE)
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref), "the new K/V were not stored as store_kv does"
     assert out.dtype == dtype
     # fp32: summation order only (an 8-bit pool's values are code * scale in fp32 on both paths; the kernel sums a
@@ -395,7 +404,7 @@ def test_fused_decode_attention_encodes_8_bit_rows_as_store_kv_does(name, head_d
     q = torch.randn(num_seqs, 2 * num_kv_heads, head_dim, generator=gen).to(dtype)
     torch.ops.kvreuse_cpu.decode_attention(q, k, v, k_cache, v_cache, meta.slot_mapping, meta.context_slots,
                                            meta.context_lens, SCALE)
-    store_kv(k_ref, v_ref, k, v, meta.slot_mapping)
+    store_rows(k_ref, v_ref, k, v, meta.slot_mapping)
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
 
 

@@ -15,8 +15,16 @@ from torch.profiler import ProfilerActivity, profile
 from kvreuse.config import load_config
 from kvreuse.engine.resolved_model import resolve_model
 from kvreuse.kernels import build as kernels
-from kvreuse.layers.attention import AttentionMetadata, paged_attention, store_kv
-from kvreuse.layers.kv_format import FORMATS, format_of
+from kvreuse.layers.attention import (
+    AttentionMetadata,
+    attend_in_basis,
+    paged_attention,
+    read_kv,
+    store_and_attend,
+    store_kv,
+    store_rows,
+)
+from kvreuse.layers.kv_format import FORMATS, format_of, hadamard_matrix, hadamard_size, rotate, rotate_in_torch
 from kvreuse.llm import LLM
 from kvreuse.sampling_params import SamplingParams
 
@@ -55,25 +63,59 @@ def test_plain_formats_store_values_as_they_are():
 
 @pytest.mark.parametrize("name", EIGHT_BIT)
 def test_attention_over_an_8_bit_pool_is_attention_over_its_decoded_values(name):
-    """Paged attention reads what `decode` gives: the same numbers as an fp32 pool holding the decoded values."""
+    """Paged attention reads what `decode` gives, in the pool's basis (int8's Hadamard one, fp8's plain one): the
+    same numbers as an fp32 pool holding the decoded rows, attended in that basis."""
     kv_format, block_size, num_blocks = FORMATS[name], 4, 6
     gen = torch.Generator().manual_seed(1)
     pool = torch.zeros(num_blocks, block_size, 2, kv_format.row_width(8), dtype=kv_format.storage)
     k_cache, v_cache = pool.clone(), pool.clone()
-    k, v, q = (torch.randn(10, 2, 8, generator=gen) for _ in range(3))
+    k, v = (torch.randn(10, 2, 8, generator=gen) for _ in range(2))
     q = torch.randn(10, 4, 8, generator=gen)
     meta = AttentionMetadata.build([0], [10], [[3, 1, 5]], block_size, torch.device("cpu"))
     store_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-    assert format_of(k_cache) is kv_format
+    assert format_of(k_cache) is kv_format and kv_format.rotated == (name == "int8")
     reference_k = torch.zeros(num_blocks, block_size, 2, 8)
     reference_v = torch.zeros(num_blocks, block_size, 2, 8)
-    store_kv(reference_k, reference_v, kv_format.decode(kv_format.encode(k), torch.float32),
-             kv_format.decode(kv_format.encode(v), torch.float32), meta.slot_mapping)
-    assert torch.equal(paged_attention(q, k_cache, v_cache, meta, 0.37),
-                       paged_attention(q, reference_k, reference_v, meta, 0.37))
+    store_rows(reference_k, reference_v, *(kv_format.decode(kv_format.encode(kv_format.to_basis(x)), torch.float32)
+                                           for x in (k, v)), meta.slot_mapping)
     decode = AttentionMetadata.build([9], [1], [[3, 1, 5]], block_size, torch.device("cpu"))
-    assert torch.equal(paged_attention(q[-1:], k_cache, v_cache, decode, 0.37),
-                       paged_attention(q[-1:], reference_k, reference_v, decode, 0.37))
+    for rows, step in ((q, meta), (q[-1:], decode)):
+        out = paged_attention(rows, k_cache, v_cache, step, 0.37)                   # [T, 4 * 8]
+        in_basis = attend_in_basis(kv_format.to_basis(rows), reference_k, reference_v, step, 0.37)
+        assert torch.equal(out, kv_format.to_basis(in_basis.unflatten(-1, (4, 8))).flatten(-2))
+        # and the basis changes nothing but rounding: attention over the decoded values in the usual basis
+        slots = torch.arange(num_blocks * block_size)
+        values = (read_kv(cache, slots, torch.float32).view(pool.shape[:-1] + (8,)) for cache in (k_cache, v_cache))
+        plain = paged_attention(rows, *values, step, 0.37)
+        torch.testing.assert_close(out, plain, rtol=0, atol=1e-5)
+
+
+@pytest.mark.skipif(not kernels.load().loaded, reason=f"kernels not loaded: {kernels.load().reason}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", EIGHT_BIT)
+def test_the_fused_decode_step_changes_basis_inside_the_kernel(name, dtype):
+    """`store_and_attend`'s fused decode call takes q, k and v as the model computed them and rotates them, and the
+    output back, inside the kernel: it stores the bytes `store_kv` stores and attends as the torch path does, up to
+    summation order."""
+    kv_format, block_size, num_kv_heads, head_dim = FORMATS[name], 16, 3, 64
+    gen = torch.Generator().manual_seed(2)
+    context_lens = [5, 37, 16]
+    tables = [[1, 2, 3], [4, 5, 6], [7, 8]]
+    k_cache = torch.zeros(9, block_size, num_kv_heads, kv_format.row_width(head_dim), dtype=kv_format.storage)
+    v_cache = k_cache.clone()
+    past = AttentionMetadata.build([0, 0, 0], [n - 1 for n in context_lens], tables, block_size, torch.device("cpu"))
+    store_kv(k_cache, v_cache, *(torch.randn(sum(context_lens) - 3, num_kv_heads, head_dim, generator=gen).to(dtype)
+                                 for _ in range(2)), past.slot_mapping)
+    meta = AttentionMetadata.for_decode(context_lens, tables, block_size, torch.device("cpu"))
+    q = torch.randn(3, 9, head_dim, generator=gen).to(dtype)
+    k, v = (torch.randn(3, num_kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2))
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    fused = store_and_attend(q, k, v, k_cache, v_cache, meta, 0.125)               # [3, 9 * 64]
+    store_kv(k_ref, v_ref, k, v, meta.slot_mapping)
+    expected = paged_attention(q, k_ref, v_ref, meta, 0.125)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    atol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(fused.float(), expected.float(), rtol=0, atol=atol)
 
 
 def test_int8_holds_at_most_0_27_of_fp32_bytes_per_token():
@@ -89,6 +131,45 @@ def test_the_kv_dtype_keys_blocks_apart_where_it_changes_the_numbers():
                    for name in ("auto", "fp32", "bf16", "int8", "fp8")}
     assert fingerprint["auto"] == fingerprint["fp32"]
     assert len({fingerprint[n] for n in ("fp32", "bf16", "int8", "fp8")}) == 4
+    # rows in the Hadamard basis are other bytes than the unrotated rows an earlier version stored under "kv-int8"
+    assert fingerprint["int8"].endswith("kv-int8-hadamard") and fingerprint["fp8"].endswith("kv-fp8")
+
+
+@pytest.mark.parametrize("head_dim", [64, 256, 96, 8])
+def test_the_hadamard_basis_is_a_rotation_and_its_own_inverse(head_dim):
+    x = torch.randn(7, 3, head_dim, generator=torch.Generator().manual_seed(head_dim))
+    size = hadamard_size(head_dim)
+    assert size == {64: 64, 256: 256, 96: 32, 8: 8}[head_dim]
+    h = rotate(torch.eye(size))                                                    # [P, P]: the matrix itself
+    torch.testing.assert_close(h, h.T, rtol=0, atol=0)
+    assert torch.equal(h, hadamard_matrix(size, torch.float32, torch.device("cpu")))  # what CUDA multiplies by
+    torch.testing.assert_close(h @ h, torch.eye(size), rtol=0, atol=1e-6)
+    y = rotate(x)
+    torch.testing.assert_close(y.norm(dim=-1), x.norm(dim=-1))                   # lengths kept
+    torch.testing.assert_close(rotate(y), x)                                       # twice: back where it was
+    torch.testing.assert_close((rotate(x[:2]) * rotate(x[2:4])).sum(-1), (x[:2] * x[2:4]).sum(-1))  # inner products
+    # a few large channels (Gemma 3's keys) spread over the row: the largest magnitude shrinks toward the row's RMS
+    spiky = torch.zeros(head_dim)
+    spiky[:2] = 10.0
+    assert rotate(spiky).abs().max() <= 10.0 * 2 / size ** 0.5 + 1e-6
+
+
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 256, 96])
+def test_a_rows_rotation_does_not_depend_on_the_rows_beside_it(head_dim, dtype, path):
+    """A row must get the same bits alone, beside a few rows or among many, or a cache hit's suffix would not equal
+    the cold run; the kernel and the torch ops give the same bits. (A GEMM by the Hadamard matrix fails this: MKL sums
+    a 256-wide fp32 row otherwise when fewer than 4 rows share it.)"""
+    if path == "kernel" and not kernels.load().loaded:
+        pytest.skip(f"kernels not loaded: {kernels.load().reason}")
+    rotation = rotate if path == "kernel" else rotate_in_torch
+    rows = torch.randn(300, head_dim, generator=torch.Generator().manual_seed(0)).to(dtype) * 3
+    alone = torch.cat([rotation(rows[i:i + 1]) for i in range(8)])
+    for count in (2, 3, 4, 8, 17, 40, 300):
+        first = min(count, 8)
+        assert torch.equal(rotation(rows[:count])[:first], alone[:first]), f"{count} rows"
+    assert torch.equal(rotate(rows), rotate_in_torch(rows))
 
 
 def test_a_bad_kv_dtype_names_the_key_and_the_choices():

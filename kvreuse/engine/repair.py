@@ -118,8 +118,8 @@ def copy_segments(model: CausalLM, kv_cache: torch.Tensor, kv: CacheRequest) -> 
     dst = torch.tensor([kv.tables.block_table[p // bs] * bs + p % bs for p in dst_pos], device=device)
     deltas = torch.tensor(dst_pos, device=device) - torch.tensor(src_pos, device=device)
     kv_format = format_of(kv_cache)  # an 8-bit K is decoded, moved and encoded again (its V moves as it is)
-    keys = kv_format.decode(slots[:, 0, src], kv_format.value_dtype)                 # [L, T, Hkv, D]
-    slots[:, 0, dst] = kv_format.encode(model.rotate_by(keys, deltas))
+    keys = kv_format.to_basis(kv_format.decode(slots[:, 0, src], kv_format.value_dtype))  # [L, T, Hkv, D]
+    slots[:, 0, dst] = kv_format.encode(kv_format.to_basis(model.rotate_by(keys, deltas)))
     slots[:, 1, dst] = slots[:, 1, src]
 
 

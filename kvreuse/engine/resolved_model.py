@@ -116,7 +116,7 @@ def resolve_model(config: Config) -> ResolvedModel:
     # Cache keys must change whenever the numbers in the KV would: weights, dtype, quantization and a KV format other
     # than the model's dtype.
     tags = [quantization_tag(model.quantization), weights_tag(weights),
-            f"kv-{kv_format.name}" if kv_format.storage != dtype else ""]
+            f"kv-{kv_format.fingerprint_tag}" if kv_format.storage != dtype else ""]
     fingerprint = ":".join([info.fingerprint, str(dtype).removeprefix("torch."), *filter(None, tags)])
     return ResolvedModel(model, info, device, dtype, why, weights, fingerprint, resolve_layout(info.args, config.cache),
                          kv_format, min(config.server.max_tokens, info.args.max_position_embeddings))

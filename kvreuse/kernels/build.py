@@ -1,6 +1,7 @@
 """kvreuse's CPU extension (`torch.ops.kvreuse_cpu`): the GGUF block product (gguf_linear.cpp), the fused decode
-attention (decode_attention.cpp) and the row-by-row prefill attention (prefill_attention.cpp; both attention kernels
-compute a query row through attention_rows.h), built, loaded and chosen.
+attention (decode_attention.cpp), the row-by-row prefill attention (prefill_attention.cpp; both attention kernels
+compute a query row through attention_rows.h) and the 8-bit KV formats' Hadamard rotation (hadamard.cpp), built,
+loaded and chosen.
 
 `load()` builds the extension with torch's C++ extension builder (ninja and a C++ compiler; ~20 s, once: the result
 is kept under the cache directory, keyed by the sources, torch's version and place, and the flags). The GGUF product
@@ -32,9 +33,10 @@ from kvreuse.cache_dir import cache_root
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("gguf_linear.cpp", "decode_attention.cpp", "prefill_attention.cpp"))
+                for name in ("gguf_linear.cpp", "decode_attention.cpp", "prefill_attention.cpp", "hadamard.cpp"))
 # Included by the sources: kept beside their copies, and keyed with them.
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("isa.h", "attention_rows.h", "gguf_linear_body.h"))
+HEADERS = tuple(Path(__file__).with_name(name)
+                for name in ("isa.h", "attention_rows.h", "gguf_linear_body.h", "hadamard.h"))
 CFLAGS = ("-O3", "-fopenmp")  # at::parallel_for is OpenMP in the headers: without it, one thread
 
 
@@ -134,12 +136,16 @@ def _build() -> None:
         return x.new_empty(x.shape[0], out_features)
 
     @torch.library.register_fake("kvreuse_cpu::decode_attention")
-    def _(q, k, v, k_cache, v_cache, slot_mapping, context_slots, context_lens, scale):
+    def _(q, k, v, k_cache, v_cache, slot_mapping, context_slots, context_lens, scale, rotated=False):
         return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
     @torch.library.register_fake("kvreuse_cpu::prefill_attention")
     def _(q, k_cache, v_cache, context_slots, row_seq, row_pos, window, scale):
         return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+
+    @torch.library.register_fake("kvreuse_cpu::hadamard")
+    def _(x):
+        return torch.empty_like(x)
 
 
 def _stable_sources(directory: Path) -> list[Path]:

@@ -22,6 +22,7 @@
 #include <torch/library.h>
 
 #include "attention_rows.h"
+#include "hadamard.h"
 
 #include <initializer_list>
 
@@ -186,11 +187,25 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   return out.view({B, H * D});
 }
 
+at::Tensor decode_attention_in(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache,
+                               at::Tensor v_cache, const at::Tensor& slot_mapping, const at::Tensor& context_slots,
+                               const at::Tensor& context_lens, double scale, bool rotated) {
+  // rotated: the pool holds rows in the 8-bit formats' Hadamard basis (kv_format.py, `to_basis`): q, k and v go into
+  // it before the attention, and each head's output comes back after, here rather than in four more op calls a layer.
+  if (!rotated)
+    return decode_attention(q, k, v, k_cache, v_cache, slot_mapping, context_slots, context_lens, scale);
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && k.is_contiguous() && v.is_contiguous(),
+              "q must be [B, H, D]; q, k and v contiguous");
+  const at::Tensor out = decode_attention(kvreuse::hadamard(q), kvreuse::hadamard(k), kvreuse::hadamard(v), k_cache,
+                                          v_cache, slot_mapping, context_slots, context_lens, scale);  // [B, H * D]
+  return kvreuse::hadamard(out.view(q.sizes())).view(out.sizes());
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvreuse_cpu, m) {
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
-        "Tensor context_slots, Tensor context_lens, float scale) -> Tensor");
+        "Tensor context_slots, Tensor context_lens, float scale, bool rotated=False) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(kvreuse_cpu, CPU, m) { m.impl("decode_attention", &decode_attention); }
+TORCH_LIBRARY_IMPL(kvreuse_cpu, CPU, m) { m.impl("decode_attention", &decode_attention_in); }

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from kvreuse.kernels import build as kernels
-from kvreuse.layers.kv_format import format_of
+from kvreuse.layers.kv_format import KVFormat, format_of
 from kvreuse.layers.row_attention import attend_rows
 
 # The KV pool's null block (kvreuse/kvcache/block.py's NULL_BLOCK; tests/test_attention.py keeps them equal): no
@@ -202,6 +202,13 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     """k_cache/v_cache: [num_blocks, block_size, num_kv_heads, W] in their format (kv_format.py; W = head_dim in a
     plain one); k/v: [T, num_kv_heads, head_dim]."""
     kv_format = format_of(k_cache)
+    store_rows(k_cache, v_cache, kv_format.to_basis(k), kv_format.to_basis(v), slot_mapping)
+
+
+def store_rows(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               slot_mapping: torch.Tensor) -> None:
+    """`store_kv` of K/V already in the pool's basis."""
+    kv_format = format_of(k_cache)
     rows = k_cache.shape[-2:]                                                          # [Hkv, W]
     k_cache.view(-1, *rows).index_copy_(0, slot_mapping, kv_format.encode(k))
     v_cache.view(-1, *rows).index_copy_(0, slot_mapping, kv_format.encode(v))
@@ -209,6 +216,11 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 def read_kv(cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The values at pool `slots` [N] of one layer's k_cache or v_cache, as [N, Hkv, head_dim] in `dtype`."""
+    return format_of(cache).to_basis(read_rows(cache, slots, dtype))
+
+
+def read_rows(cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`read_kv` in the pool's basis."""
     return format_of(cache).decode(cache.view(-1, *cache.shape[-2:]).index_select(0, slots), dtype)
 
 
@@ -216,25 +228,44 @@ def store_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
                      v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                      window: int | None = None) -> torch.Tensor:
     """One layer's attention for a forward: store its new K/V, then attend over the pool (the last `window` keys of
-    each query, for a sliding-window layer). Returns [T, H * D]. A decode step in fp32 or bf16 on a CPU, over a pool
-    of its dtype or of 8-bit rows, runs as one fused call where kvreuse's kernels are loaded: it encodes the new rows
-    as `store_kv` does, bit for bit, and attends over the values `read_kv` gives in fp32 (the same numbers up to
-    summation order, and the torch path's rounding of 8-bit values to bf16; tests/test_attention.py)."""
+    each query, for a sliding-window layer). Returns [T, H * D]. Over a pool of 8-bit rows, q, k and v go into its
+    Hadamard basis and the output comes back (`KVFormat.to_basis`). A decode step in fp32 or bf16 on a CPU, over a
+    pool of its dtype or of 8-bit rows, runs as one fused call where kvreuse's kernels are loaded, the basis changes
+    included: it encodes the new rows as `store_kv` does, bit for bit, and attends over the decoded rows in fp32 (the
+    same numbers up to summation order, and the torch path's rounding of 8-bit values to bf16;
+    tests/test_attention.py)."""
+    kv_format = format_of(k_cache)
     if meta.decode and meta.context_lens is not None and fused_decode_takes(q.dtype, k_cache) \
             and q.device.type == "cpu" and kernels.load().loaded:
         meta = meta.windowed(window)
         return torch.ops.kvreuse_cpu.decode_attention(q.contiguous(), k.contiguous(), v.contiguous(), k_cache,
                                                       v_cache, meta.slot_mapping, meta.context_slots,
-                                                      meta.context_lens, scale)
-    store_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-    return paged_attention(q, k_cache, v_cache, meta, scale, window)
+                                                      meta.context_lens, scale, kv_format.rotated)
+    q, k, v = (kv_format.to_basis(x) for x in (q, k, v))
+    store_rows(k_cache, v_cache, k, v, meta.slot_mapping)
+    return _heads_to_basis(kv_format, attend_in_basis(q, k_cache, v_cache, meta, scale, window), q.shape[1])
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
-    """q: [T, H, D] (already rotated); returns [T, H * D]. The new tokens' K/V must already be stored. On a CPU, a
+    """q: [T, H, D] (RoPE applied); returns [T, H * D]. The new tokens' K/V must already be stored. On a CPU, a
     step with prompt rows attends one query row at a time (row_attention.py: a row's bits do not depend on its
     neighbours); decode steps and CUDA take SDPA over the padded batch."""
+    kv_format = format_of(k_cache)
+    out = attend_in_basis(kv_format.to_basis(q), k_cache, v_cache, meta, scale, window)
+    return _heads_to_basis(kv_format, out, q.shape[1])
+
+
+def _heads_to_basis(kv_format: KVFormat, out: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """out: [T, H * D] -> each head's vector through `kv_format.to_basis` (back from the pool's basis)."""
+    if not kv_format.rotated:
+        return out
+    return kv_format.to_basis(out.unflatten(-1, (num_heads, -1))).flatten(-2)
+
+
+def attend_in_basis(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float, window: int | None = None) -> torch.Tensor:
+    """`paged_attention` with q, and so the output, in the pool's basis."""
     if not meta.decode and q.device.type == "cpu":
         row_seq, row_pos = meta.rows()
         return attend_rows(q, k_cache, v_cache, meta.context_slots, row_seq, row_pos, scale, window or 0)
@@ -243,7 +274,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 def padded_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
-    """`paged_attention` as one SDPA call over the padded batch: q [T, H, D] -> [T, H * D]."""
+    """`paged_attention` as one SDPA call over the padded batch, in the pool's basis: q [T, H, D] -> [T, H * D]."""
     meta = meta.windowed(window)
     if meta.chunks is not None:
         return torch.cat([padded_attention(q[start:end], k_cache, v_cache, chunk, scale)
@@ -254,8 +285,8 @@ def padded_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     # Decode rows are already one query per sequence, in batch order: no gather, no padding to drop.
     q_pad = q.unsqueeze(2) if meta.decode else q[meta.query_index].transpose(1, 2)     # [B, H, Q, D]
     slots = meta.context_slots.flatten()                                               # [B * K]
-    k = read_kv(k_cache, slots, q.dtype)                                               # [B * K, Hkv, D]
-    v = read_kv(v_cache, slots, q.dtype)                                               # [B * K, Hkv, D]
+    k = read_rows(k_cache, slots, q.dtype)                                            # [B * K, Hkv, D]
+    v = read_rows(v_cache, slots, q.dtype)                                            # [B * K, Hkv, D]
     k = k.view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)                   # [B, Hkv, K, D]
     v = v.view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)                   # [B, Hkv, K, D]
     mask = None if meta.causal else meta.attn_mask

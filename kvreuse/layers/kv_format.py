@@ -10,15 +10,23 @@ lost 5 of its 6 greedy continuations (docs/features/kv-dtype.md). A scale per ch
 block's tokens before any could be encoded, so a block written in one prefill and one written token by token would
 differ.
 
+int8 holds each row in a Hadamard basis (QuaRot's rotation): `to_basis` spreads a few large channels over all of a
+row's values before they share scales, and attention, which only takes inner products of q with K and sums of V, runs
+in that basis unchanged (q and the output change basis with it). The change is its own inverse. fp8 keeps the plain
+basis: its codes' error follows each value's size, and spreading it measured worse (docs/features/kv-dtype.md).
+
 The pool's storage dtype names its format (`format_of`): the attention kernels read it from the cache tensor.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
+
+from kvreuse.kernels import build as kernels
 
 GROUP = 32                   # values that share a scale (fewer where head_dim is not a multiple of it)
 SCALE_DTYPE = torch.float16  # 2 bytes a scale: 2 + 32 bytes per 32 values, 0.266x fp32
@@ -32,6 +40,7 @@ class KVFormat:
     storage: torch.dtype             # the pool tensor's dtype (fp8 codes sit in uint8, which every index op takes)
     code: torch.dtype | None = None  # an 8-bit format's codes
     max_code: float = 0.0            # the largest code magnitude
+    rotated: bool = False            # rows hold K/V in a Hadamard basis (`to_basis`): int8's
 
     @property
     def quantized(self) -> bool:
@@ -72,6 +81,16 @@ class KVFormat:
         codes = rows[..., :head_dim].view(self.code).float().unflatten(-1, (scale.shape[-1], -1))  # [..., D / g, g]
         return (codes * scale[..., None]).flatten(-2).to(dtype)                        # [..., D]
 
+    def to_basis(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., D] values -> the same vectors in the basis this format's rows hold them in. Its own inverse: it
+        also brings vectors of that basis (decoded rows, attention's output) back."""
+        return rotate(x) if self.rotated else x
+
+    @property
+    def fingerprint_tag(self) -> str:
+        """What a cache key says of the rows' bytes: the name, and the basis they are in."""
+        return f"{self.name}-hadamard" if self.rotated else self.name
+
     def head_dim_of(self, row_width: int) -> int:
         """The head_dim whose rows are `row_width` wide."""
         return _head_dim_of(row_width) if self.quantized else row_width
@@ -99,10 +118,50 @@ def _head_dim_of(row_width: int) -> int:
     raise ValueError(f"no head_dim has 8-bit rows of {row_width} bytes")
 
 
+def rotate(x: torch.Tensor) -> torch.Tensor:
+    """x: [..., D] -> [..., D], each run of `hadamard_size(D)` values times the normalized Hadamard matrix of that size
+    (symmetric and orthogonal: rotating twice gives x back, up to rounding), by the fast Walsh-Hadamard transform in
+    fp32. A row's bits depend on that row alone, never on how many rows share the call (a GEMM's do: MKL sums a
+    256-wide row otherwise when fewer than 4 rows share it), as exact prefix reuse needs
+    (docs/design/batch-invariance.md). On a CPU, kvreuse's kernel (kernels/hadamard.cpp), or without it the same
+    butterflies in torch ops, bit for bit; on CUDA, where no path is row-invariant yet, one GEMM by the matrix."""
+    if x.device.type != "cpu":
+        size = hadamard_size(x.shape[-1])
+        return (x.unflatten(-1, (-1, size)) @ hadamard_matrix(size, x.dtype, x.device)).flatten(-2)
+    if x.dtype in (torch.float32, torch.bfloat16) and kernels.load().loaded:
+        return torch.ops.kvreuse_cpu.hadamard(x.contiguous())
+    return rotate_in_torch(x)
+
+
+def rotate_in_torch(x: torch.Tensor) -> torch.Tensor:
+    """`rotate` in torch ops: log2(P) rounds of butterflies (a + b, a - b) over blocks of 2 * half values, in fp32,
+    then one multiply by 1 / sqrt(P)."""
+    size = hadamard_size(x.shape[-1])
+    runs = x.float().reshape(-1, size)                                                 # [N, P]
+    half = 1
+    while half < size:
+        pairs = runs.view(-1, size // (2 * half), 2, half)                              # [N, blocks, 2, half]
+        first, second = pairs[:, :, 0], pairs[:, :, 1]
+        runs = torch.stack((first + second, first - second), dim=2).view(-1, size)      # [N, P]
+        half *= 2
+    return (runs * (1.0 / math.sqrt(size))).to(x.dtype).view(x.shape)
+
+
+@functools.cache
+def hadamard_matrix(size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The normalized Hadamard matrix of a power-of-two `size`, [size, size]: the rotation of the identity's rows."""
+    return rotate_in_torch(torch.eye(size)).to(dtype=dtype, device=device)
+
+
+def hadamard_size(head_dim: int) -> int:
+    """The rotation's block: the largest power of two that divides head_dim (head_dim itself for 64, 128, 256)."""
+    return head_dim & -head_dim
+
+
 FORMATS = {
     "fp32": KVFormat("fp32", torch.float32),
     "bf16": KVFormat("bf16", torch.bfloat16),
-    "int8": KVFormat("int8", torch.int8, torch.int8, 127.0),
+    "int8": KVFormat("int8", torch.int8, torch.int8, 127.0, rotated=True),
     "fp8": KVFormat("fp8", torch.uint8, torch.float8_e4m3fn, 448.0),  # e4m3's largest finite value
 }
 _BY_STORAGE = {f.storage: f for f in FORMATS.values()}
