@@ -8,7 +8,7 @@ import torch
 
 from kvreuse.kernels import build as kernels
 from kvreuse.layers.attention import AttentionMetadata, padded_attention, paged_attention
-from kvreuse.layers.kv_format import FORMATS
+from kvreuse.layers.kv_format import FORMATS, format_of
 from kvreuse.layers.row_attention import attend_rows, attend_rows_in_torch
 
 CPU = torch.device("cpu")
@@ -173,3 +173,38 @@ def test_in_bf16_a_row_is_as_invariant_and_rounds_the_fp32_rows_once(heads):
         assert torch.equal(pool.attend({0: range(position, position + 1)}, 24)[0], whole[60 + position - 40])
     pool.k_cache, pool.v_cache, pool.q = pool.k_cache.float(), pool.v_cache.float(), [q.float() for q in pool.q]
     assert torch.equal(whole, pool.attend(step, 24).bfloat16())
+
+
+def decode_row(pool: Pool, b: int, position: int, window: int) -> torch.Tensor:
+    """[H * D]: sequence b's row at `position` as a decode step computes it (the decode kernel over the same pool)."""
+    decode = AttentionMetadata.for_decode([position + 1], [pool.tables[b]], BLOCK_SIZE, CPU).windowed(window or None)
+    q = pool.q[b][position:position + 1]                                              # [1, H, D]
+    fmt = format_of(pool.k_cache)
+    k, v = (fmt.decode(cache.view(-1, *cache.shape[-2:])[decode.slot_mapping], q.dtype).contiguous()
+            for cache in (pool.k_cache, pool.v_cache))
+    k_cache, v_cache = pool.k_cache.clone(), pool.v_cache.clone()
+    out = torch.ops.kvreuse_cpu.decode_attention(q, k, v, k_cache, v_cache, decode.slot_mapping,
+                                                 decode.context_slots, decode.context_lens, pool.scale)
+    assert torch.equal(k_cache, pool.k_cache) and torch.equal(v_cache, pool.v_cache), "re-encoding changed a row"
+    return out[0]
+
+
+@needs_kernels
+@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16", "int8", "fp8"])
+@pytest.mark.parametrize("window", [0, 24])
+@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 1, 256), (8, 2, 128), (6, 3, 8), (2, 2, 256)],
+                         ids=["smollm2", "gemma3", "d128", "d8", "mha"])
+def test_rows_sharing_a_tile_each_get_the_bits_they_get_alone(heads, window, kv_dtype):
+    """The op tiles a sequence's consecutive rows (~12 query heads a tile) so that they share each key and value row
+    it loads: rows of different lengths in one tile, tiles' tails (87 and 5 rows), three sequences in a step, a
+    window, GQA groups and every head_dim path. Each row must equal the decode kernel's row, bit for bit."""
+    pool = Pool(heads, [90, 60, 30], kv_dtype)
+    if kv_dtype == "bf16":
+        pool.q = [q.bfloat16() for q in pool.q]
+    step = {0: range(3, 90), 1: range(0, 60), 2: range(25, 30)}
+    out = pool.attend(step, window)
+    at = 0
+    for b, positions in step.items():
+        for position in positions:
+            assert torch.equal(out[at], decode_row(pool, b, position, window)), f"sequence {b}, position {position}"
+            at += 1
