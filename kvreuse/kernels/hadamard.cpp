@@ -39,33 +39,28 @@ __attribute__((always_inline)) inline Lanes lane_round(Lanes x) {
   return (kLane & H) ? partner - x : x + partner;
 }
 
-// A run of P = NV * 16 values already in fp32 at `values`: rotated in place.
+// The rounds of half 1, 2, 4, ... < n over n elements (values, or vectors of 16 values), then each times scale.
+template <typename E>
+__attribute__((always_inline)) inline void butterflies(E* v, int64_t n, float scale) {
+  for (int64_t half = 1; half < n; half *= 2)
+    for (int64_t block = 0; block < n; block += 2 * half)
+      for (int64_t i = block; i < block + half; ++i) {
+        const E a = v[i], b = v[i + half];
+        v[i] = a + b;
+        v[i + half] = a - b;
+      }
+  for (int64_t i = 0; i < n; ++i) v[i] *= scale;
+}
+
+// A run of P = NV * 16 values already in fp32 at `values`, rotated in place: the rounds of half 1 to 8 within each
+// vector, then those of half 16, 32, ... over whole vectors.
 template <int NV>
 __attribute__((always_inline)) inline void rotate_wide(float* values, float scale) {
   Lanes v[NV];
   std::memcpy(v, values, sizeof(v));
   for (int i = 0; i < NV; ++i) v[i] = lane_round<8>(lane_round<4>(lane_round<2>(lane_round<1>(v[i]))));
-  for (int half = 1; half < NV; half *= 2)  // in vectors: rounds of half 16, 32, ...
-    for (int block = 0; block < NV; block += 2 * half)
-      for (int i = block; i < block + half; ++i) {
-        const Lanes a = v[i], b = v[i + half];
-        v[i] = a + b;
-        v[i + half] = a - b;
-      }
-  for (int i = 0; i < NV; ++i) v[i] *= scale;
+  butterflies<Lanes>(v, NV, scale);
   std::memcpy(values, v, sizeof(v));
-}
-
-// A run of any power-of-two P, one value at a time.
-inline void rotate_narrow(float* values, int64_t P, float scale) {
-  for (int64_t half = 1; half < P; half *= 2)
-    for (int64_t block = 0; block < P; block += 2 * half)
-      for (int64_t i = block; i < block + half; ++i) {
-        const float a = values[i], b = values[i + half];
-        values[i] = a + b;
-        values[i + half] = a - b;
-      }
-  for (int64_t i = 0; i < P; ++i) values[i] *= scale;
 }
 
 // Runs [begin, end) of x, each P values, into out; buffer: P floats.
@@ -78,7 +73,7 @@ __attribute__((always_inline)) inline void rotate_runs(const T* x, T* out, int64
     if (P == 64) rotate_wide<4>(buffer, scale);
     else if (P == 128) rotate_wide<8>(buffer, scale);
     else if (P == 256) rotate_wide<16>(buffer, scale);
-    else rotate_narrow(buffer, P, scale);
+    else butterflies<float>(buffer, P, scale);  // any power-of-two P, a value at a time
     T* to = out + r * P;
     for (int64_t i = 0; i < P; ++i) to[i] = static_cast<T>(buffer[i]);
   }
