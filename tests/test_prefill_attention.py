@@ -3,6 +3,10 @@ do not depend on how many rows its step holds or which rows sit beside it, and e
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -164,7 +168,8 @@ def test_the_op_refuses_a_position_outside_its_context():
 @needs_kernels
 @pytest.mark.parametrize("heads", list(HEADS.values()), ids=list(HEADS))
 def test_in_bf16_a_row_is_as_invariant_and_rounds_the_fp32_rows_once(heads):
-    """bf16 queries over a bf16 pool: the row is computed in fp32 and its output rounded once."""
+    """bf16 queries over a bf16 pool: the row is computed in fp32 and its output rounded once. Where the kernels take
+    the bf16 dot products (AVX-512 BF16), a score sums its products in pairs: the fp32 row's up to that order."""
     pool = Pool(heads, [90, 60], "bf16")
     pool.q = [q.bfloat16() for q in pool.q]
     step = {1: range(0, 60), 0: range(40, 90)}
@@ -172,7 +177,24 @@ def test_in_bf16_a_row_is_as_invariant_and_rounds_the_fp32_rows_once(heads):
     for position in (40, 77, 89):
         assert torch.equal(pool.attend({0: range(position, position + 1)}, 24)[0], whole[60 + position - 40])
     pool.k_cache, pool.v_cache, pool.q = pool.k_cache.float(), pool.v_cache.float(), [q.float() for q in pool.q]
-    assert torch.equal(whole, pool.attend(step, 24).bfloat16())
+    fp32_rows = pool.attend(step, 24).bfloat16()
+    if torch.ops.kvreuse_cpu.bf16_dot():
+        assert not torch.equal(whole, fp32_rows), "the bf16 dot products summed as fp32 FMAs do"
+        torch.testing.assert_close(whole, fp32_rows, rtol=2 ** -7, atol=2 ** -12)  # a bf16 step at most
+    else:
+        assert torch.equal(whole, fp32_rows)
+
+
+@needs_kernels
+@pytest.mark.skipif(not kernels.load().loaded or not torch.ops.kvreuse_cpu.bf16_dot(),
+                    reason="this CPU has no AVX-512 BF16: the bf16 tests above run the fp32 products already")
+def test_the_bf16_tests_pass_without_the_bf16_dot_products():
+    """KVREUSE_BF16_DOT=0 gives a bf16 pool the fp32 products every other CPU runs, in both kernels alike."""
+    env = {**os.environ, "KVREUSE_BF16_DOT": "0"}
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "bf16 and not without"]
+    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout and " failed" not in run.stdout
 
 
 def decode_row(pool: Pool, b: int, position: int, window: int) -> torch.Tensor:

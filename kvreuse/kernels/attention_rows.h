@@ -305,10 +305,42 @@ __attribute__((always_inline)) inline float exp_and_sum(float* row, int64_t len)
   return sums[0];
 }
 
+// ---- Scores from bf16 pairs (AVX-512 BF16: a bf16 query over a bf16 pool) ----
+// vdpbf16ps multiplies 32 bf16 pairs and adds each lane's two products to an fp32 lane: half the instructions of
+// converting the key to fp32 and multiplying it, and no conversion. Its products are exact, as fp32's are (8-bit
+// mantissas), but it adds in its own order (and flushes subnormals), so a CPU takes it for every row or for none: the
+// decode and the prefill kernel pick it together (attend_dot). The instruction is written as inline assembly, which
+// needs no target attribute on the inline functions on the way; only the variants built for it instantiate it.
+typedef uint16_t Bf16Pairs __attribute__((vector_size(64)));  // 32 bf16 values, as bits
+
+// 32 fp32 values that are bf16 values (a bf16 query, converted exactly) as 32 bf16s, value i in element i: each
+// value's upper 16 bits.
+__attribute__((always_inline)) inline Bf16Pairs bf16_pairs(V16 lo, V16 hi) {
+  return __builtin_shufflevector(reinterpret_cast<Bf16Pairs>(lo), reinterpret_cast<Bf16Pairs>(hi), 1, 3, 5, 7, 9, 11,
+                                 13, 15, 17, 19, 21, 23, 25, 27, 29, 31, 33, 35, 37, 39, 41, 43, 45, 47, 49, 51, 53,
+                                 55, 57, 59, 61, 63);
+}
+
+// values 32 * i .. 32 * i + 31 of a bf16 row
+template <typename C>
+__attribute__((always_inline)) inline Bf16Pairs load_pairs(const C* row, int i) {
+  Bf16Pairs x;
+  std::memcpy(&x, row + 32 * i, sizeof(x));
+  return x;
+}
+
+// lane l: the sum over i of q[i]'s and k[i]'s pairs (2l, 2l + 1), accumulated in i's order
+template <int N>
+__attribute__((always_inline)) inline V16 dot_pairs(const Bf16Pairs* q, const Bf16Pairs* k) {
+  V16 total{};
+  for (int i = 0; i < N; ++i) asm("vdpbf16ps %2, %1, %0" : "+v"(total) : "v"(q[i]), "v"(k[i]));
+  return total;
+}
+
 // attend_group for D = NV * 16 (groups of 32 in an 8-bit pool), query heads taken GC at a time (the outputs of GC
 // heads stay in registers; a row is converted once per GC heads). The same numbers as attend_group up to summation
 // order: a K group's dot is summed from code * q and then scaled, a V row's code * (weight * scale) summed.
-template <typename R, int NV, int GC>
+template <typename R, int NV, int GC, bool kDot>
 __attribute__((always_inline)) inline void attend_group_wide(const Pool<R>& pool, const int64_t* ctx, int64_t len,
                                                              int64_t offset, int64_t G, float scale, Scratch& s) {
   constexpr int64_t D = NV * 16;
@@ -322,6 +354,10 @@ __attribute__((always_inline)) inline void attend_group_wide(const Pool<R>& pool
     for (int h = 0; h < GC; ++h)
       for (int i = 0; i < NV; ++i)
         if (h < gc) std::memcpy(&q[h][i], s.q.data() + (h0 + h) * D + i * 16, sizeof(V16));
+    [[maybe_unused]] Bf16Pairs qp[GC][NV / 2];
+    if constexpr (kDot)
+      for (int h = 0; h < GC; ++h)
+        for (int gi = 0; gi < NV / 2; ++gi) qp[h][gi] = bf16_pairs(q[h][2 * gi], q[h][2 * gi + 1]);
     V16 partial[GC][16];
     for (int64_t j0 = 0; j0 < len; j0 += 16) {
       const int64_t n = std::min<int64_t>(16, len - j0);
@@ -333,6 +369,15 @@ __attribute__((always_inline)) inline void attend_group_wide(const Pool<R>& pool
         const int64_t j = j0 + jj;
         if (j + kAheadWide < len) prefetch_row(kc + ctx[j + kAheadWide] * pool.stride, pool.width);
         const typename R::Code* row = kc + ctx[j] * pool.stride;
+        if constexpr (kDot) {
+          Bf16Pairs x[NV / 2];
+          for (int gi = 0; gi < NV / 2; ++gi) x[gi] = load_pairs(row, gi);
+          for (int h = 0; h < GC; ++h) {
+            if (h >= gc) break;
+            partial[h][jj] = dot_pairs<NV / 2>(qp[h], x);
+          }
+          continue;
+        }
         V16 x[NV];
         for (int i = 0; i < NV; ++i) x[i] = load16<R>(row, i);
         float gs[NV / 2];
@@ -399,14 +444,14 @@ __attribute__((always_inline)) inline void attend_group_wide(const Pool<R>& pool
 // One query row's G query heads q [G, D] (in T) over the `len` keys at pool slots ctx[0 .. len) of the KV head
 // whose rows start at `offset` within a slot: out [G, D] (in T). Every kernel computes a row through this, so a row's
 // numbers depend on its query and keys only.
-template <typename T, typename R>
+template <typename T, typename R, bool kDot = false>
 __attribute__((always_inline)) inline void attend_row(const T* q, const Pool<R>& pool, const int64_t* ctx,
                                                       int64_t len, int64_t offset, int64_t G, int64_t D, float scale,
                                                       T* out, Scratch& s) {
   for (int64_t e = 0; e < G * D; ++e) s.q[e] = static_cast<float>(q[e]);
-  if (D == 64) attend_group_wide<R, 4, 4>(pool, ctx, len, offset, G, scale, s);
-  else if (D == 128) attend_group_wide<R, 8, 2>(pool, ctx, len, offset, G, scale, s);
-  else if (D == 256) attend_group_wide<R, 16, 1>(pool, ctx, len, offset, G, scale, s);
+  if (D == 64) attend_group_wide<R, 4, 4, kDot>(pool, ctx, len, offset, G, scale, s);
+  else if (D == 128) attend_group_wide<R, 8, 2, kDot>(pool, ctx, len, offset, G, scale, s);
+  else if (D == 256) attend_group_wide<R, 16, 1, kDot>(pool, ctx, len, offset, G, scale, s);
   else attend_group<R>(pool, ctx, len, offset, G, D, scale, s);
   for (int64_t e = 0; e < G * D; ++e) out[e] = static_cast<T>(s.out[e]);
 }
@@ -425,6 +470,17 @@ inline kvreuse::Isa attend_isa() {
     return std::min(avx512 ? Isa::kAvx512 : avx2 ? Isa::kAvx2 : Isa::kNone, allowed);
   }();
   return isa;
+}
+
+// Whether a bf16 query over a bf16 pool takes the bf16 dot products (AVX-512 BF16) in both kernels: where the CPU has
+// them, unless KVREUSE_BF16_DOT=0 (the fp32 products every other CPU computes).
+inline bool attend_dot() {
+  static const bool dot = [] {
+    const char* env = std::getenv("KVREUSE_BF16_DOT");
+    return attend_isa() == kvreuse::Isa::kAvx512 && __builtin_cpu_supports("avx512bf16") &&
+           !(env && std::string(env) == "0");
+  }();
+  return dot;
 }
 
 

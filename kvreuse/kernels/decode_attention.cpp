@@ -53,7 +53,7 @@ void encode_row(const T* x, typename R::Code* row, int64_t D, int64_t g) {
 
 // The (sequence, KV head) pairs [begin, end), each cloned per instruction set so that the loops above are vectorized
 // for the CPU that runs them. q [B, H, D] and out [B, H, D] in T; query heads h * G .. h * G + G - 1 read KV head h.
-template <typename T, typename R>
+template <typename T, typename R, bool kDot>
 __attribute__((always_inline)) inline void attend_range(const T* q, const Pool<R>& pool, const int64_t* context,
                                                         const int64_t* lens, int64_t max_len, int64_t Hkv, int64_t G,
                                                         int64_t D, float scale, T* out, int64_t begin, int64_t end,
@@ -61,7 +61,7 @@ __attribute__((always_inline)) inline void attend_range(const T* q, const Pool<R
   for (int64_t i = begin; i < end; ++i) {
     const int64_t b = i / Hkv, h = i % Hkv;
     const int64_t first = (b * Hkv + h) * G * D;  // the group's G query rows, one after another in q and out
-    attend_row<T, R>(q + first, pool, context + b * max_len, lens[b], h * pool.width, G, D, scale, out + first, s);
+    attend_row<T, R, kDot>(q + first, pool, context + b * max_len, lens[b], h * pool.width, G, D, scale, out + first, s);
   }
 }
 
@@ -71,23 +71,18 @@ using AttendFn = void (*)(const T*, const Pool<R>&, const int64_t*, const int64_
 
 
 // Each compiled for AVX-512, AVX2 + FMA + F16C, and no extension; decode_attention runs the widest that both this CPU
-// and torch's ATEN_CPU_CAPABILITY allow (so that `ATEN_CPU_CAPABILITY=avx2` tests the AVX2 variant on any CPU).
+// and torch's ATEN_CPU_CAPABILITY allow (so that `ATEN_CPU_CAPABILITY=avx2` tests the AVX2 variant on any CPU), and
+// a bf16 pool's AVX-512 BF16 variant where the CPU has it (attend_dot), as the prefill kernel does.
+#define KVREUSE_ATTEND_VARIANT(NAME, TARGET, T, R, DOT)                                                            \
+  TARGET void NAME(const T* q, const Pool<R>& pool, const int64_t* context, const int64_t* lens, int64_t max_len,   \
+                   int64_t Hkv, int64_t G, int64_t D, float scale, T* out, int64_t begin, int64_t end, Scratch& s) { \
+    attend_range<T, R, DOT>(q, pool, context, lens, max_len, Hkv, G, D, scale, out, begin, end, s);               \
+  }
+#define KVREUSE_AVX512 "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"
 #define KVREUSE_ATTEND_RANGE(NAME, T, R)                                                                             \
-  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"))) void NAME##_avx512(                  \
-      const T* q, const Pool<R>& pool, const int64_t* context, const int64_t* lens, int64_t max_len, int64_t Hkv,   \
-      int64_t G, int64_t D, float scale, T* out, int64_t begin, int64_t end, Scratch& s) {                          \
-    attend_range<T, R>(q, pool, context, lens, max_len, Hkv, G, D, scale, out, begin, end, s);                   \
-  }                                                                                                                  \
-  __attribute__((target("avx2,fma,f16c"))) void NAME##_avx2(                                                       \
-      const T* q, const Pool<R>& pool, const int64_t* context, const int64_t* lens, int64_t max_len, int64_t Hkv,   \
-      int64_t G, int64_t D, float scale, T* out, int64_t begin, int64_t end, Scratch& s) {                          \
-    attend_range<T, R>(q, pool, context, lens, max_len, Hkv, G, D, scale, out, begin, end, s);                   \
-  }                                                                                                                  \
-  void NAME##_default(const T* q, const Pool<R>& pool, const int64_t* context, const int64_t* lens, int64_t max_len, \
-                      int64_t Hkv, int64_t G, int64_t D, float scale, T* out, int64_t begin, int64_t end,            \
-                      Scratch& s) {                                                                                  \
-    attend_range<T, R>(q, pool, context, lens, max_len, Hkv, G, D, scale, out, begin, end, s);                   \
-  }                                                                                                                  \
+  KVREUSE_ATTEND_VARIANT(NAME##_avx512, __attribute__((target(KVREUSE_AVX512))), T, R, false)                        \
+  KVREUSE_ATTEND_VARIANT(NAME##_avx2, __attribute__((target("avx2,fma,f16c"))), T, R, false)                         \
+  KVREUSE_ATTEND_VARIANT(NAME##_default, , T, R, false)                                                              \
   const AttendFn<T, R> NAME[3] = {NAME##_default, NAME##_avx2, NAME##_avx512};
 KVREUSE_ATTEND_RANGE(attend_fp32, float, PlainRows<float>)
 KVREUSE_ATTEND_RANGE(attend_bf16, c10::BFloat16, PlainRows<c10::BFloat16>)
@@ -95,7 +90,11 @@ KVREUSE_ATTEND_RANGE(attend_fp32_int8, float, Int8Rows)
 KVREUSE_ATTEND_RANGE(attend_bf16_int8, c10::BFloat16, Int8Rows)
 KVREUSE_ATTEND_RANGE(attend_fp32_fp8, float, Fp8Rows)
 KVREUSE_ATTEND_RANGE(attend_bf16_fp8, c10::BFloat16, Fp8Rows)
+KVREUSE_ATTEND_VARIANT(attend_bf16_dot, __attribute__((target(KVREUSE_AVX512 ",avx512bf16"))), c10::BFloat16,
+                       PlainRows<c10::BFloat16>, true)
+#undef KVREUSE_AVX512
 #undef KVREUSE_ATTEND_RANGE
+#undef KVREUSE_ATTEND_VARIANT
 
 // Writes each sequence's new K/V (k, v [B, Hkv, D]) at its slot, then attends: the work of one pool format R.
 template <typename T, typename R>
@@ -181,7 +180,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   } else if (fp32) {
     KVREUSE_RUN(attend_fp32, float, PlainRows<float>);
   } else {
-    KVREUSE_RUN(attend_bf16, BF16, PlainRows<BF16>);
+    store_and_attend<BF16, PlainRows<BF16>>(attend_dot() ? attend_bf16_dot : attend_bf16[isa], q, k, v, k_cache,
+                                            v_cache, slots, context, lens, max_len, s, out, grain);
   }
 #undef KVREUSE_RUN
   return out.view({B, H * D});
@@ -201,11 +201,14 @@ at::Tensor decode_attention_in(const at::Tensor& q, const at::Tensor& k, const a
   return kvreuse::hadamard(out.view(q.sizes())).view(out.sizes());
 }
 
+bool bf16_dot() { return attend_dot(); }
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvreuse_cpu, m) {
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
         "Tensor context_slots, Tensor context_lens, float scale, bool rotated=False) -> Tensor");
+  m.def("bf16_dot() -> bool", &bf16_dot);  // whether a bf16 pool's scores take the bf16 dot products (attend_dot)
 }
 
 TORCH_LIBRARY_IMPL(kvreuse_cpu, CPU, m) { m.impl("decode_attention", &decode_attention_in); }

@@ -44,6 +44,7 @@ inline int64_t tile_rows(int64_t G) { return std::max<int64_t>(1, kTileHeads / G
 // Per-thread scratch of a tile of up to `rows` rows, G query heads each (query head e = row * G + head).
 struct TileScratch {
   std::vector<float> q;         // [rows * G, D] in fp32
+  std::vector<c10::BFloat16> q16;  // [rows * G, D]: q again, for the bf16 dot products (kDot)
   std::vector<float> scores;    // [rows * G, max_len]: a row's heads' scores at its key index (key - first)
   std::vector<float> blocks;    // room for `partial`, 64-byte aligned (a vector of V16 need not be)
   std::vector<float> totals;    // [rows * G] softmax denominators
@@ -53,7 +54,7 @@ struct TileScratch {
   int64_t max_len;
   Scratch row;                  // attend_row's, for a head_dim other than 256
   TileScratch(int64_t rows, int64_t G, int64_t max_len, int64_t D)
-      : q(rows * G * D), scores(rows * G * max_len), blocks(rows * G * 16 * 16 + 16), totals(rows * G),
+      : q(rows * G * D), q16(rows * G * D), scores(rows * G * max_len), blocks(rows * G * 16 * 16 + 16), totals(rows * G),
         out(rows * G * D), first(rows), last(rows), max_len(max_len), row(G, max_len, D) {}
   // [rows * G, 16]: a block of 16 keys' dot products before fold16
   V16* partial() {
@@ -86,7 +87,7 @@ __attribute__((always_inline)) inline void add_values(const Pool<R>& pool, const
 
 // A tile's `rows` rows (G query heads each, in s.q) over the keys ctx[s.first[r] .. s.last[r]] of the KV head at
 // `offset`: their outputs in s.out, for D = NV * 16. ctx is the tile's sequence's context slots by position.
-template <typename R, int NV>
+template <typename R, int NV, bool kDot>
 __attribute__((always_inline)) inline void attend_tile(const Pool<R>& pool, const int64_t* ctx, int64_t rows,
                                                        int64_t offset, int64_t G, float scale, TileScratch& s) {
   constexpr int64_t D = NV * 16;
@@ -98,6 +99,8 @@ __attribute__((always_inline)) inline void attend_tile(const Pool<R>& pool, cons
   const int64_t* last = s.last.data();
   V16* const partials = s.partial();
   const int64_t lo = *std::min_element(first, first + rows), hi = *std::max_element(last, last + rows);
+  if constexpr (kDot)
+    for (int64_t e = 0; e < heads * D; ++e) s.q16[e] = static_cast<c10::BFloat16>(s.q[e]);  // exact: bf16 values
   // Scores, 16 keys at a time: each key's row loaded once, dotted with every head whose row reads it.
   for (int64_t k0 = lo; k0 <= hi; k0 += 16) {
     const int64_t n = std::min<int64_t>(16, hi + 1 - k0);
@@ -110,6 +113,23 @@ __attribute__((always_inline)) inline void attend_tile(const Pool<R>& pool, cons
       const int64_t k = k0 + jj;
       if (k + kAheadWide <= hi) prefetch_row(kc + ctx[k + kAheadWide] * pool.stride, pool.width);
       const typename R::Code* row = kc + ctx[k] * pool.stride;
+      if constexpr (kDot) {
+        Bf16Pairs x[NV / 2];
+        for (int gi = 0; gi < NV / 2; ++gi) x[gi] = load_pairs(row, gi);
+        for (int64_t r = 0; r < rows; ++r) {
+          const bool reads = k >= first[r] && k <= last[r];
+          for (int64_t e = r * G; e < (r + 1) * G; ++e) {
+            if (!reads) {
+              partial[e * 16] = V16{};
+              continue;
+            }
+            Bf16Pairs q[NV / 2];
+            for (int gi = 0; gi < NV / 2; ++gi) q[gi] = load_pairs(s.q16.data() + e * D, gi);
+            partial[e * 16] = dot_pairs<NV / 2>(q, x);
+          }
+        }
+        continue;
+      }
       V16 x[NV];
       for (int i = 0; i < NV; ++i) x[i] = load16<R>(row, i);
       float gs[NV / 2];
@@ -185,7 +205,7 @@ __attribute__((always_inline)) inline void attend_tile(const Pool<R>& pool, cons
 // Tasks [begin, end) of num_tiles * Hkv (tile, KV head) pairs; tile i holds rows tiles[i] .. tiles[i + 1] - 1, of one
 // sequence. q, out [T, H, D] in T_; row t of sequence row_seq[t] at position row_pos[t] reads context slots
 // [first, row_pos[t]] of its sequence's row of `context` [B, K].
-template <typename T_, typename R>
+template <typename T_, typename R, bool kDot>
 __attribute__((always_inline)) inline void prefill_range(const T_* q, const Pool<R>& pool, const int64_t* context,
                                                          int64_t K, const int64_t* row_seq, const int64_t* row_pos,
                                                          int64_t window, const int64_t* tiles, int64_t num_tiles,
@@ -202,13 +222,13 @@ __attribute__((always_inline)) inline void prefill_range(const T_* q, const Pool
     const int64_t at = (t0 * Hkv + h) * G * D;  // row t0's G query heads of KV head h; row t0 + r's at + r * H * D
     if (D != 256) {  // rows alone (see the tiles' header)
       for (int64_t r = 0; r < rows; ++r)
-        attend_row<T_, R>(q + at + r * Hkv * G * D, pool, ctx + s.first[r], s.last[r] - s.first[r] + 1,
+        attend_row<T_, R, kDot>(q + at + r * Hkv * G * D, pool, ctx + s.first[r], s.last[r] - s.first[r] + 1,
                           h * pool.width, G, D, scale, out + at + r * Hkv * G * D, s.row);
       continue;
     }
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t e = 0; e < G * D; ++e) s.q[r * G * D + e] = static_cast<float>(q[at + r * Hkv * G * D + e]);
-    attend_tile<R, 16>(pool, ctx, rows, h * pool.width, G, scale, s);
+    attend_tile<R, 16, kDot>(pool, ctx, rows, h * pool.width, G, scale, s);
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t e = 0; e < G * D; ++e) out[at + r * Hkv * G * D + e] = static_cast<T_>(s.out[r * G * D + e]);
   }
@@ -220,19 +240,20 @@ using PrefillFn = void (*)(const T_*, const Pool<R>&, const int64_t*, int64_t, c
                            TileScratch&);
 
 // Each compiled for AVX-512, AVX2 + FMA + F16C, and no extension, as the decode kernel's variants are: a row gets the
-// same code in either kernel for the instruction set both pick (attend_isa).
-#define KVREUSE_PREFILL_VARIANT(NAME, TARGET, T_, R)                                                                \
+// same code in either kernel for the instruction set both pick (attend_isa), and a bf16 pool's AVX-512 BF16 variant
+// where both pick it (attend_dot).
+#define KVREUSE_PREFILL_VARIANT(NAME, TARGET, T_, R, DOT)                                                           \
   TARGET void NAME(const T_* q, const Pool<R>& pool, const int64_t* context, int64_t K, const int64_t* row_seq,     \
                    const int64_t* row_pos, int64_t window, const int64_t* tiles, int64_t num_tiles, int64_t Hkv,    \
                    int64_t G, int64_t D, float scale, T_* out, int64_t begin, int64_t end, TileScratch& s) {        \
-    prefill_range<T_, R>(q, pool, context, K, row_seq, row_pos, window, tiles, num_tiles, Hkv, G, D, scale, out,    \
-                         begin, end, s);                                                                            \
+    prefill_range<T_, R, DOT>(q, pool, context, K, row_seq, row_pos, window, tiles, num_tiles, Hkv, G, D, scale,    \
+                              out, begin, end, s);                                                                  \
   }
+#define KVREUSE_AVX512 "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"
 #define KVREUSE_PREFILL_RANGE(NAME, T_, R)                                                                           \
-  KVREUSE_PREFILL_VARIANT(NAME##_avx512, __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"))), \
-                          T_, R)                                                                                     \
-  KVREUSE_PREFILL_VARIANT(NAME##_avx2, __attribute__((target("avx2,fma,f16c"))), T_, R)                              \
-  KVREUSE_PREFILL_VARIANT(NAME##_default, , T_, R)                                                                   \
+  KVREUSE_PREFILL_VARIANT(NAME##_avx512, __attribute__((target(KVREUSE_AVX512))), T_, R, false)                      \
+  KVREUSE_PREFILL_VARIANT(NAME##_avx2, __attribute__((target("avx2,fma,f16c"))), T_, R, false)                       \
+  KVREUSE_PREFILL_VARIANT(NAME##_default, , T_, R, false)                                                            \
   const PrefillFn<T_, R> NAME[3] = {NAME##_default, NAME##_avx2, NAME##_avx512};
 KVREUSE_PREFILL_RANGE(prefill_fp32, float, PlainRows<float>)
 KVREUSE_PREFILL_RANGE(prefill_bf16, c10::BFloat16, PlainRows<c10::BFloat16>)
@@ -240,6 +261,9 @@ KVREUSE_PREFILL_RANGE(prefill_fp32_int8, float, Int8Rows)
 KVREUSE_PREFILL_RANGE(prefill_bf16_int8, c10::BFloat16, Int8Rows)
 KVREUSE_PREFILL_RANGE(prefill_fp32_fp8, float, Fp8Rows)
 KVREUSE_PREFILL_RANGE(prefill_bf16_fp8, c10::BFloat16, Fp8Rows)
+KVREUSE_PREFILL_VARIANT(prefill_bf16_dot, __attribute__((target(KVREUSE_AVX512 ",avx512bf16"))), c10::BFloat16,
+                        PlainRows<c10::BFloat16>, true)
+#undef KVREUSE_AVX512
 #undef KVREUSE_PREFILL_RANGE
 #undef KVREUSE_PREFILL_VARIANT
 
@@ -326,7 +350,8 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
   } else if (fp32) {
     KVREUSE_RUN(prefill_fp32, float, PlainRows<float>);
   } else {
-    KVREUSE_RUN(prefill_bf16, BF16, PlainRows<BF16>);
+    run<BF16, PlainRows<BF16>>(attend_dot() ? prefill_bf16_dot : prefill_bf16[isa], q, k_cache, v_cache, context, K,
+                               seqs, positions, window, max_len, total_keys, s, out);
   }
 #undef KVREUSE_RUN
   return out.view({T, H * D});
