@@ -14,7 +14,7 @@ install: $(VENV)/.installed-test
 install-run: $(VENV)/.installed-run
 
 # torch==2.13.0 resolves to the CPU wheel this machine keeps on disk. kvreuse's CPU kernels are built once here
-# (~20 s; kept under ~/.cache/kvreuse/kernels), not at the first start.
+# (~1 min on 2 cores; kept under ~/.cache/kvreuse/kernels), not at the first start.
 $(VENV)/.installed-run: pyproject.toml Makefile
 	python3 -m venv $(VENV)
 	$(BIN)/pip install -q -e .

@@ -3,12 +3,13 @@ attention (decode_attention.cpp), the row-by-row prefill attention (prefill_atte
 compute a query row through attention_rows.h) and the 8-bit KV formats' Hadamard rotation (hadamard.cpp), built,
 loaded and chosen.
 
-`load()` builds the extension with torch's C++ extension builder (ninja and a C++ compiler; ~20 s, once: the result
-is kept under the cache directory, keyed by the sources, torch's version and place, and the flags). The GGUF product
-runs the widest instruction set both this CPU and torch's dispatch allow: torch's `ATEN_CPU_CAPABILITY` lowers it as
-it lowers torch's own kernels (`avx2` runs the AVX2 variant on an AVX-512 CPU, `default` none). The attention kernels
-are plain C++ and run on any CPU. `KVREUSE_CPU_KERNELS=0` loads nothing: every op then runs in pure torch, the
-reference the kernels are tested against. A build failure is a `KernelStatus` with its reason, never an exception.
+`load()` builds the extension with torch's C++ extension builder (ninja and a C++ compiler; ~1 min on 2 cores, once:
+the result is kept under the cache directory, keyed by the sources, torch's version and place, and the flags). The
+GGUF product runs the widest instruction set both this CPU and torch's dispatch allow: torch's `ATEN_CPU_CAPABILITY`
+lowers it as it lowers torch's own kernels (`avx2` runs the AVX2 variant on an AVX-512 CPU, `default` none). The
+attention kernels are plain C++ and run on any CPU (a bf16 pool's scores in bf16 pairs where it has AVX-512 BF16,
+unless `KVREUSE_BF16_DOT=0`). `KVREUSE_CPU_KERNELS=0` loads nothing: every op then runs in pure torch, the reference
+the kernels are tested against. A build failure is a `KernelStatus` with its reason, never an exception.
 Builders take an OS lock on the build directory (`builder_lock`), which dies with its process: torch's own lock file,
 which a killed build leaves behind and every later build then waits on forever, is cleared under it. They build from
 copies of the sources kept in that directory, so every checkout of the same sources shares one build.
