@@ -90,7 +90,7 @@ def test_a_rows_bits_do_not_depend_on_its_step(heads, window, torch_ops):
 
 
 @needs_kernels
-@pytest.mark.parametrize("kv_dtype", ["fp32", "int8", "fp8"])
+@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16", "int8", "fp8"])
 @pytest.mark.parametrize("window", [0, 24])
 @pytest.mark.parametrize("heads", list(HEADS.values()), ids=list(HEADS))
 def test_the_kernel_computes_what_the_torch_ops_do(heads, window, kv_dtype):
@@ -101,11 +101,12 @@ def test_the_kernel_computes_what_the_torch_ops_do(heads, window, kv_dtype):
 
 
 @needs_kernels
-@pytest.mark.parametrize("kv_dtype", ["fp32", "int8"])
+@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16", "int8"])
 @pytest.mark.parametrize("window", [0, 24])
 @pytest.mark.parametrize("heads", list(HEADS.values()), ids=list(HEADS))
 def test_a_prompt_row_gets_the_bits_of_a_decode_row(heads, window, kv_dtype):
-    """A decode row riding along with a prompt chunk is computed as a decode step computes it."""
+    """A decode row riding along with a prompt chunk is computed as a decode step computes it (fp32 queries: over
+    bf16 rows too, an fp32 model with `cache.kv_dtype=bf16`)."""
     pool = Pool(heads, [90, 60], kv_dtype)
     prompt = pool.attend({0: range(30, 90), 1: range(0, 60)}, window)
     lengths = [90, 60]

@@ -5,7 +5,7 @@
 // not arithmetic, was the decode step's cost at short contexts.
 //
 // The pool formats it reads and writes (kvreuse/layers/kv_format.py defines them; q, k, v are fp32 or bf16):
-//   plain: a row is head_dim values in q's dtype (fp32 or bf16 pools).
+//   plain: a row is head_dim values in q's dtype (fp32 or bf16 pools), or bf16 values under fp32 queries.
 //   int8 / fp8: a row is head_dim codes (int8, or float8_e4m3fn bits in uint8), then one fp16 scale per group of
 //     g = group_size(head_dim) values (32 for head_dim 64), in the row's last 2 * head_dim / g bytes; a value is
 //     code * scale. The new token's K/V are encoded as KVFormat.encode does, bit for bit; the context is
@@ -86,6 +86,7 @@ using AttendFn = void (*)(const T*, const Pool<R>&, const int64_t*, const int64_
   const AttendFn<T, R> NAME[3] = {NAME##_default, NAME##_avx2, NAME##_avx512};
 KVREUSE_ATTEND_RANGE(attend_fp32, float, PlainRows<float>)
 KVREUSE_ATTEND_RANGE(attend_bf16, c10::BFloat16, PlainRows<c10::BFloat16>)
+KVREUSE_ATTEND_RANGE(attend_fp32_bf16, float, PlainRows<c10::BFloat16>)
 KVREUSE_ATTEND_RANGE(attend_fp32_int8, float, Int8Rows)
 KVREUSE_ATTEND_RANGE(attend_bf16_int8, c10::BFloat16, Int8Rows)
 KVREUSE_ATTEND_RANGE(attend_fp32_fp8, float, Fp8Rows)
@@ -126,7 +127,8 @@ void store_and_attend(AttendFn<T, R> attend, const at::Tensor& q, const at::Tens
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache,
                             at::Tensor v_cache, const at::Tensor& slot_mapping, const at::Tensor& context_slots,
                             const at::Tensor& context_lens, double scale) {
-  // q [B, H, D], k/v [B, Hkv, D] (fp32 or bf16); caches [num_blocks, block_size, Hkv, W]: q's dtype with W = D, or
+  // q [B, H, D], k/v [B, Hkv, D] (fp32 or bf16); caches [num_blocks, block_size, Hkv, W]: q's dtype (or bf16 under
+  // fp32 queries) with W = D, or
   // int8 / uint8 (fp8) with W = D + 2 * D / g; slot_mapping [B]; context_slots [B, max_context_len];
   // context_lens [B] (each >= 1, the new token included).
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes(), "q must be [B, H, D], k and v [B, Hkv, D]");
@@ -138,7 +140,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
     TORCH_CHECK(t->scalar_type() == dtype && t->is_contiguous(), "q, k and v must share q's dtype, contiguous");
   const auto pool_dtype = k_cache.scalar_type();
   const bool quantized = pool_dtype == at::kChar || pool_dtype == at::kByte;
-  TORCH_CHECK(pool_dtype == dtype || quantized, "the caches must hold q's dtype, int8 or fp8 (uint8) rows");
+  TORCH_CHECK(pool_dtype == dtype || quantized || (pool_dtype == at::kBFloat16 && dtype == at::kFloat),
+              "the caches must hold q's dtype, bf16 rows (under fp32 queries), int8 or fp8 (uint8) rows");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && v_cache.scalar_type() == pool_dtype,
               "the caches must share one dtype, contiguous");
   const int64_t width = quantized ? D + 2 * (D / group_size(D)) : D;
@@ -177,8 +180,10 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   } else if (pool_dtype == at::kByte) {
     if (fp32) KVREUSE_RUN(attend_fp32_fp8, float, Fp8Rows);
     else KVREUSE_RUN(attend_bf16_fp8, BF16, Fp8Rows);
-  } else if (fp32) {
+  } else if (pool_dtype == at::kFloat) {
     KVREUSE_RUN(attend_fp32, float, PlainRows<float>);
+  } else if (fp32) {  // fp32 queries over bf16 rows: no bf16 pairs, a query is not a bf16 value
+    KVREUSE_RUN(attend_fp32_bf16, float, PlainRows<BF16>);
   } else {
     store_and_attend<BF16, PlainRows<BF16>>(attend_dot() ? attend_bf16_dot : attend_bf16[isa], q, k, v, k_cache,
                                             v_cache, slots, context, lens, max_len, s, out, grain);

@@ -257,6 +257,7 @@ using PrefillFn = void (*)(const T_*, const Pool<R>&, const int64_t*, int64_t, c
   const PrefillFn<T_, R> NAME[3] = {NAME##_default, NAME##_avx2, NAME##_avx512};
 KVREUSE_PREFILL_RANGE(prefill_fp32, float, PlainRows<float>)
 KVREUSE_PREFILL_RANGE(prefill_bf16, c10::BFloat16, PlainRows<c10::BFloat16>)
+KVREUSE_PREFILL_RANGE(prefill_fp32_bf16, float, PlainRows<c10::BFloat16>)
 KVREUSE_PREFILL_RANGE(prefill_fp32_int8, float, Int8Rows)
 KVREUSE_PREFILL_RANGE(prefill_bf16_int8, c10::BFloat16, Int8Rows)
 KVREUSE_PREFILL_RANGE(prefill_fp32_fp8, float, Fp8Rows)
@@ -305,7 +306,8 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "q must be fp32 or bf16");
   const auto pool_dtype = k_cache.scalar_type();
   const bool quantized = pool_dtype == at::kChar || pool_dtype == at::kByte;
-  TORCH_CHECK(pool_dtype == dtype || quantized, "the caches must hold q's dtype, int8 or fp8 (uint8) rows");
+  TORCH_CHECK(pool_dtype == dtype || quantized || (pool_dtype == at::kBFloat16 && dtype == at::kFloat),
+              "the caches must hold q's dtype, bf16 rows (under fp32 queries), int8 or fp8 (uint8) rows");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && v_cache.scalar_type() == pool_dtype &&
                   k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "the caches must be [num_blocks, block_size, Hkv, W], one dtype, contiguous");
@@ -347,8 +349,10 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
   } else if (pool_dtype == at::kByte) {
     if (fp32) KVREUSE_RUN(prefill_fp32_fp8, float, Fp8Rows);
     else KVREUSE_RUN(prefill_bf16_fp8, BF16, Fp8Rows);
-  } else if (fp32) {
+  } else if (pool_dtype == at::kFloat) {
     KVREUSE_RUN(prefill_fp32, float, PlainRows<float>);
+  } else if (fp32) {  // fp32 queries over bf16 rows: no bf16 pairs, a query is not a bf16 value
+    KVREUSE_RUN(prefill_fp32_bf16, float, PlainRows<BF16>);
   } else {
     run<BF16, PlainRows<BF16>>(attend_dot() ? prefill_bf16_dot : prefill_bf16[isa], q, k_cache, v_cache, context, K,
                                seqs, positions, window, max_len, total_keys, s, out);

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from kvreuse.kernels import build as kernels
 from kvreuse.layers.kv_format import KVFormat, format_of
-from kvreuse.layers.row_attention import attend_rows
+from kvreuse.layers.row_attention import attend_rows, kernels_read
 
 # The KV pool's null block (kvreuse/kvcache/block.py's NULL_BLOCK; tests/test_attention.py keeps them equal): no
 # request holds it, so it pads ragged block tables and stands where a sliding window has passed a block. Whatever it
@@ -189,12 +189,9 @@ class AttentionMetadata:
         return chunk._query_window(window, first_key)
 
 
-FUSED_DTYPES = (torch.float32, torch.bfloat16)  # the q/k/v dtypes the fused decode kernel takes
-
-
 def fused_decode_takes(q_dtype: torch.dtype, k_cache: torch.Tensor) -> bool:
-    """Whether the fused decode kernel takes queries of `q_dtype` over this pool: one of q's dtype, or 8-bit rows."""
-    return q_dtype in FUSED_DTYPES and (k_cache.dtype == q_dtype or format_of(k_cache).quantized)
+    """Whether the fused decode kernel takes queries of `q_dtype` over this pool (`row_attention.kernels_read`)."""
+    return kernels_read(q_dtype, k_cache)
 
 
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

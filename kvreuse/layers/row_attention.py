@@ -17,14 +17,18 @@ import torch
 from kvreuse.kernels import build as kernels
 from kvreuse.layers.kv_format import format_of
 
-KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # the q dtypes the op takes
+KERNEL_POOLS = {torch.float32: (torch.float32, torch.bfloat16), torch.bfloat16: (torch.bfloat16,)}
+
+
+def kernels_read(q_dtype: torch.dtype, k_cache: torch.Tensor) -> bool:
+    """Whether both attention kernels (this op and the fused decode) take queries of `q_dtype` over this pool: fp32
+    queries over fp32 or bf16 rows, bf16 queries over bf16 rows, either over 8-bit rows."""
+    return q_dtype in KERNEL_POOLS and (k_cache.dtype in KERNEL_POOLS[q_dtype] or format_of(k_cache).quantized)
 
 
 def kernel_takes(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether the C++ op attends these rows: fp32 or bf16 queries on a CPU, over a pool of their dtype or of 8-bit
-    rows, with the extension loaded."""
-    return q.device.type == "cpu" and q.dtype in KERNEL_DTYPES and \
-        (k_cache.dtype == q.dtype or format_of(k_cache).quantized) and kernels.load().loaded
+    """Whether the C++ op attends these rows: a CPU, a pool `kernels_read`, the extension loaded."""
+    return q.device.type == "cpu" and kernels_read(q.dtype, k_cache) and kernels.load().loaded
 
 
 def attend_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context_slots: torch.Tensor,
