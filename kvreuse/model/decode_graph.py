@@ -15,7 +15,8 @@ them. A load still running when the engine closes or the interpreter exits is ca
 process aborts ("terminate called without an active exception", exit 134). Without a C++ compiler (or on any error) the
 graphs are abandoned with a warning and every step runs eagerly. The compiled step computes the same numbers as the
 eager one up to float reassociation (|diff| ~1e-5 in fp32 hidden states); greedy outputs are tested equal
-(tests/test_decode_graph.py)."""
+(tests/test_decode_graph.py). In bf16 Inductor keeps fused intermediates in fp32, and greedy continuations can part
+(docs/design/batch-invariance.md, "What is not, yet")."""
 
 from __future__ import annotations
 
