@@ -76,12 +76,13 @@ def test_meanwhile_runs_on_the_callers_thread_and_its_error_waits_for_the_load()
 
 
 def test_ctrl_c_waits_for_the_passing_thread_then_stops():
-    # In a fresh interpreter, with Python's own Ctrl-C handler (as `kvreuse serve` loads: it sets its own after):
-    # interrupt_main calls whatever handler is installed, and one an earlier test's library left in pytest's process
-    # once made it a no-op (a clean-clone CI run, 2026-12-07: "DID NOT RAISE").
+    # With Python's own Ctrl-C handler, as `kvreuse serve` loads (it sets its own after). interrupt_main does nothing
+    # where SIGINT is ignored, and a shell without job control starts its background jobs so: a CI run launched with
+    # `&` failed here with "DID NOT RAISE" (2026-12-07). A fresh interpreter, its handler set first.
     interrupted, finished = run("""
-        import _thread
+        import _thread, signal
         from kvreuse.engine.omp_thread import on_passing_thread
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         finished = []
         def load():
             time.sleep(0.2)
