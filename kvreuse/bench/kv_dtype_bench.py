@@ -24,7 +24,7 @@ from kvreuse.bench.engine_sizes import BLOCK_SIZE
 from kvreuse.bench.timing import Interleaved
 from kvreuse.config import load_config
 from kvreuse.kernels import build as kernels
-from kvreuse.layers.attention import fused_decode_takes
+from kvreuse.layers.row_attention import kernels_read
 from kvreuse.llm import LLM
 
 KV_DTYPES = ("fp32", "bf16", "int8", "fp8")
@@ -70,7 +70,7 @@ def engine_settings(cases: tuple[Case, ...], kv_dtype: str, compile: str) -> lis
 
 def fused(llm: LLM) -> bool:
     """Whether this engine's decode attention runs the fused kernel (attention.store_and_attend's condition)."""
-    return kernels.load().loaded and fused_decode_takes(torch.float32, llm.engine.runner.kv_cache)  # the fp32 model
+    return kernels.load().loaded and kernels_read(torch.float32, llm.engine.runner.kv_cache)  # the fp32 model
 
 
 def bytes_per_token(llm: LLM) -> int:

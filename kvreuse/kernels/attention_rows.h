@@ -305,6 +305,9 @@ __attribute__((always_inline)) inline float exp_and_sum(float* row, int64_t len)
   return sums[0];
 }
 
+// The AVX-512 variants' target, both kernels' (each adds ",avx512bf16" for its bf16 pairs' variant).
+#define KVREUSE_AVX512 "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"
+
 // ---- Scores from bf16 pairs (AVX-512 BF16: a bf16 query over a bf16 pool) ----
 // vdpbf16ps multiplies 32 bf16 pairs and adds each lane's two products to an fp32 lane: half the instructions of
 // converting the key to fp32 and multiplying it, and no conversion. Its products are exact, as fp32's are (8-bit

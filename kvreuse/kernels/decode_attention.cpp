@@ -61,7 +61,8 @@ __attribute__((always_inline)) inline void attend_range(const T* q, const Pool<R
   for (int64_t i = begin; i < end; ++i) {
     const int64_t b = i / Hkv, h = i % Hkv;
     const int64_t first = (b * Hkv + h) * G * D;  // the group's G query rows, one after another in q and out
-    attend_row<T, R, kDot>(q + first, pool, context + b * max_len, lens[b], h * pool.width, G, D, scale, out + first, s);
+    attend_row<T, R, kDot>(q + first, pool, context + b * max_len, lens[b], h * pool.width, G, D, scale, out + first,
+                           s);
   }
 }
 
@@ -78,7 +79,6 @@ using AttendFn = void (*)(const T*, const Pool<R>&, const int64_t*, const int64_
                    int64_t Hkv, int64_t G, int64_t D, float scale, T* out, int64_t begin, int64_t end, Scratch& s) { \
     attend_range<T, R, DOT>(q, pool, context, lens, max_len, Hkv, G, D, scale, out, begin, end, s);               \
   }
-#define KVREUSE_AVX512 "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"
 #define KVREUSE_ATTEND_RANGE(NAME, T, R)                                                                             \
   KVREUSE_ATTEND_VARIANT(NAME##_avx512, __attribute__((target(KVREUSE_AVX512))), T, R, false)                        \
   KVREUSE_ATTEND_VARIANT(NAME##_avx2, __attribute__((target("avx2,fma,f16c"))), T, R, false)                         \
@@ -93,7 +93,6 @@ KVREUSE_ATTEND_RANGE(attend_fp32_fp8, float, Fp8Rows)
 KVREUSE_ATTEND_RANGE(attend_bf16_fp8, c10::BFloat16, Fp8Rows)
 KVREUSE_ATTEND_VARIANT(attend_bf16_dot, __attribute__((target(KVREUSE_AVX512 ",avx512bf16"))), c10::BFloat16,
                        PlainRows<c10::BFloat16>, true)
-#undef KVREUSE_AVX512
 #undef KVREUSE_ATTEND_RANGE
 #undef KVREUSE_ATTEND_VARIANT
 

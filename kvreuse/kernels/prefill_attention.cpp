@@ -44,7 +44,7 @@ inline int64_t tile_rows(int64_t G) { return std::max<int64_t>(1, kTileHeads / G
 // Per-thread scratch of a tile of up to `rows` rows, G query heads each (query head e = row * G + head).
 struct TileScratch {
   std::vector<float> q;         // [rows * G, D] in fp32
-  std::vector<c10::BFloat16> q16;  // [rows * G, D]: q again, for the bf16 dot products (kDot)
+  std::vector<c10::BFloat16> q16;  // [rows * G, D]: q again, for the bf16 pairs (kDot)
   std::vector<float> scores;    // [rows * G, max_len]: a row's heads' scores at its key index (key - first)
   std::vector<float> blocks;    // room for `partial`, 64-byte aligned (a vector of V16 need not be)
   std::vector<float> totals;    // [rows * G] softmax denominators
@@ -54,8 +54,8 @@ struct TileScratch {
   int64_t max_len;
   Scratch row;                  // attend_row's, for a head_dim other than 256
   TileScratch(int64_t rows, int64_t G, int64_t max_len, int64_t D)
-      : q(rows * G * D), q16(rows * G * D), scores(rows * G * max_len), blocks(rows * G * 16 * 16 + 16), totals(rows * G),
-        out(rows * G * D), first(rows), last(rows), max_len(max_len), row(G, max_len, D) {}
+      : q(rows * G * D), q16(rows * G * D), scores(rows * G * max_len), blocks(rows * G * 16 * 16 + 16),
+        totals(rows * G), out(rows * G * D), first(rows), last(rows), max_len(max_len), row(G, max_len, D) {}
   // [rows * G, 16]: a block of 16 keys' dot products before fold16
   V16* partial() {
     return reinterpret_cast<V16*>((reinterpret_cast<uintptr_t>(blocks.data()) + 63) & ~uintptr_t{63});
@@ -223,7 +223,7 @@ __attribute__((always_inline)) inline void prefill_range(const T_* q, const Pool
     if (D != 256) {  // rows alone (see the tiles' header)
       for (int64_t r = 0; r < rows; ++r)
         attend_row<T_, R, kDot>(q + at + r * Hkv * G * D, pool, ctx + s.first[r], s.last[r] - s.first[r] + 1,
-                          h * pool.width, G, D, scale, out + at + r * Hkv * G * D, s.row);
+                                h * pool.width, G, D, scale, out + at + r * Hkv * G * D, s.row);
       continue;
     }
     for (int64_t r = 0; r < rows; ++r)
@@ -249,7 +249,6 @@ using PrefillFn = void (*)(const T_*, const Pool<R>&, const int64_t*, int64_t, c
     prefill_range<T_, R, DOT>(q, pool, context, K, row_seq, row_pos, window, tiles, num_tiles, Hkv, G, D, scale,    \
                               out, begin, end, s);                                                                  \
   }
-#define KVREUSE_AVX512 "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"
 #define KVREUSE_PREFILL_RANGE(NAME, T_, R)                                                                           \
   KVREUSE_PREFILL_VARIANT(NAME##_avx512, __attribute__((target(KVREUSE_AVX512))), T_, R, false)                      \
   KVREUSE_PREFILL_VARIANT(NAME##_avx2, __attribute__((target("avx2,fma,f16c"))), T_, R, false)                       \
@@ -264,7 +263,6 @@ KVREUSE_PREFILL_RANGE(prefill_fp32_fp8, float, Fp8Rows)
 KVREUSE_PREFILL_RANGE(prefill_bf16_fp8, c10::BFloat16, Fp8Rows)
 KVREUSE_PREFILL_VARIANT(prefill_bf16_dot, __attribute__((target(KVREUSE_AVX512 ",avx512bf16"))), c10::BFloat16,
                         PlainRows<c10::BFloat16>, true)
-#undef KVREUSE_AVX512
 #undef KVREUSE_PREFILL_RANGE
 #undef KVREUSE_PREFILL_VARIANT
 

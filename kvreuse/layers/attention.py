@@ -189,11 +189,6 @@ class AttentionMetadata:
         return chunk._query_window(window, first_key)
 
 
-def fused_decode_takes(q_dtype: torch.dtype, k_cache: torch.Tensor) -> bool:
-    """Whether the fused decode kernel takes queries of `q_dtype` over this pool (`row_attention.kernels_read`)."""
-    return kernels_read(q_dtype, k_cache)
-
-
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """k_cache/v_cache: [num_blocks, block_size, num_kv_heads, W] in their format (kv_format.py; W = head_dim in a
@@ -232,7 +227,7 @@ def store_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
     same numbers up to summation order, and the torch path's rounding of 8-bit values to bf16;
     tests/test_attention.py)."""
     kv_format = format_of(k_cache)
-    if meta.decode and meta.context_lens is not None and fused_decode_takes(q.dtype, k_cache) \
+    if meta.decode and meta.context_lens is not None and kernels_read(q.dtype, k_cache) \
             and q.device.type == "cpu" and kernels.load().loaded:
         meta = meta.windowed(window)
         return torch.ops.kvreuse_cpu.decode_attention(q.contiguous(), k.contiguous(), v.contiguous(), k_cache,
