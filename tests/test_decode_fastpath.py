@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from kvreuse.layers.attention import AttentionMetadata, paged_attention
 from kvreuse.layers.norm import RMSNorm
+from kvreuse.layers.pointwise import rms_norm_in_torch
 from kvreuse.sampling_params import SamplingParams
 
 from .helpers import greedy, sample
@@ -59,7 +60,8 @@ BATCH_1 = [BATCH_8[i] for i in BATCH_1_PROMPTS]
 
 
 def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The hand-written RMSNorm F.rms_norm replaced."""
+    """The hand-written RMSNorm F.rms_norm replaced (the torch path of layers/pointwise.py's rms_norm; the extension's
+    op is tested against that in tests/test_pointwise.py)."""
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
@@ -75,7 +77,7 @@ def test_rms_norm_matches_the_reference_bit_for_bit(dtype, num_tokens):
     norm = norm.to(dtype)
     x = (3 * torch.randn(num_tokens, 576, generator=gen)).to(dtype)
     with torch.inference_mode():
-        got = norm(x)
+        got = rms_norm_in_torch(x, norm.weight, norm.eps, round_first=True)
     assert got.dtype == dtype
     assert torch.equal(got, reference_rms_norm(x, norm.weight, 1e-5))
 

@@ -84,6 +84,26 @@ def test_tiny_model_compiled_equals_eager_with_prompt_scoring_beside_it(compilin
     assert again.generate(prompts, params)[0].token_ids == outputs[0].token_ids and loaded.num_steps > 0
 
 
+@pytest.mark.parametrize("model, quantization", [("tiny_model_dir", "int8"), ("grouped_gemma_dir", "none")])
+def test_in_bf16_the_compiled_step_gives_the_eager_steps_bits(compiling, request, model, quantization):
+    """A first start decodes eagerly while the graphs build, then compiled: the switch changes no token and no
+    logprob's bit. The norms, RoPE and activations are kvreuse's ops in both (layers/pointwise.py), and the graph
+    rounds to bf16 where eager ops do. The Llama through int8 kernels (their fp32 products cast to bf16), Gemma 3
+    through dense linears, with its four norms a layer, q/k norms, GeGLU and sliding-window groups."""
+    sets = dict(model__path=request.getfixturevalue(model), model__dtype="bf16", model__quantization=quantization,
+                engine__num_kv_blocks=256)
+    llm = compiled_llm(**sets)
+    eager = LLM(make_config(engine__compile="off", **sets))
+    prompts = [list(range(100 + 37 * i, 130 + 41 * i)) for i in range(6)]
+    params = SamplingParams(max_tokens=24, ignore_eos=True, logprobs=1)
+    for batch in ([prompts[0]], prompts):                                   # batch 1, then 6 rows in one graph
+        got, calls = compiled_calls(lambda batch=batch: llm.generate(batch, params, use_cache=False))
+        want = eager.generate(batch, params, use_cache=False)
+        assert calls >= params.max_tokens - 1                               # the decode steps ran compiled
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        assert [[e.logprob for e in o.logprobs] for o in got] == [[e.logprob for e in o.logprobs] for o in want]
+
+
 def test_several_engines_in_one_process_each_run_compiled(compiling, tiny_model_dir):
     """Four models of different structure (fp32 and bf16, int8, int4: what a benchmark builds) compile 2 or 3 graphs
     each. dynamo keeps graphs per code object, and one shared list would pass its recompile limit (8) at the fourth

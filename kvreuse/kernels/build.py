@@ -1,7 +1,7 @@
 """kvreuse's CPU extension (`torch.ops.kvreuse_cpu`): the GGUF block product (gguf_linear.cpp), the fused decode
 attention (decode_attention.cpp), the row-by-row prefill attention (prefill_attention.cpp; both attention kernels
-compute a query row through attention_rows.h) and the 8-bit KV formats' Hadamard rotation (hadamard.cpp), built,
-loaded and chosen.
+compute a query row through attention_rows.h), the 8-bit KV formats' Hadamard rotation (hadamard.cpp) and a layer's
+norms, RoPE and gated activations (pointwise.cpp), built, loaded and chosen.
 
 `load()` builds the extension with torch's C++ extension builder (ninja and a C++ compiler; ~1 min on 2 cores, once:
 the result is kept under the cache directory, keyed by the sources, torch's version and place, and the flags). The
@@ -34,7 +34,8 @@ from kvreuse.cache_dir import cache_root
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("gguf_linear.cpp", "decode_attention.cpp", "prefill_attention.cpp", "hadamard.cpp"))
+                for name in ("gguf_linear.cpp", "decode_attention.cpp", "prefill_attention.cpp", "hadamard.cpp",
+                             "pointwise.cpp"))
 # Included by the sources: kept beside their copies, and keyed with them.
 HEADERS = tuple(Path(__file__).with_name(name)
                 for name in ("isa.h", "attention_rows.h", "gguf_linear_body.h", "hadamard.h"))
@@ -147,6 +148,18 @@ def _build() -> None:
     @torch.library.register_fake("kvreuse_cpu::hadamard")
     def _(x):
         return torch.empty_like(x)
+
+    @torch.library.register_fake("kvreuse_cpu::rms_norm")
+    def _(x, weight, eps, round_first):
+        return x.new_empty(x.shape)
+
+    @torch.library.register_fake("kvreuse_cpu::rotary")
+    def _(x, cos, sin):
+        return x.new_empty(x.shape)
+
+    @torch.library.register_fake("kvreuse_cpu::gated")
+    def _(gate_up, activation):
+        return gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
 
 
 def _stable_sources(directory: Path) -> list[Path]:

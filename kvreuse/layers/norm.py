@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from kvreuse.layers.pointwise import rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -17,12 +18,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., dim]. Normalised in fp32 whatever the model dtype, as the reference implementation does."""
-        if x.dtype == torch.float32:
-            # One call instead of seven Python-level ops (torch still runs them as kernels inside), and the
-            # same numbers (tests/test_decode_fastpath.py).
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        # Lower precision: the reference rounds the normalised x to the model dtype before scaling by the weight.
-        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps, round_first=True)
 
 
 class GemmaRMSNorm(nn.Module):
@@ -38,4 +34,4 @@ class GemmaRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., dim]."""
-        return F.rms_norm(x.float(), self.weight.shape, self.weight, self.eps).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps, round_first=False)

@@ -9,12 +9,12 @@ from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvreuse.layers.attention import AttentionMetadata, paged_attention, store_and_attend, store_kv
 from kvreuse.layers.norm import RMSNorm
-from kvreuse.layers.rotary import RotaryEmbedding, apply_rotary
+from kvreuse.layers.pointwise import gated, rotary
+from kvreuse.layers.rotary import RotaryEmbedding
 from kvreuse.model.args import ModelArgs
 
 # Each layer's fused linears and the loaded weights stacked (along the output rows) into each, unless the checkpoint
@@ -49,6 +49,7 @@ class DecoderLayer(nn.Module):
     """Pre-norm attention and a gated MLP (SwiGLU), with optional q/k/v biases and per-head q/k norms."""
 
     norm_class: ClassVar[type[nn.Module]] = RMSNorm
+    activation: ClassVar[str] = "silu"  # the gate's: one of layers/pointwise.py's ACTIVATIONS
 
     def __init__(self, args: ModelArgs, layer_index: int):
         super().__init__()
@@ -81,13 +82,12 @@ class DecoderLayer(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v.view(-1, self.num_kv_heads, self.head_dim)
+        return rotary(q, cos, sin), rotary(k, cos, sin), v.view(-1, self.num_kv_heads, self.head_dim)
 
     def mlp(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """The rest of the layer after attention; x: [T, hidden], attended: [T, H * D]."""
         x = x + self.o_proj(attended)
-        gate, up = self.gate_up_proj(self.post_attention_norm(x)).chunk(2, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up)
+        return x + self.down_proj(gated(self.gate_up_proj(self.post_attention_norm(x)), self.activation))
 
 
 def layer_caches(kv_cache: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -5,15 +5,16 @@ and around the MLP); q/k norms; GeGLU with tanh GELU; attention scaled by query_
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from kvreuse.layers.norm import GemmaRMSNorm
+from kvreuse.layers.pointwise import gated
 from kvreuse.model.args import ModelArgs
 from kvreuse.model.decoder import CausalLM, DecoderLayer
 
 
 class Gemma3Layer(DecoderLayer):
     norm_class = GemmaRMSNorm
+    activation = "gelu_tanh"
 
     def __init__(self, args: ModelArgs, layer_index: int):
         super().__init__(args, layer_index)
@@ -23,8 +24,8 @@ class Gemma3Layer(DecoderLayer):
     def mlp(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden], attended: [T, H * D]. Here `post_attention_norm` normalises the attention's output."""
         x = x + self.post_attention_norm(self.o_proj(attended))
-        gate, up = self.gate_up_proj(self.pre_feedforward_norm(x)).chunk(2, dim=-1)
-        return x + self.post_feedforward_norm(self.down_proj(F.gelu(gate, approximate="tanh") * up))
+        gated_up = gated(self.gate_up_proj(self.pre_feedforward_norm(x)), self.activation)     # [T, I]
+        return x + self.post_feedforward_norm(self.down_proj(gated_up))
 
 
 class Gemma3(CausalLM):
