@@ -84,12 +84,21 @@ def test_tiny_model_compiled_equals_eager_with_prompt_scoring_beside_it(compilin
     assert again.generate(prompts, params)[0].token_ids == outputs[0].token_ids and loaded.num_steps > 0
 
 
-@pytest.mark.parametrize("model, quantization", [("tiny_model_dir", "int8"), ("grouped_gemma_dir", "none")])
+@pytest.fixture(scope="module")
+def gemma_80_dir(tmp_path_factory, real_tokenizer) -> str:
+    """A random-weight Gemma 3 of hidden size 80, whose embedding scale sqrt(80) rounds in bf16 (64's would not)."""
+    from .test_architectures import build
+
+    return str(build("gemma3", tmp_path_factory.mktemp("gemma3-80"), len(real_tokenizer.hf), real_tokenizer,
+                     hidden_size=80))
+
+
+@pytest.mark.parametrize("model, quantization", [("tiny_model_dir", "int8"), ("gemma_80_dir", "none")])
 def test_in_bf16_the_compiled_step_gives_the_eager_steps_bits(compiling, request, model, quantization):
     """A first start decodes eagerly while the graphs build, then compiled: the switch changes no token and no
-    logprob's bit. The norms, RoPE and activations are kvreuse's ops in both (layers/pointwise.py), and the graph
-    rounds to bf16 where eager ops do. The Llama through int8 kernels (their fp32 products cast to bf16), Gemma 3
-    through dense linears, with its four norms a layer, q/k norms, GeGLU and sliding-window groups."""
+    logprob's bit. The norms, RoPE, activations and Gemma's embedding scale are kvreuse's ops in both
+    (layers/pointwise.py). The Llama through int8 kernels, Gemma 3 through dense linears, with its four norms a
+    layer, q/k norms, GeGLU, sliding-window layers and a scaled embedding (inductor recomputed it unrounded)."""
     sets = dict(model__path=request.getfixturevalue(model), model__dtype="bf16", model__quantization=quantization,
                 engine__num_kv_blocks=256)
     llm = compiled_llm(**sets)

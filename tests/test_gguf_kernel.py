@@ -127,6 +127,19 @@ def test_mins_beyond_fp16_are_exact(isa):
 
 
 @needs_kernel
+def test_bf16_rows_are_multiplied_in_fp32_and_rounded_once():
+    """The op takes a bf16 model's rows as they are and returns bf16: the product of the widened rows, rounded once, as
+    the casts around it would give. The compiled step then has no cast of its own to fuse away."""
+    packed = from_gguf(random_tensor(QType.Q4_1, 40, 256), QType.Q4_1).pack()
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    for isa in ISAS:
+        y = torch.ops.kvreuse_cpu.gguf_linear(x, packed.data, 40, packed.bits, packed.group, packed.half_scales, isa)
+        fp32 = torch.ops.kvreuse_cpu.gguf_linear(x.float(), packed.data, 40, packed.bits, packed.group,
+                                                 packed.half_scales, isa)
+        assert y.dtype == torch.bfloat16 and torch.equal(y, fp32.to(torch.bfloat16))
+
+
+@needs_kernel
 def test_bad_calls_are_refused_with_the_reason():
     blocks = from_gguf(random_tensor(QType.Q4_1, 8, 64), QType.Q4_1).pack()
     with pytest.raises(RuntimeError, match="fp32"):

@@ -88,6 +88,13 @@ def test_gated_activations_are_the_torch_ones_to_the_last_bit(dtype, activation)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_scaled_is_the_torch_product(dtype):
+    x = activations((7, 640), dtype)
+    scale = float(torch.tensor(640 ** 0.5).to(dtype))
+    assert torch.equal(pointwise.scaled(x, scale), x * scale)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_a_row_gets_its_bits_whatever_rows_share_the_call(dtype):
     """A decode row alone, in a batch of 64, or inside a 300-row prompt: one result (the compiled step's buckets and
     the prompt's chunks hand each op different row counts)."""

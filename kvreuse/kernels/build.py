@@ -161,6 +161,10 @@ def _build() -> None:
     def _(gate_up, activation):
         return gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
 
+    @torch.library.register_fake("kvreuse_cpu::scaled")
+    def _(x, s):
+        return x.new_empty(x.shape)
+
 
 def _stable_sources(directory: Path) -> list[Path]:
     """The sources (and the headers they include, beside them), copied into the build directory once: ninja's build

@@ -1,5 +1,5 @@
-// A layer's row-wise steps besides attention and the linears: RMSNorm (both conventions), RoPE (rotate-half) and the
-// gated activations (SwiGLU, GeGLU with tanh GELU), one op each. The engine calls them eagerly and the compiled decode
+// A layer's row-wise steps besides attention and the linears: RMSNorm (both conventions), RoPE (rotate-half), the
+// gated activations (SwiGLU, GeGLU with tanh GELU) and a scale (Gemma's embedding), one op each. The engine calls them eagerly and the compiled decode
 // step calls them from its graph, so a row gets the same bits either way (kvreuse/layers/pointwise.py); inductor's
 // own fusion of the torch ops kept bf16 intermediates in fp32 and took its own exp and sums.
 //
@@ -131,6 +131,14 @@ __attribute__((always_inline)) inline void gated_row(const typename Values<T>::B
   }
 }
 
+// ---- A scale: out = x * s, rounded once (Gemma's embedding times sqrt(hidden), s already in the dtype) ----
+template <typename T>
+__attribute__((always_inline)) inline void scaled_row(const typename Values<T>::Bits* x, float s,
+                                                      typename Values<T>::Bits* out, int64_t D) {
+  using V = Values<T>;
+  for (int64_t i = 0; i < D; ++i) out[i] = V::store(V::load(x[i]) * s);
+}
+
 // ---- Variants: each row function compiled for each instruction set ----
 template <typename T>
 using Bits = typename Values<T>::Bits;
@@ -140,6 +148,8 @@ template <typename T>
 using RotaryFn = void (*)(const Bits<T>*, const Bits<T>*, const Bits<T>*, Bits<T>*, int64_t);
 template <typename T>
 using GatedFn = void (*)(const Bits<T>*, const Bits<T>*, Bits<T>*, int64_t);
+template <typename T>
+using ScaledFn = void (*)(const Bits<T>*, float, Bits<T>*, int64_t);
 
 #define KVREUSE_POINTWISE_VARIANTS(SUFFIX, TARGET)                                                                  \
   template <typename T, typename W, bool kRoundFirst>                                                               \
@@ -153,7 +163,9 @@ using GatedFn = void (*)(const Bits<T>*, const Bits<T>*, Bits<T>*, int64_t);
   template <typename T, Activation kAct>                                                                             \
   TARGET void gated_##SUFFIX(const Bits<T>* gate, const Bits<T>* up, Bits<T>* out, int64_t I) {                      \
     gated_row<T, kAct>(gate, up, out, I);                                                                            \
-  }
+  }                                                                                                                  \
+  template <typename T>                                                                                              \
+  TARGET void scaled_##SUFFIX(const Bits<T>* x, float s, Bits<T>* out, int64_t D) { scaled_row<T>(x, s, out, D); }
 KVREUSE_POINTWISE_VARIANTS(avx512, __attribute__((target(KVREUSE_AVX512))))
 KVREUSE_POINTWISE_VARIANTS(avx2, __attribute__((target("avx2,fma,f16c"))))
 KVREUSE_POINTWISE_VARIANTS(default, )
@@ -176,6 +188,12 @@ RotaryFn<T> rotary_fn() {
 template <typename T, Activation kAct>
 GatedFn<T> gated_fn() {
   const GatedFn<T> fns[3] = {gated_default<T, kAct>, gated_avx2<T, kAct>, gated_avx512<T, kAct>};
+  return fns[static_cast<int>(kvreuse_attention::attend_isa())];
+}
+
+template <typename T>
+ScaledFn<T> scaled_fn() {
+  const ScaledFn<T> fns[3] = {scaled_default<T>, scaled_avx2<T>, scaled_avx512<T>};
   return fns[static_cast<int>(kvreuse_attention::attend_isa())];
 }
 
@@ -295,16 +313,40 @@ at::Tensor gated(const at::Tensor& gate_up, int64_t activation) {
   return out;
 }
 
+template <typename T>
+void scaled_rows(const at::Tensor& x, double s, at::Tensor& out) {
+  const int64_t N = x.size(0), D = x.size(1);
+  const auto* from = reinterpret_cast<const Bits<T>*>(x.const_data_ptr());
+  auto* to = reinterpret_cast<Bits<T>*>(out.mutable_data_ptr());
+  const auto fn = scaled_fn<T>();
+  at::parallel_for(0, N, std::max<int64_t>(1, 32768 / std::max<int64_t>(D, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) fn(from + n * D, static_cast<float>(s), to + n * D, D);
+  });
+}
+
+// x [N, D] contiguous -> x * s, rounded once to x's dtype.
+at::Tensor scaled(const at::Tensor& x, double s) {
+  check_dtype(x);
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be [N, D], contiguous");
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  if (out.numel() == 0) return out;
+  if (x.scalar_type() == at::kFloat) scaled_rows<float>(x, s, out);
+  else scaled_rows<c10::BFloat16>(x, s, out);
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvreuse_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, bool round_first) -> Tensor");
   m.def("rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   m.def("gated(Tensor gate_up, int activation) -> Tensor");
+  m.def("scaled(Tensor x, float s) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvreuse_cpu, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("rotary", &rotary);
   m.impl("gated", &gated);
+  m.impl("scaled", &scaled);
 }

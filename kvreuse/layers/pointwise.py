@@ -1,6 +1,6 @@
-"""A layer's row-wise steps besides attention and the linears: RMSNorm, RoPE and the gated activations. On a CPU with
-kvreuse's extension each is one op of it (kernels/pointwise.cpp), elsewhere (CUDA, `KVREUSE_CPU_KERNELS=0`) the torch
-ops below, the reference the kernels are tested against.
+"""A layer's row-wise steps besides attention and the linears: RMSNorm, RoPE, the gated activations and a scale. On
+a CPU with kvreuse's extension each is one op of it (kernels/pointwise.cpp), elsewhere (CUDA, `KVREUSE_CPU_KERNELS=0`)
+the torch ops below, the reference the kernels are tested against.
 
 A decode step runs eagerly while its compiled graph is built (a first start) and compiled after. The torch ops
 inside a graph are inductor's to fuse: in bf16 it kept a fused chain's intermediates in fp32 and took its own exp and
@@ -63,3 +63,11 @@ def gated_in_torch(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     act = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
     return act * up
+
+
+def scaled(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """x [T, D] times `scale` (a value of x's dtype), rounded once. As an op, a compiled graph cannot recompute it
+    unrounded inside its consumers (inductor did, for Gemma's scaled embedding in the first residual add)."""
+    if kernel_takes(x) and x.dim() == 2 and x.is_contiguous():
+        return torch.ops.kvreuse_cpu.scaled(x, scale)
+    return x * scale

@@ -14,10 +14,11 @@ them. A load still running when the engine closes or the interpreter exits is ca
 (its process killed): a daemon thread left inside torch at exit is killed in a C++ frame that must not unwind, and the
 process aborts ("terminate called without an active exception", exit 134). Without a C++ compiler (or on any error) the
 graphs are abandoned with a warning and every step runs eagerly. The compiled step computes the eager step's bits, in
-fp32 and bf16: the norms, RoPE and activations are kvreuse's ops on both paths (layers/pointwise.py), and the graph
-rounds to bf16 where eager ops round (inductor's `emulate_precision_casts`); tested token and logprob for token and
-logprob (tests/test_decode_graph.py). Without the extension (`KVREUSE_CPU_KERNELS=0`, CUDA) inductor fuses the torch
-ops, and in bf16 continuations can part (docs/design/batch-invariance.md)."""
+fp32 and bf16: the norms, RoPE, activations and Gemma's embedding scale are kvreuse's ops on both paths
+(layers/pointwise.py), and so are the GGUF products with their casts; what inductor still fuses (the residual adds)
+rounds once either way. Tested token and logprob for token and logprob (tests/test_decode_graph.py). Without the
+extension (`KVREUSE_CPU_KERNELS=0`, CUDA) inductor fuses the torch ops, and in bf16 continuations can part
+(docs/design/batch-invariance.md)."""
 
 from __future__ import annotations
 
@@ -180,11 +181,8 @@ def compile_bucket(model: CausalLM, bucket: Bucket) -> Callable:
     """The step for `bucket`'s row counts, compiled ahead of time (torch's AOT precompile)."""
     ids, positions, kv = scratch_step(model, bucket)
     # Threads are read at run time (omp_get_max_threads), not fixed at compile time: the engine's count follows its
-    # CPU share (engine/cpu_share.py). A value eager ops round to bf16 is rounded in the graph too (inductor keeps a
-    # fused chain's intermediates in fp32 otherwise): with the norms, RoPE and activations as kvreuse's ops
-    # (layers/pointwise.py), the graph then computes the eager step's bits.
-    compiled = torch.compile(_own_step(), fullgraph=True,
-                             options={"cpp.dynamic_threads": True, "emulate_precision_casts": True})
+    # CPU share (engine/cpu_share.py).
+    compiled = torch.compile(_own_step(), fullgraph=True, options={"cpp.dynamic_threads": True})
     return call_step(lambda *inputs: compiled.aot_compile((inputs, {})), model, ids, positions, kv)
 
 

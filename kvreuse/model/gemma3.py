@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from kvreuse.layers.norm import GemmaRMSNorm
-from kvreuse.layers.pointwise import gated
+from kvreuse.layers.pointwise import gated, scaled
 from kvreuse.model.args import ModelArgs
 from kvreuse.model.decoder import CausalLM, DecoderLayer
 
@@ -31,7 +31,13 @@ class Gemma3Layer(DecoderLayer):
 class Gemma3(CausalLM):
     layer_class = Gemma3Layer
 
+    def __init__(self, args: ModelArgs, max_positions: int | None = None):
+        super().__init__(args, max_positions)
+        # sqrt(hidden) rounded to each model dtype, as the reference rounds it (on the CPU even in a meta context)
+        self.embed_scales = {dtype: torch.tensor(args.hidden_size ** 0.5, device="cpu").to(dtype).item()
+                             for dtype in (torch.float32, torch.bfloat16, torch.float16)}
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [T] -> [T, hidden], scaled by sqrt(hidden) rounded to the model dtype, as the reference."""
         x = self.embed_tokens(input_ids)
-        return x * torch.tensor(self.args.hidden_size ** 0.5).to(x.dtype)
+        return scaled(x, self.embed_scales[x.dtype])

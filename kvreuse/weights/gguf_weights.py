@@ -78,9 +78,9 @@ class GGUFLinear(nn.Module):
         return self.kernel_product(rows)
 
     def kernel_product(self, rows: torch.Tensor) -> torch.Tensor:
-        """rows: [T, in] -> [T, out] from the blocks, multiplied in fp32 (rows' dtype in and out)."""
-        return torch.ops.kvreuse_cpu.gguf_linear(rows.float().contiguous(), self.packed, self.out_features,
-                                                 self.bits, self.group, self.half_scales, self.isa).to(rows.dtype)
+        """rows: [T, in] -> [T, out] from the blocks, multiplied in fp32 (rows' dtype in and out, cast in the op)."""
+        return torch.ops.kvreuse_cpu.gguf_linear(rows.contiguous(), self.packed, self.out_features, self.bits,
+                                                 self.group, self.half_scales, self.isa)
 
 
 class SplitGGUFLinear(GGUFLinear):
