@@ -215,7 +215,7 @@ void check_dtype(const at::Tensor& x) {
               x.scalar_type());
 }
 
-// Rows [0, N * H) in parallel, ~`work` values each.
+// Rows [0, N * H) in parallel, at least ~32k values a thread: a decode step's few rows run on the calling thread.
 template <typename F>
 void each_row(const Rows& rows, F fn) {
   at::parallel_for(0, rows.N * rows.H, std::max<int64_t>(1, 32768 / std::max<int64_t>(rows.D, 1)), fn);
@@ -315,12 +315,12 @@ at::Tensor gated(const at::Tensor& gate_up, int64_t activation) {
 
 template <typename T>
 void scaled_rows(const at::Tensor& x, double s, at::Tensor& out) {
-  const int64_t N = x.size(0), D = x.size(1);
+  const Rows rows = Rows::of(x, "x");
   const auto* from = reinterpret_cast<const Bits<T>*>(x.const_data_ptr());
   auto* to = reinterpret_cast<Bits<T>*>(out.mutable_data_ptr());
   const auto fn = scaled_fn<T>();
-  at::parallel_for(0, N, std::max<int64_t>(1, 32768 / std::max<int64_t>(D, 1)), [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) fn(from + n * D, static_cast<float>(s), to + n * D, D);
+  each_row(rows, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) fn(from + r * rows.D, static_cast<float>(s), to + r * rows.D, rows.D);
   });
 }
 
