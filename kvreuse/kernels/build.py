@@ -38,7 +38,7 @@ SOURCES = tuple(Path(__file__).with_name(name)
                              "pointwise.cpp"))
 # Included by the sources: kept beside their copies, and keyed with them.
 HEADERS = tuple(Path(__file__).with_name(name)
-                for name in ("isa.h", "attention_rows.h", "gguf_linear_body.h", "hadamard.h"))
+                for name in ("isa.h", "attention_rows.h", "gguf_linear_body.h", "hadamard.h", "bf16.h"))
 CFLAGS = ("-O3", "-fopenmp")  # at::parallel_for is OpenMP in the headers: without it, one thread
 
 

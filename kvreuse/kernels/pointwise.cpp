@@ -17,6 +17,7 @@
 #include <torch/library.h>
 
 #include "attention_rows.h"  // attend_isa, exp_nonpositive, KVREUSE_AVX512
+#include "bf16.h"
 
 #include <cmath>
 #include <cstring>
@@ -24,23 +25,9 @@
 
 namespace {
 
+using kvreuse::bf16_bits;
+using kvreuse::bf16_value;
 using kvreuse_attention::exp_nonpositive;
-
-// fp32 -> the nearest bf16's bits, ties to even, a NaN to torch's NaN: c10's rounding without its branch, so that a
-// loop of it vectorizes.
-__attribute__((always_inline)) inline uint16_t bf16_bits(float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof(bits));
-  const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-  return x != x ? 0x7fc0u : static_cast<uint16_t>(rounded);
-}
-
-__attribute__((always_inline)) inline float bf16_value(uint16_t bits) {
-  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
-  float x;
-  std::memcpy(&x, &wide, sizeof(x));
-  return x;
-}
 
 // Storage of a tensor's values: fp32 as it is, bf16 as its bits.
 template <typename T>
